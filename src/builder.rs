@@ -1,0 +1,159 @@
+//! `Builder`: the settings of a `Warm`, and opening one.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use redb::{ConcurrencyMode, Database, DatabaseError, StorageError};
+
+use crate::error::{Error, Result, redb_err};
+use crate::legacy;
+use crate::schema;
+use crate::state::State;
+use crate::warm::Warm;
+
+/// Entries (blocks) kept by default: 2^20, 64 Mi tokens of prefixes.
+pub const DEFAULT_CAPACITY: u64 = 1 << 20;
+/// Page cache of the file by default.
+pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+/// Longest a `ran` waits to be made durable by default. With a commit's ~4 ms of fsync on top,
+/// at most ~54 ms of `ran`s are lost on power loss.
+pub const DEFAULT_SYNC_WINDOW: Duration = Duration::from_millis(50);
+/// Most entries a file may be set to keep.
+pub const MAX_CAPACITY: u64 = 1 << 40;
+
+/// The settings of a [`Warm`]: `Warm::builder().capacity(1 << 16).open(path)`.
+#[derive(Clone, Debug)]
+pub struct Builder {
+    capacity: u64,
+    cache_bytes: usize,
+    sync_window: Duration,
+    check_integrity: bool,
+    import: Option<PathBuf>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Builder {
+    /// The defaults: [`DEFAULT_CAPACITY`], [`DEFAULT_CACHE_BYTES`], [`DEFAULT_SYNC_WINDOW`],
+    /// integrity checked on open.
+    pub fn new() -> Builder {
+        Builder {
+            capacity: DEFAULT_CAPACITY,
+            cache_bytes: DEFAULT_CACHE_BYTES,
+            sync_window: DEFAULT_SYNC_WINDOW,
+            check_integrity: true,
+            import: None,
+        }
+    }
+
+    /// Most entries (blocks) kept; past it the oldest eighth is evicted. 1 to [`MAX_CAPACITY`].
+    pub fn capacity(&mut self, blocks: u64) -> &mut Self {
+        self.capacity = blocks;
+        self
+    }
+
+    /// Bytes of the file kept in memory.
+    pub fn cache_size(&mut self, bytes: usize) -> &mut Self {
+        self.cache_bytes = bytes;
+        self
+    }
+
+    /// Longest a `ran` waits before a background commit makes it durable (group commit).
+    /// `Duration::ZERO` commits every `ran` before it returns. At most 60 s.
+    pub fn sync_window(&mut self, window: Duration) -> &mut Self {
+        self.sync_window = window;
+        self
+    }
+
+    /// Whether the writer verifies every page's checksum when it opens the file (default on:
+    /// a bit-flipped file is refused with [`Error::Corrupted`] instead of answering wrongly).
+    pub fn check_integrity_on_open(&mut self, check: bool) -> &mut Self {
+        self.check_integrity = check;
+        self
+    }
+
+    /// A 0.1.7 `warm.json` to import on open (once: the same file again is skipped).
+    pub fn import_json(&mut self, path: impl Into<PathBuf>) -> &mut Self {
+        self.import = Some(path.into());
+        self
+    }
+
+    fn redb(&self, mode: ConcurrencyMode) -> redb::Builder {
+        let mut builder = redb::Builder::new();
+        builder
+            .set_cache_size(self.cache_bytes)
+            .set_concurrency_mode(mode)
+            .set_check_integrity_on_open(self.check_integrity);
+        builder
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.capacity == 0 || self.capacity > MAX_CAPACITY {
+            return Err(Error::InvalidConfig { detail: format!("capacity {} (1 to {MAX_CAPACITY})", self.capacity) });
+        }
+        if self.sync_window > Duration::from_secs(60) {
+            return Err(Error::InvalidConfig { detail: format!("sync window {:?} (at most 60 s)", self.sync_window) });
+        }
+        Ok(())
+    }
+
+    /// Opens the index at `path`, creating it if absent, in redb's single-writer mode: read-only
+    /// processes (`superfluid-warm dump`) may read it meanwhile. A file left by a crash is
+    /// recovered to its last commit.
+    ///
+    /// # Errors
+    /// [`Error::AlreadyOpen`] if another head has it open; [`Error::NewerSchema`] or
+    /// [`Error::UnknownFormat`] for a file this build does not write; [`Error::Corrupted`] if it
+    /// fails the integrity check; [`Error::LegacyJson`] for a bad import file (the index is not
+    /// touched); [`Error::InvalidConfig`]; [`Error::Storage`].
+    pub fn open(&self, path: impl AsRef<Path>) -> Result<Warm> {
+        let path = path.as_ref();
+        self.validate()?;
+        let legacy = self.import.as_deref().map(legacy::read).transpose()?;
+        let db = self.redb(ConcurrencyMode::SingleWriter).create(path).map_err(|e| open_error(path, e))?;
+        self.start(db, legacy)
+    }
+
+    /// Opens the index on a custom redb storage backend (for fault injection and in-memory use),
+    /// in redb's exclusive-writer mode.
+    ///
+    /// # Errors
+    /// As [`Builder::open`].
+    pub fn open_with_backend(&self, backend: impl redb::StorageBackend) -> Result<Warm> {
+        self.validate()?;
+        let legacy = self.import.as_deref().map(legacy::read).transpose()?;
+        let db = self
+            .redb(ConcurrencyMode::ExclusiveWriter)
+            .create_with_backend(backend)
+            .map_err(|e| open_error(Path::new("<backend>"), e))?;
+        self.start(db, legacy)
+    }
+
+    fn start(&self, db: Database, legacy: Option<legacy::LegacyFile>) -> Result<Warm> {
+        schema::prepare(&db, self.capacity)?;
+        let mut state = State::load(&db)?;
+        state.evict(&db)?;
+        state.commit(&db)?;
+        if let Some(file) = &legacy {
+            state.import(&db, file)?;
+            state.commit(&db)?;
+        }
+        Warm::start(db, state, self.sync_window)
+    }
+}
+
+/// Sorts the errors of opening a file into what a user can act on.
+pub(crate) fn open_error(path: &Path, e: DatabaseError) -> Error {
+    match e {
+        DatabaseError::DatabaseAlreadyOpen => Error::AlreadyOpen { path: path.to_path_buf() },
+        DatabaseError::Storage(StorageError::Io(io)) if io.kind() == std::io::ErrorKind::InvalidData => {
+            Error::UnknownFormat { detail: format!("{}: {io}", path.display()) }
+        }
+        DatabaseError::Storage(StorageError::Io(io)) => Error::Io { path: path.to_path_buf(), source: io },
+        e => redb_err("opening the index")(e),
+    }
+}

@@ -1,0 +1,210 @@
+//! Prefix hashing: the chain of 64-token blocks, seeded by the model (and tenant).
+//!
+//! Block `i`'s key is the first 16 bytes of
+//! `blake3::keyed_hash(ns_key, cv[i-1] ‖ tokens[64i..64i+64] as u32 LE)`, where `cv[i-1]` is the
+//! whole 32-byte output for the previous block (32 zero bytes for the first) and `ns_key` is
+//! `blake3::derive_key(NS_CONTEXT, len(model) ‖ model ‖ len(tenant) ‖ tenant)`. A block's key
+//! therefore names the model, the tenant and every token before it.
+
+use crate::error::{Error, Result};
+
+/// Tokens per block a prefix is matched in (as in 0.1.7).
+pub const BLOCK_TOKENS: usize = 64;
+/// A prefix shorter than this many blocks is not worth routing for (as in 0.1.7).
+pub const MIN_BLOCKS: usize = 2;
+/// Longest model name accepted, in bytes.
+pub const MAX_MODEL_BYTES: usize = 1024;
+/// Longest tenant salt accepted, in bytes.
+pub const MAX_TENANT_BYTES: usize = 1024;
+/// The name of the hash scheme written in the meta record.
+pub const HASH_SCHEME: &str = "blake3-keyed-chain-128/v1";
+
+const NS_CONTEXT: &str = "superfluid-warm 2026-12 prefix namespace v1";
+
+/// A key of the prefix table: 16 bytes of a block's chained hash.
+pub type BlockKey = [u8; 16];
+
+/// Where a prefix lives: a model, and optionally a tenant whose prefixes nobody else shares.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Namespace {
+    model: String,
+    tenant: Option<Vec<u8>>,
+    key: [u8; 32],
+}
+
+impl Namespace {
+    /// The namespace of a model shared by everyone.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] if `model` is empty or over [`MAX_MODEL_BYTES`].
+    pub fn new(model: &str) -> Result<Namespace> {
+        Self::build(model, None)
+    }
+
+    /// The namespace of a model for one tenant: two tenants never share a prefix, even for the
+    /// same model and tokens.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] if `model` or `tenant` is empty or over its limit.
+    pub fn with_tenant(model: &str, tenant: &[u8]) -> Result<Namespace> {
+        check_len("tenant", tenant.len(), MAX_TENANT_BYTES)?;
+        Self::build(model, Some(tenant))
+    }
+
+    fn build(model: &str, tenant: Option<&[u8]>) -> Result<Namespace> {
+        check_len("model", model.len(), MAX_MODEL_BYTES)?;
+        let mut material = Vec::with_capacity(16 + model.len() + tenant.map_or(0, <[u8]>::len));
+        material.extend_from_slice(&(model.len() as u64).to_le_bytes());
+        material.extend_from_slice(model.as_bytes());
+        match tenant {
+            Some(t) => {
+                material.push(1);
+                material.extend_from_slice(&(t.len() as u64).to_le_bytes());
+                material.extend_from_slice(t);
+            }
+            None => material.push(0),
+        }
+        Ok(Namespace {
+            model: model.to_string(),
+            tenant: tenant.map(<[u8]>::to_vec),
+            key: blake3::derive_key(NS_CONTEXT, &material),
+        })
+    }
+
+    /// The model name.
+    pub fn model(&self) -> &str {
+        &self.model
+    }
+
+    /// Whether this namespace is a tenant's own.
+    pub fn has_tenant(&self) -> bool {
+        self.tenant.is_some()
+    }
+
+    /// A short public id of this namespace (never the tenant salt): the first 8 bytes of a hash
+    /// of its key.
+    pub fn id(&self) -> [u8; 8] {
+        let h = blake3::hash(&self.key);
+        let mut out = [0; 8];
+        out.copy_from_slice(&h.as_bytes()[..8]);
+        out
+    }
+
+    /// The key of every whole block of `tokens`, in order.
+    pub fn chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
+        let blocks = tokens.len() / BLOCK_TOKENS;
+        let mut out = Vec::with_capacity(blocks);
+        let mut cv = [0u8; 32];
+        let mut buf = [0u8; 32 + 4 * BLOCK_TOKENS];
+        for block in tokens.chunks_exact(BLOCK_TOKENS) {
+            buf[..32].copy_from_slice(&cv);
+            for (dst, t) in buf[32..].chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            cv = *blake3::keyed_hash(&self.key, &buf).as_bytes();
+            let mut key = [0u8; 16];
+            key.copy_from_slice(&cv[..16]);
+            out.push(key);
+        }
+        out
+    }
+}
+
+/// Checks a name's length against its limit.
+pub(crate) fn check_len(what: &'static str, len: usize, max: usize) -> Result<()> {
+    if len == 0 || len > max {
+        return Err(Error::InvalidName { what, len, max });
+    }
+    Ok(())
+}
+
+/// The hashes of a prompt's whole blocks, computed once and used for both `warmest` and `ran`.
+#[derive(Clone, Debug)]
+pub struct Prefix {
+    pub(crate) namespace: Namespace,
+    pub(crate) blocks: Vec<BlockKey>,
+    /// The 0.1.7 FNV-1a chain, only while imported 0.1.7 entries remain.
+    pub(crate) legacy: Vec<BlockKey>,
+}
+
+impl Prefix {
+    /// The prefix of `tokens` in `namespace`, without the 0.1.7 chain. Use
+    /// [`crate::Warm::prefix`] to get one that also matches entries imported from 0.1.7.
+    pub fn new(namespace: &Namespace, tokens: &[u32]) -> Prefix {
+        Prefix { namespace: namespace.clone(), blocks: namespace.chain(tokens), legacy: Vec::new() }
+    }
+
+    /// Whole blocks in the prompt.
+    pub fn blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Tokens covered by whole blocks.
+    pub fn tokens(&self) -> usize {
+        self.blocks.len() * BLOCK_TOKENS
+    }
+
+    /// The namespace this prefix was hashed in.
+    pub fn namespace(&self) -> &Namespace {
+        &self.namespace
+    }
+}
+
+/// Tag that starts every key holding a 0.1.7 FNV-1a hash. A blake3 key starts with these 8 bytes
+/// with probability 2^-64.
+pub(crate) const LEGACY_TAG: [u8; 8] = *b"fnv1a64\0";
+
+/// The key a 0.1.7 `u64` hash is stored under.
+pub(crate) fn legacy_key(hash: u64) -> BlockKey {
+    let mut key = [0u8; 16];
+    key[..8].copy_from_slice(&LEGACY_TAG);
+    key[8..].copy_from_slice(&hash.to_be_bytes());
+    key
+}
+
+/// Whether a key holds a 0.1.7 hash.
+pub(crate) fn is_legacy(key: &BlockKey) -> bool {
+    key[..8] == LEGACY_TAG
+}
+
+/// The 0.1.7 chain (FNV-1a 64 over the model, then every token's LE bytes), as stored keys.
+pub(crate) fn legacy_chain(model: &str, tokens: &[u32]) -> Vec<BlockKey> {
+    const PRIME: u64 = 0x0000_0100_0000_01B3;
+    let mut h = model.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
+    tokens
+        .chunks_exact(BLOCK_TOKENS)
+        .map(|block| {
+            for t in block {
+                for b in t.to_le_bytes() {
+                    h = (h ^ u64::from(b)).wrapping_mul(PRIME);
+                }
+            }
+            legacy_key(h)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_depends_on_model_tenant_and_every_earlier_token() {
+        let tokens: Vec<u32> = (0..256).collect();
+        let a = Namespace::new("m").map(|n| n.chain(&tokens)).unwrap_or_default();
+        let b = Namespace::new("n").map(|n| n.chain(&tokens)).unwrap_or_default();
+        let t = Namespace::with_tenant("m", b"t1").map(|n| n.chain(&tokens)).unwrap_or_default();
+        assert_eq!(a.len(), 4);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert!(a.iter().zip(&t).all(|(x, y)| x != y));
+        let mut changed = tokens.clone();
+        changed[3] = 99;
+        let c = Namespace::new("m").map(|n| n.chain(&changed)).unwrap_or_default();
+        assert!(a.iter().zip(&c).all(|(x, y)| x != y), "a change in block 0 changes every later key");
+        changed[3] = 3;
+        changed[200] = 7;
+        let d = Namespace::new("m").map(|n| n.chain(&changed)).unwrap_or_default();
+        assert_eq!(a[..3], d[..3]);
+        assert_ne!(a[3], d[3]);
+    }
+}

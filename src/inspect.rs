@@ -1,0 +1,339 @@
+//! `Snapshot`: a read-only view of an index file, for tools. Opened in redb's single-writer mode,
+//! so it reads a file a head is writing, and never repairs, upgrades or locks out the writer.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use redb::{ConcurrencyMode, ReadOnlyDatabase, ReadTransaction, ReadableDatabase, ReadableTable};
+
+use crate::builder::open_error;
+use crate::chain::{BLOCK_TOKENS, BlockKey, is_legacy};
+use crate::codec;
+use crate::error::{Error, Result, redb_err};
+use crate::records::{Meta, NamespaceRecord, NodeRecord};
+use crate::schema;
+use crate::state::count;
+use crate::tables::{BY_CLOCK, Entry, META, META_KEY, NAMESPACES, NODES, PREFIXES};
+
+/// One entry of the index, as `dump` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DumpEntry {
+    /// The block key (16 bytes of its chained hash).
+    pub key: [u8; 16],
+    /// The node that last ran it.
+    pub node: String,
+    /// Its clock.
+    pub clock: u64,
+    /// Length of the prefix it ends, in tokens; `None` for an entry imported from 0.1.7.
+    pub tokens: Option<usize>,
+    /// The model; `None` for an entry imported from 0.1.7 (its hash hides the model).
+    pub model: Option<String>,
+    /// Whether it is in a tenant's own namespace.
+    pub tenant: bool,
+}
+
+/// What `stats` shows.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SnapshotStats {
+    /// Entries, counted.
+    pub entries: u64,
+    /// Entries imported from 0.1.7.
+    pub legacy_entries: u64,
+    /// Entries per node, by node name, most first.
+    pub per_node: Vec<(String, u64)>,
+    /// Oldest and newest clock among the entries.
+    pub clock_range: Option<(u64, u64)>,
+    /// The clock high-water mark.
+    pub clock: u64,
+    /// Most entries kept.
+    pub capacity: u64,
+    /// Size of the file in bytes.
+    pub file_bytes: u64,
+    /// Schema version.
+    pub schema: u32,
+    /// Hash scheme.
+    pub hash_scheme: String,
+    /// Process id of a writer that has the file open.
+    pub writer: Option<u32>,
+}
+
+/// The verdict of `check`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Check {
+    /// Entries of the prefix table looked at.
+    pub entries: u64,
+    /// Entries of the clock table looked at.
+    pub clock_entries: u64,
+    /// Every invariant that does not hold (empty: all hold).
+    pub problems: Vec<String>,
+}
+
+/// A read-only view of an index file.
+pub struct Snapshot {
+    path: PathBuf,
+    txn: ReadTransaction,
+    meta: Meta,
+    nodes: HashMap<u32, String>,
+    namespaces: HashMap<u32, NamespaceRecord>,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+/// Whether process `pid` is running (Linux: `/proc`; elsewhere it is assumed to be).
+fn alive(pid: u32) -> bool {
+    if cfg!(target_os = "linux") { Path::new(&format!("/proc/{pid}")).exists() } else { true }
+}
+
+impl Snapshot {
+    /// Opens `path` read-only at its last commit.
+    ///
+    /// # Errors
+    /// [`Error::CrashedWriter`] if the writer that had it open died without closing it (open it
+    /// with a head to recover it); [`Error::UnknownFormat`], [`Error::NewerSchema`],
+    /// [`Error::Corrupted`], [`Error::Io`] or [`Error::Storage`] otherwise.
+    pub fn open(path: impl AsRef<Path>) -> Result<Snapshot> {
+        let snapshot = Self::open_even_if_crashed(path)?;
+        match snapshot.writer() {
+            Some(pid) if !alive(pid) => Err(Error::CrashedWriter { pid }),
+            _ => Ok(snapshot),
+        }
+    }
+
+    /// Opens `path` read-only at its last commit, also when its writer crashed (for `check`).
+    ///
+    /// # Errors
+    /// As [`Snapshot::open`], but for [`Error::CrashedWriter`].
+    pub fn open_even_if_crashed(path: impl AsRef<Path>) -> Result<Snapshot> {
+        let path = path.as_ref();
+        if !path.is_file() {
+            return Err(Error::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here"),
+            });
+        }
+        let db: ReadOnlyDatabase = redb::Builder::new()
+            .set_concurrency_mode(ConcurrencyMode::SingleWriter)
+            .set_cache_size(16 << 20)
+            .open_read_only(path)
+            .map_err(|e| open_error(path, e))?;
+        let txn = db.begin_read().map_err(redb_err("starting a read"))?;
+        let meta_table = txn.open_table(META).map_err(|e| match e {
+            redb::TableError::TableDoesNotExist(_) => Error::UnknownFormat { detail: "no meta table".into() },
+            e => redb_err("opening the meta table")(e),
+        })?;
+        let bytes = meta_table
+            .get(META_KEY)
+            .map_err(redb_err("reading the meta record"))?
+            .ok_or_else(|| Error::UnknownFormat { detail: "no meta record".into() })?;
+        let mut meta: Meta = codec::decode("meta", bytes.value())?;
+        schema::check(&mut meta)?;
+        let mut nodes = HashMap::new();
+        for item in
+            txn.open_table(NODES).map_err(redb_err("opening nodes"))?.iter().map_err(redb_err("reading nodes"))?
+        {
+            let (id, bytes) = item.map_err(redb_err("reading nodes"))?;
+            let record: NodeRecord = codec::decode("node", bytes.value())?;
+            nodes.insert(id.value(), record.name);
+        }
+        let mut namespaces = HashMap::new();
+        let table = txn.open_table(NAMESPACES).map_err(redb_err("opening namespaces"))?;
+        for item in table.iter().map_err(redb_err("reading namespaces"))? {
+            let (id, bytes) = item.map_err(redb_err("reading namespaces"))?;
+            namespaces.insert(id.value(), codec::decode("namespace", bytes.value())?);
+        }
+        drop(meta_table);
+        Ok(Snapshot { path: path.to_path_buf(), txn, meta, nodes, namespaces })
+    }
+
+    /// Process id of the writer that has (or had, if it crashed) the file open.
+    pub fn writer(&self) -> Option<u32> {
+        self.meta.writer.as_ref().map(|w| w.pid)
+    }
+
+    fn describe(&self, key: BlockKey, entry: Entry) -> DumpEntry {
+        let namespace = self.namespaces.get(&entry.namespace);
+        DumpEntry {
+            key,
+            node: self.nodes.get(&entry.node).cloned().unwrap_or_else(|| format!("#{}", entry.node)),
+            clock: entry.clock,
+            tokens: (!is_legacy(&key)).then_some(entry.depth as usize * BLOCK_TOKENS),
+            model: namespace.map(|n| n.model.clone()),
+            tenant: namespace.is_some_and(|n| n.tenant),
+        }
+    }
+
+    /// Calls `visit` for each entry in clock order (newest first if `newest_first`) until it
+    /// returns false.
+    ///
+    /// # Errors
+    /// [`Error::Corrupted`] if a clock entry has no prefix entry; [`Error::Storage`].
+    pub fn visit(&self, newest_first: bool, mut visit: impl FnMut(DumpEntry) -> bool) -> Result<()> {
+        let by_clock = self.txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let keys =
+            by_clock.iter().map_err(redb_err("reading the clock table"))?.map(|item| item.map(|(k, _)| k.value()));
+        let keys: Box<dyn Iterator<Item = _>> = if newest_first { Box::new(keys.rev()) } else { Box::new(keys) };
+        for item in keys {
+            let (clock, key) = item.map_err(redb_err("reading the clock table"))?;
+            let entry =
+                primary
+                    .get(key)
+                    .map_err(redb_err("reading a prefix"))?
+                    .map(|g| Entry::from_tuple(g.value()))
+                    .ok_or_else(|| Error::Corrupted { detail: format!("clock entry {clock} has no prefix entry") })?;
+            if !visit(self.describe(key, entry)) {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts, per node, and the settings.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the file cannot be read.
+    pub fn stats(&self) -> Result<SnapshotStats> {
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let by_clock = self.txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+        let mut per_node: HashMap<u32, u64> = HashMap::new();
+        let (mut entries, mut legacy) = (0, 0);
+        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
+            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
+            *per_node.entry(Entry::from_tuple(value.value()).node).or_default() += 1;
+            entries += 1;
+            legacy += u64::from(is_legacy(&key.value()));
+        }
+        let first = by_clock.first().map_err(redb_err("reading the clock table"))?.map(|(k, _)| k.value().0);
+        let last = by_clock.last().map_err(redb_err("reading the clock table"))?.map(|(k, _)| k.value().0);
+        let mut per_node: Vec<(String, u64)> = per_node
+            .into_iter()
+            .map(|(id, n)| (self.nodes.get(&id).cloned().unwrap_or_else(|| format!("#{id}")), n))
+            .collect();
+        per_node.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let file_bytes =
+            std::fs::metadata(&self.path).map_err(|source| Error::Io { path: self.path.clone(), source })?.len();
+        Ok(SnapshotStats {
+            entries,
+            legacy_entries: legacy,
+            per_node,
+            clock_range: first.zip(last),
+            clock: self.meta.clock,
+            capacity: self.meta.capacity,
+            file_bytes,
+            schema: self.meta.schema,
+            hash_scheme: self.meta.hash_scheme.clone(),
+            writer: self.writer(),
+        })
+    }
+
+    /// Checks the invariants: the prefix and clock tables are one to one, every clock is at most
+    /// the high-water mark, every node and namespace id is known, and the meta counts match.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the file cannot be read (a broken invariant is a `problem`, not an
+    /// error).
+    pub fn check(&self) -> Result<Check> {
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let by_clock = self.txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+        let mut check = Check::default();
+        let mut legacy = 0;
+        let note = |problems: &mut Vec<String>, p: String| {
+            if problems.len() < 20 {
+                problems.push(p);
+            }
+        };
+        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
+            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
+            let (key, entry) = (key.value(), Entry::from_tuple(value.value()));
+            check.entries += 1;
+            legacy += u64::from(is_legacy(&key));
+            if by_clock.get((entry.clock, key)).map_err(redb_err("reading the clock table"))?.is_none() {
+                note(&mut check.problems, format!("prefix {} has no clock entry at {}", hex(&key), entry.clock));
+            }
+            if entry.clock > self.meta.clock {
+                note(
+                    &mut check.problems,
+                    format!("prefix {} has clock {} > high-water mark {}", hex(&key), entry.clock, self.meta.clock),
+                );
+            }
+            if !self.nodes.contains_key(&entry.node) {
+                note(&mut check.problems, format!("prefix {} names unknown node id {}", hex(&key), entry.node));
+            }
+            if !is_legacy(&key) && !self.namespaces.contains_key(&entry.namespace) {
+                note(
+                    &mut check.problems,
+                    format!("prefix {} names unknown namespace id {}", hex(&key), entry.namespace),
+                );
+            }
+        }
+        for item in by_clock.iter().map_err(redb_err("reading the clock table"))? {
+            let (clock, key) = item.map_err(redb_err("reading the clock table"))?.0.value();
+            check.clock_entries += 1;
+            match primary.get(key).map_err(redb_err("reading a prefix"))? {
+                Some(v) if Entry::from_tuple(v.value()).clock == clock => {}
+                Some(_) => note(&mut check.problems, format!("clock entry {clock} of {} is stale", hex(&key))),
+                None => note(&mut check.problems, format!("clock entry {clock} of {} has no prefix", hex(&key))),
+            }
+        }
+        if check.entries != check.clock_entries {
+            note(&mut check.problems, format!("{} prefixes but {} clock entries", check.entries, check.clock_entries));
+        }
+        if count(&primary)? != check.entries {
+            note(&mut check.problems, "the prefix table's length disagrees with its entries".into());
+        }
+        if self.meta.entries != check.entries || self.meta.legacy_entries != legacy {
+            note(
+                &mut check.problems,
+                format!(
+                    "meta counts {} entries ({} from 0.1.7), the tables hold {} ({legacy})",
+                    self.meta.entries, self.meta.legacy_entries, check.entries
+                ),
+            );
+        }
+        Ok(check)
+    }
+}
+
+/// Runs redb's full integrity check (every page checksum) on a copy of `path`, so that the file
+/// itself is never repaired or written. Returns `Ok(false)` for a corrupted file.
+///
+/// # Errors
+/// [`Error::Io`] if the copy cannot be made; [`Error::Storage`].
+pub fn integrity_check_copy(path: &Path) -> Result<bool> {
+    let copy = std::env::temp_dir().join(format!("superfluid-warm-check-{}-{}.redb", std::process::id(), unique()));
+    std::fs::copy(path, &copy).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    let result = redb::Builder::new().set_check_integrity_on_open(true).open(&copy);
+    let verdict = match result {
+        Ok(mut db) => match db.check_integrity() {
+            Ok(ok) => Ok(ok),
+            Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(_))) => Ok(false),
+            Err(e) => Err(redb_err("checking integrity")(e)),
+        },
+        Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(_))) => Ok(false),
+        Err(redb::DatabaseError::Storage(redb::StorageError::Io(io)))
+            if io.kind() == std::io::ErrorKind::InvalidData =>
+        {
+            Ok(false)
+        }
+        Err(e) => Err(redb_err("checking integrity")(e)),
+    };
+    let _ = std::fs::remove_file(&copy);
+    verdict
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Lower-case hex of a key.
+pub fn hex(key: &[u8]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
+}

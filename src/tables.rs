@@ -1,0 +1,44 @@
+//! The redb tables and their fixed-width layouts (see `docs/design.md`).
+
+use redb::TableDefinition;
+
+use crate::chain::BlockKey;
+
+/// Block key → (node id, namespace id, depth in blocks, clock). 16-byte key, 20-byte value.
+pub(crate) const PREFIXES: TableDefinition<BlockKey, (u32, u32, u32, u64)> = TableDefinition::new("prefixes/v1");
+/// (clock, block key) → (): the same entries ordered oldest first, for eviction.
+pub(crate) const BY_CLOCK: TableDefinition<(u64, BlockKey), ()> = TableDefinition::new("by_clock/v1");
+/// Node id → bincode [`crate::records::NodeRecord`].
+pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
+/// Node name → node id.
+pub(crate) const NODE_IDS: TableDefinition<&str, u32> = TableDefinition::new("node_ids/v1");
+/// Namespace id → bincode [`crate::records::NamespaceRecord`].
+pub(crate) const NAMESPACES: TableDefinition<u32, &[u8]> = TableDefinition::new("namespaces/v1");
+/// Namespace public id (8 bytes) → namespace id.
+pub(crate) const NAMESPACE_IDS: TableDefinition<[u8; 8], u32> = TableDefinition::new("namespace_ids/v1");
+/// "meta" → bincode [`crate::records::Meta`].
+pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
+/// The key of the meta record.
+pub(crate) const META_KEY: &str = "meta";
+
+/// The namespace id of entries imported from 0.1.7 (model unknown: FNV cannot be inverted).
+pub(crate) const LEGACY_NAMESPACE: u32 = 0;
+
+/// One entry of the prefix table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub node: u32,
+    pub namespace: u32,
+    pub depth: u32,
+    pub clock: u64,
+}
+
+impl Entry {
+    pub(crate) fn from_tuple((node, namespace, depth, clock): (u32, u32, u32, u64)) -> Entry {
+        Entry { node, namespace, depth, clock }
+    }
+
+    pub(crate) fn tuple(self) -> (u32, u32, u32, u64) {
+        (self.node, self.namespace, self.depth, self.clock)
+    }
+}

@@ -1,0 +1,133 @@
+//! Upgrading from 0.1.7: the fixture written by the real 0.1.7 code gives the same answers after
+//! the import; bad files are refused without touching anything.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use superfluid_warm::{Error, Hit, Warm};
+
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0001-from-0.1.7-json");
+
+#[derive(Deserialize)]
+struct Query {
+    model: String,
+    tokens: Vec<u32>,
+    answer: Option<Answer>,
+}
+
+#[derive(Deserialize)]
+struct Answer {
+    node: String,
+    tokens: usize,
+}
+
+fn queries() -> Vec<Query> {
+    let text = std::fs::read_to_string(Path::new(DIR).join("queries.jsonl")).expect("fixture queries");
+    text.lines().map(|l| serde_json::from_str(l).expect("a query line")).collect()
+}
+
+fn fixture() -> PathBuf {
+    Path::new(DIR).join("warm.json")
+}
+
+fn check_all(warm: &Warm, queries: &[Query]) -> Result<usize, Error> {
+    let mut warm_answers = 0;
+    for (i, q) in queries.iter().enumerate() {
+        let want = q.answer.as_ref().map(|a| Hit { node: a.node.clone(), tokens: a.tokens });
+        warm_answers += usize::from(want.is_some());
+        assert_eq!(warm.warmest(&q.model, &q.tokens)?, want, "query {i}");
+    }
+    Ok(warm_answers)
+}
+
+#[test]
+fn the_0_1_7_fixture_gives_the_same_400_answers_after_the_upgrade_and_a_restart() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("warm.redb");
+    let before = std::fs::read(fixture()).expect("fixture");
+    let queries = queries();
+    assert_eq!(queries.len(), 400);
+    {
+        let warm = Warm::builder().import_json(fixture()).open(&path)?;
+        let warm_answers = check_all(&warm, &queries)?;
+        assert!(warm_answers > 100, "the fixture has warm answers to check ({warm_answers})");
+        assert!(warm.stats()?.legacy_entries > 0);
+        warm.close()?;
+    }
+    let warm = Warm::builder().import_json(fixture()).open(&path)?;
+    check_all(&warm, &queries)?;
+    let again = warm.import_json(fixture())?;
+    assert!(again.already_imported, "the same file is imported once");
+    assert_eq!(std::fs::read(fixture()).expect("fixture"), before, "the JSON file is never modified");
+    Ok(())
+}
+
+#[test]
+fn new_turns_after_the_upgrade_extend_old_prefixes_and_old_entries_age_out() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let queries = queries();
+    let entries_in_file = {
+        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture()).expect("fixture")).expect("json");
+        json["prefixes"].as_array().map_or(0, Vec::len) as u64
+    };
+    let warm = Warm::builder().capacity(entries_in_file + 64).open(dir.path().join("w.redb"))?;
+    let report = warm.import_json(fixture())?;
+    assert_eq!(report.imported, entries_in_file);
+    let q = queries.iter().find(|q| q.answer.as_ref().is_some_and(|a| a.tokens >= 256)).expect("a warm query");
+    let old = warm.warmest(&q.model, &q.tokens)?.expect("warm before the new turn");
+    // The conversation goes on after the upgrade: its next turn lands on the same node.
+    let mut next = q.tokens.clone();
+    next.extend(7_000_000..7_000_200);
+    warm.ran(&q.model, &next, &old.node)?;
+    let new = warm.warmest(&q.model, &next)?.expect("warm after the new turn");
+    assert_eq!(new.node, old.node);
+    assert_eq!(new.tokens, next.len() / 64 * 64, "the whole new turn is warm under the new hash");
+    // Fresh traffic pushes every imported entry out; their prefixes go cold, as 0.1.7's would.
+    let mut fresh_rans = 0;
+    while warm.stats()?.legacy_entries > 0 && fresh_rans < entries_in_file as u32 {
+        let tokens: Vec<u32> = (0..256).map(|t| 9_000_000 + fresh_rans * 1000 + t).collect();
+        warm.ran("fresh", &tokens, "node-x")?;
+        fresh_rans += 1;
+    }
+    let stats = warm.stats()?;
+    assert_eq!(stats.legacy_entries, 0, "{stats:?}");
+    assert!(stats.entries <= stats.capacity);
+    let other = queries
+        .iter()
+        .find(|o| o.answer.is_some() && o.tokens[..128] != q.tokens[..128])
+        .expect("a query of another conversation");
+    assert_eq!(warm.warmest(&other.model, &other.tokens)?, None);
+    Ok(())
+}
+
+#[test]
+fn malformed_or_missing_json_is_a_typed_error_and_changes_nothing() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.redb");
+    let warm = Warm::open(&path)?;
+    let tokens: Vec<u32> = (0..256).collect();
+    warm.ran("m", &tokens, "a")?;
+    for (name, body) in [
+        ("truncated.json", &br#"{"prefixes":[[1,"a",2],"#[..]),
+        ("float.json", br#"{"prefixes":[[1.5,"a",2]]}"#),
+        ("empty-node.json", br#"{"prefixes":[[1,"",2]]}"#),
+        ("other.json", br#"{"entries":[]}"#),
+    ] {
+        let bad = dir.path().join(name);
+        std::fs::write(&bad, body).expect("write");
+        let err = warm.import_json(&bad).expect_err(name);
+        assert!(matches!(err, Error::LegacyJson { .. }), "{name}: {err}");
+        assert!(err.to_string().contains("left as it is"), "{err}");
+        assert_eq!(std::fs::read(&bad).expect("read"), body, "{name} untouched");
+    }
+    let missing = warm.import_json(dir.path().join("absent.json")).expect_err("missing");
+    assert!(matches!(missing, Error::Io { .. }), "{missing}");
+    assert_eq!(warm.stats()?.entries, 4);
+    assert_eq!(warm.warmest("m", &tokens)?, Some(Hit { node: "a".into(), tokens: 256 }));
+    drop(warm);
+    let bad = dir.path().join("truncated.json");
+    let err = Warm::builder().import_json(&bad).open(&path).expect_err("bad import on open");
+    assert!(matches!(err, Error::LegacyJson { .. }));
+    assert_eq!(Warm::open(&path)?.stats()?.entries, 4, "a refused open touched nothing");
+    Ok(())
+}

@@ -1,0 +1,61 @@
+//! The behaviour of 0.1.7, kept: the seed's own test, ported, and the edges of the API.
+
+use superfluid_warm::{Error, Hit, Namespace, Warm};
+
+fn hit(node: &str, tokens: usize) -> Option<Hit> {
+    Some(Hit { node: node.to_string(), tokens })
+}
+
+#[test]
+fn the_longest_prefix_a_node_ran_wins_and_is_kept_across_a_restart() -> Result<(), Error> {
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e })?;
+    let path = dir.path().join("warm.redb");
+    let turn1: Vec<u32> = (0..300).collect();
+    let mut turn2 = turn1.clone();
+    turn2.extend(1000..1200);
+    let warm = Warm::open(&path)?;
+    warm.ran("m", &turn1, "a")?;
+    warm.ran("m", &turn2[..400], "b")?;
+    assert_eq!(warm.warmest("m", &turn2)?, hit("b", 384), "b ran more of it");
+    assert_eq!(warm.warmest("m", &turn1)?, hit("b", 256), "b ran the same first blocks last");
+    assert_eq!(warm.warmest("other", &turn2)?, None, "another model's prefix is its own");
+    assert_eq!(warm.warmest("m", &(5000..5300).collect::<Vec<u32>>())?, None);
+    assert_eq!(warm.warmest("m", &turn1[..100])?, None, "one block is too short to matter");
+    warm.sync()?;
+    drop(warm);
+    let again = Warm::open(&path)?;
+    assert_eq!(again.warmest("m", &turn2)?, hit("b", 384));
+    Ok(())
+}
+
+#[test]
+fn empty_and_short_prompts_are_none_and_bad_names_are_typed_errors() -> Result<(), Error> {
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e })?;
+    let warm = Warm::open(dir.path().join("w.redb"))?;
+    assert_eq!(warm.warmest("m", &[])?, None);
+    warm.ran("m", &[], "a")?;
+    warm.ran("m", &[1; 127], "a")?;
+    assert_eq!(warm.stats()?.entries, 1, "only whole blocks are kept");
+    assert!(matches!(warm.warmest("", &[1; 200]), Err(Error::InvalidName { what: "model", len: 0, .. })));
+    assert!(matches!(warm.ran("m", &[1; 200], ""), Err(Error::InvalidName { what: "node", .. })));
+    let long = "n".repeat(superfluid_warm::MAX_NODE_BYTES + 1);
+    assert!(matches!(warm.ran("m", &[1; 200], &long), Err(Error::InvalidName { what: "node", .. })));
+    let model = "m".repeat(superfluid_warm::MAX_MODEL_BYTES + 1);
+    assert!(matches!(warm.ran(&model, &[1; 200], "a"), Err(Error::InvalidName { what: "model", .. })));
+    assert_eq!(warm.stats()?.entries, 1, "a refused ran wrote nothing");
+    Ok(())
+}
+
+#[test]
+fn tenants_never_share_a_prefix() -> Result<(), Error> {
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e })?;
+    let warm = Warm::open(dir.path().join("w.redb"))?;
+    let tokens: Vec<u32> = (0..512).collect();
+    let a = Namespace::with_tenant("m", b"tenant-a")?;
+    let b = Namespace::with_tenant("m", b"tenant-b")?;
+    warm.ran_prefix(&warm.prefix(&a, &tokens)?, "node-a")?;
+    assert_eq!(warm.warmest_prefix(&warm.prefix(&a, &tokens)?)?, hit("node-a", 512));
+    assert_eq!(warm.warmest_prefix(&warm.prefix(&b, &tokens)?)?, None);
+    assert_eq!(warm.warmest("m", &tokens)?, None, "the shared namespace is not a tenant's");
+    Ok(())
+}

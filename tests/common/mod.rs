@@ -1,0 +1,60 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// A small deterministic generator (SplitMix64), so failures replay from their seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// A workload of conversations: each turn extends the last one's prompt.
+pub struct Conversations {
+    pub prompts: Vec<Vec<u32>>,
+    pub models: Vec<&'static str>,
+}
+
+impl Conversations {
+    pub fn new(count: usize) -> Self {
+        Conversations { prompts: vec![Vec::new(); count], models: vec!["m1", "m2"] }
+    }
+
+    /// The next turn of a random conversation: (model, prompt).
+    pub fn turn(&mut self, rng: &mut Rng) -> (&'static str, Vec<u32>) {
+        let c = rng.below(self.prompts.len() as u64) as usize;
+        let grow = 20 + rng.below(300) as usize;
+        let base = (c as u32 + 1) * 1_000_000;
+        let prompt = &mut self.prompts[c];
+        if prompt.is_empty() {
+            prompt.extend(0..128); // a shared system prompt of two blocks
+        }
+        let start = prompt.len() as u32;
+        prompt.extend((0..grow as u32).map(|i| base + start + i));
+        (self.models[c % self.models.len()], prompt.clone())
+    }
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().expect("a temporary directory")
+}
+
+pub fn db_path(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("warm.redb")
+}
+
+/// The built binary.
+pub fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_superfluid-warm"))
+}

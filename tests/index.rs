@@ -1,0 +1,167 @@
+//! The index against a model of 0.1.7's semantics, eviction order, restarts, sharing.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Conversations, Rng, db_path, tempdir};
+use superfluid_warm::baseline::Baseline;
+use superfluid_warm::{Error, Hit, Snapshot, Warm};
+
+fn as_hit(answer: Option<(&str, usize)>) -> Option<Hit> {
+    answer.map(|(node, tokens)| Hit { node: node.to_string(), tokens })
+}
+
+const NODES: [&str; 4] = ["node-a", "node-b", "node-c", "node-d"];
+
+#[test]
+fn thousands_of_random_operations_answer_as_0_1_7_below_capacity() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let mut model = Baseline::in_memory(1 << 20);
+    let mut warm = Warm::builder().sync_window(Duration::from_millis(5)).open(&path)?;
+    let mut rng = Rng(0x5eed);
+    let mut conversations = Conversations::new(40);
+    let (mut compared, mut warm_answers, mut reopens) = (0, 0, 0);
+    for step in 0..4000 {
+        let (m, prompt) = conversations.turn(&mut rng);
+        // Ask about a prefix of the prompt, sometimes cut mid-block, sometimes the whole of it.
+        let cut = if rng.below(3) == 0 { prompt.len() } else { rng.below(prompt.len() as u64 + 1) as usize };
+        let want = as_hit(model.warmest(m, &prompt[..cut]));
+        assert_eq!(warm.warmest(m, &prompt[..cut])?, want, "step {step}");
+        compared += 1;
+        warm_answers += usize::from(want.is_some());
+        let node = NODES[rng.below(4) as usize];
+        if rng.below(10) < 7 {
+            model.ran(m, &prompt, node);
+            warm.ran(m, &prompt, node)?;
+        }
+        match rng.below(200) {
+            0 => warm.sync()?,
+            1 => {
+                warm.close()?;
+                warm = Warm::open(&path)?;
+                reopens += 1;
+            }
+            _ => {}
+        }
+    }
+    println!("compared {compared} answers ({warm_answers} warm) across {reopens} reopens");
+    assert!(warm_answers > 1000 && reopens > 5, "the run exercised warm answers and reopens");
+    assert_eq!(warm.stats()?.entries, model.len() as u64, "one entry per distinct block, as 0.1.7");
+    Ok(())
+}
+
+#[test]
+fn eviction_takes_the_oldest_eighth_and_a_touched_prefix_survives() -> Result<(), Error> {
+    let dir = tempdir();
+    let warm = Warm::builder().capacity(80).open(db_path(&dir))?;
+    let mut model = Baseline::in_memory(80);
+    let prompt = |i: u32| -> Vec<u32> { (0..256).map(|t| i * 10_000 + t).collect() };
+    for i in 0..20 {
+        warm.ran("m", &prompt(i), NODES[(i % 4) as usize])?;
+        model.ran("m", &prompt(i), NODES[(i % 4) as usize]);
+    }
+    assert_eq!(warm.stats()?.entries, 80);
+    // Prompt 0 is the oldest; running it again moves it to the newest.
+    warm.ran("m", &prompt(0), "node-a")?;
+    model.ran("m", &prompt(0), "node-a");
+    warm.ran("m", &prompt(20), "node-b")?;
+    model.ran("m", &prompt(20), "node-b");
+    let stats = warm.stats()?;
+    assert_eq!(stats.entries, 72, "84 entries: the 12 with a clock at most the 10th oldest's went");
+    for i in 0..=20 {
+        let want = as_hit(model.warmest("m", &prompt(i)));
+        assert_eq!(warm.warmest("m", &prompt(i))?, want, "prompt {i}");
+        let evicted = (1..=3).contains(&i);
+        assert_eq!(want.is_none(), evicted, "prompt {i}: only prompts 1 to 3 were the oldest");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_restart_keeps_everything_and_the_clock_never_goes_back() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let mut rng = Rng(7);
+    let mut conversations = Conversations::new(10);
+    let mut asked = Vec::new();
+    let clock = {
+        let warm = Warm::open(&path)?;
+        for i in 0..200 {
+            let (m, prompt) = conversations.turn(&mut rng);
+            warm.ran(m, &prompt, NODES[i % 4])?;
+            asked.push((m, prompt));
+        }
+        let answers: Vec<_> = asked.iter().map(|(m, p)| warm.warmest(m, p)).collect::<Result<_, _>>()?;
+        let clock = warm.stats()?.clock;
+        drop(warm); // no sync: dropping the handle commits what is pending
+        let again = Warm::open(&path)?;
+        for ((m, p), want) in asked.iter().zip(&answers) {
+            assert_eq!(&again.warmest(m, p)?, want);
+        }
+        assert!(answers.iter().all(Option::is_some));
+        assert_eq!(again.stats()?.clock, clock);
+        again.ran("m1", &[5; 128], "node-z")?;
+        assert_eq!(again.stats()?.clock, clock + 1, "the clock goes on from where it was");
+        clock
+    };
+    assert!(clock >= 200);
+    Ok(())
+}
+
+#[test]
+fn a_second_writer_is_refused_with_a_typed_error() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let first = Warm::open(&path)?;
+    first.ran("m", &[1; 256], "a")?;
+    let second = Warm::open(&path);
+    assert!(matches!(second, Err(Error::AlreadyOpen { .. })), "{second:?}");
+    let msg = second.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("another head"), "{msg}");
+    assert_eq!(first.warmest("m", &[1; 256])?.map(|h| h.tokens), Some(256), "the first is unharmed");
+    drop(first);
+    assert!(Warm::open(&path).is_ok(), "free again once the first closes");
+    Ok(())
+}
+
+#[test]
+fn readers_share_the_index_while_it_is_written() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let warm = Arc::new(Warm::builder().sync_window(Duration::from_millis(20)).open(&path)?);
+    let writers: Vec<_> = (0..2u32)
+        .map(|w| {
+            let warm = Arc::clone(&warm);
+            std::thread::spawn(move || -> Result<(), Error> {
+                for i in 0..300u32 {
+                    let prompt: Vec<u32> = (0..192).map(|t| (w * 1000 + i) * 1000 + t).collect();
+                    warm.ran("m", &prompt, &format!("node-{w}"))?;
+                    let hit = warm.warmest("m", &prompt)?;
+                    assert_eq!(hit.map(|h| (h.node, h.tokens)), Some((format!("node-{w}"), 192)), "read your writes");
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    // A read-only view of the file follows the commits while the writers run.
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen.last().is_none_or(|&n| n < 1800) && Instant::now() < deadline {
+        let snapshot = Snapshot::open(&path)?;
+        let stats = snapshot.stats()?;
+        assert!(snapshot.check()?.problems.is_empty());
+        seen.push(stats.entries);
+        std::thread::sleep(Duration::from_millis(15));
+    }
+    for w in writers {
+        w.join().map_err(|_| Error::Poisoned)??;
+    }
+    println!("snapshot entry counts seen: {seen:?}");
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "commits only add here");
+    assert_eq!(seen.last(), Some(&1800), "the reader saw every commit within the window");
+    assert!(seen.iter().any(|&n| n > 0 && n < 1800), "and saw the file while it was being written");
+    Ok(())
+}

@@ -53,8 +53,8 @@ pub enum Error {
     },
     /// The file was left by a writer that did not close it and is no longer running.
     CrashedWriter {
-        /// Process id of the writer that left it.
-        pid: u32,
+        /// Process id of the writer that left it, where the file still says.
+        pid: Option<u32>,
     },
     /// The storage underneath failed (I/O error, disk full, …). What was committed before the
     /// failure is still there; what the failed commit held was not made durable.
@@ -68,6 +68,13 @@ pub enum Error {
     /// committed before is intact) and the call that reports it did nothing.
     CommitFailed {
         /// The error of the failed commit.
+        detail: String,
+    },
+    /// A line of a request trace is not valid.
+    Trace {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
         detail: String,
     },
     /// An I/O error outside redb (reading a JSON file, a file's size).
@@ -123,7 +130,8 @@ impl fmt::Display for Error {
             ),
             Error::CrashedWriter { pid } => write!(
                 f,
-                "the index was left open by writer process {pid}, which is no longer running; open it with the head (or `superfluid-warm check --repair`) to recover it first"
+                "the index was left open by a writer{} that is no longer running; open it with the head (or `superfluid-warm check --repair`) to recover it first",
+                pid.map(|p| format!(" (process {p})")).unwrap_or_default()
             ),
             Error::Storage { context, source } => write!(
                 f,
@@ -133,6 +141,9 @@ impl fmt::Display for Error {
                 f,
                 "a background commit failed ({detail}); the rans since the last sync were lost and this call did nothing; retry it, and check the disk"
             ),
+            Error::Trace { line, detail } => {
+                write!(f, "trace line {line}: {detail}; each line must be a Mooncake request object")
+            }
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
             Error::Codec { record, detail } => {
                 write!(f, "the {record} record cannot be read ({detail}); the file is damaged or from another program")

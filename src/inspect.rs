@@ -100,15 +100,16 @@ impl Snapshot {
     pub fn open(path: impl AsRef<Path>) -> Result<Snapshot> {
         let snapshot = Self::open_even_if_crashed(path)?;
         match snapshot.writer() {
-            Some(pid) if !alive(pid) => Err(Error::CrashedWriter { pid }),
+            Some(pid) if !alive(pid) => Err(Error::CrashedWriter { pid: Some(pid) }),
             _ => Ok(snapshot),
         }
     }
 
-    /// Opens `path` read-only at its last commit, also when its writer crashed (for `check`).
+    /// Opens `path` read-only at its last commit, also when the file names a writer that is gone
+    /// but redb found it clean (for `check`).
     ///
     /// # Errors
-    /// As [`Snapshot::open`], but for [`Error::CrashedWriter`].
+    /// As [`Snapshot::open`]; [`Error::CrashedWriter`] only when redb refuses the file.
     pub fn open_even_if_crashed(path: impl AsRef<Path>) -> Result<Snapshot> {
         let path = path.as_ref();
         if !path.is_file() {
@@ -121,7 +122,11 @@ impl Snapshot {
             .set_concurrency_mode(ConcurrencyMode::SingleWriter)
             .set_cache_size(16 << 20)
             .open_read_only(path)
-            .map_err(|e| open_error(path, e))?;
+            .map_err(|e| match e {
+                // redb refuses a file left unclean when no writer holds it: a crash.
+                redb::DatabaseError::RepairAborted => Error::CrashedWriter { pid: None },
+                e => open_error(path, e),
+            })?;
         let txn = db.begin_read().map_err(redb_err("starting a read"))?;
         let meta_table = txn.open_table(META).map_err(|e| match e {
             redb::TableError::TableDoesNotExist(_) => Error::UnknownFormat { detail: "no meta table".into() },
@@ -325,6 +330,28 @@ pub fn integrity_check_copy(path: &Path) -> Result<bool> {
     };
     let _ = std::fs::remove_file(&copy);
     verdict
+}
+
+/// Copies `path` beside the temporary directory and recovers the copy as a writer would (redb's
+/// repair), so that a file left by a crashed head can be checked without touching it. Returns the
+/// copy's path; the caller removes it.
+///
+/// # Errors
+/// [`Error::Io`] if the copy cannot be made; [`Error::Corrupted`] or [`Error::Storage`] if it
+/// cannot be recovered.
+pub fn recovered_copy(path: &Path) -> Result<PathBuf> {
+    let copy = std::env::temp_dir().join(format!("superfluid-warm-recover-{}-{}.redb", std::process::id(), unique()));
+    std::fs::copy(path, &copy).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+    match redb::Builder::new().open(&copy) {
+        Ok(db) => {
+            drop(db);
+            Ok(copy)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&copy);
+            Err(open_error(path, e))
+        }
+    }
 }
 
 fn unique() -> u64 {

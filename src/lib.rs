@@ -38,7 +38,7 @@ pub mod trace;
 pub use builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_CAPACITY, DEFAULT_SYNC_WINDOW, MAX_CAPACITY};
 pub use chain::{BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix};
 pub use error::{Error, Result};
-pub use inspect::{Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy};
+pub use inspect::{Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy};
 pub use legacy::ImportReport;
 pub use records::SCHEMA_VERSION;
 pub use state::MAX_NODE_BYTES;

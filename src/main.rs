@@ -1,1 +1,7 @@
-fn main() {}
+//! The `superfluid-warm` command: inspect an index, import a 0.1.7 file, replay a workload.
+
+mod cli;
+
+fn main() -> std::process::ExitCode {
+    cli::main()
+}

@@ -1,1 +1,205 @@
-//! placeholder
+//! Replaying a workload through the index as a head would: for each request, ask `warmest`,
+//! choose a node by a routing policy, record the `ran`. The 0.1.7 design is driven with the same
+//! decisions in the same run, so the two index times compare.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use crate::baseline::{Baseline, MAX_0_1_7};
+use crate::chain::Namespace;
+use crate::error::Result;
+use crate::trace::Request;
+use crate::warm::Warm;
+
+/// How the head picks a node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Policy {
+    /// Weigh warmth against load (the default, as cache-aware routers do).
+    Balanced,
+    /// The naive rule: the warm node whenever it has at least two blocks.
+    Warmest,
+}
+
+/// The settings of a replay.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Nodes in the cluster.
+    pub nodes: usize,
+    /// Routing policy.
+    pub policy: Policy,
+    /// A node's load is the prompt tokens it was given over the last `window` requests.
+    pub window: usize,
+    /// `Balanced`: the warm prefix must cover at least this share of the prompt.
+    pub min_share: f64,
+    /// `Balanced`: the cluster is imbalanced when max − min load exceeds this many tokens (and
+    /// max > 1.5 × min).
+    pub balance_abs: u64,
+    /// The model the requests are for.
+    pub model: String,
+    /// Also drive the 0.1.7 design with the same decisions and time it.
+    pub baseline: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            nodes: 8,
+            policy: Policy::Balanced,
+            window: 256,
+            min_share: 0.5,
+            balance_abs: 65_536,
+            model: "mooncake-conversation".into(),
+            baseline: true,
+        }
+    }
+}
+
+/// Per-request times, summarised.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timing {
+    /// Median.
+    pub p50: Duration,
+    /// 99th percentile.
+    pub p99: Duration,
+    /// Sum.
+    pub total: Duration,
+}
+
+impl Timing {
+    fn of(mut samples: Vec<Duration>) -> Timing {
+        samples.sort_unstable();
+        let at = |q: f64| samples.get(((samples.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or_default();
+        Timing { p50: at(0.5), p99: at(0.99), total: samples.iter().sum() }
+    }
+}
+
+/// What a replay found.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    /// Requests replayed.
+    pub requests: usize,
+    /// Prompt tokens in all.
+    pub prompt_tokens: u64,
+    /// Prompt tokens sent to a node that had them warm.
+    pub warm_tokens: u64,
+    /// Requests sent to their warm node.
+    pub warm_requests: usize,
+    /// Prompt tokens given to each node over the whole replay.
+    pub load: Vec<u64>,
+    /// Index time per request (hash, `warmest`, `ran`).
+    pub index: Timing,
+    /// The same for the 0.1.7 design, given the same decisions.
+    pub baseline: Option<Timing>,
+    /// Time to make everything durable at the end (`sync`) and, for 0.1.7, `save`.
+    pub final_sync: Duration,
+    /// Entries in the index at the end.
+    pub entries: u64,
+    /// Wall time of the whole replay.
+    pub wall: Duration,
+}
+
+impl Report {
+    /// Share of prompt tokens routed warm.
+    pub fn warm_share(&self) -> f64 {
+        if self.prompt_tokens == 0 { 0.0 } else { self.warm_tokens as f64 / self.prompt_tokens as f64 }
+    }
+
+    /// Most loaded node's tokens over the least loaded's (infinite if one got nothing).
+    pub fn imbalance(&self) -> f64 {
+        let max = self.load.iter().copied().max().unwrap_or(0) as f64;
+        let min = self.load.iter().copied().min().unwrap_or(0) as f64;
+        if min == 0.0 { f64::INFINITY } else { max / min }
+    }
+}
+
+/// Node names used by replays: `node-0` …
+pub fn node_name(i: usize) -> String {
+    format!("node-{i}")
+}
+
+/// Sliding-window load per node.
+struct Load {
+    per_node: Vec<u64>,
+    recent: VecDeque<(usize, u64)>,
+    window: usize,
+}
+
+impl Load {
+    fn add(&mut self, node: usize, tokens: u64) {
+        self.per_node[node] += tokens;
+        self.recent.push_back((node, tokens));
+        if self.recent.len() > self.window
+            && let Some((n, t)) = self.recent.pop_front()
+        {
+            self.per_node[n] -= t;
+        }
+    }
+
+    fn least(&self) -> usize {
+        (0..self.per_node.len()).min_by_key(|&n| (self.per_node[n], n)).unwrap_or(0)
+    }
+
+    fn imbalanced(&self, abs: u64) -> bool {
+        let max = self.per_node.iter().copied().max().unwrap_or(0);
+        let min = self.per_node.iter().copied().min().unwrap_or(0);
+        max - min > abs && max as f64 > 1.5 * min as f64
+    }
+}
+
+/// Replays `requests` through `warm`, calling `progress` after each.
+///
+/// # Errors
+/// Any error of the index.
+pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: impl FnMut(usize)) -> Result<Report> {
+    let started = Instant::now();
+    let nodes = config.nodes.max(1);
+    let names: Vec<String> = (0..nodes).map(node_name).collect();
+    let namespace = Namespace::new(&config.model)?;
+    let mut baseline = config.baseline.then(|| Baseline::in_memory(MAX_0_1_7));
+    let mut load = Load { per_node: vec![0; nodes], recent: VecDeque::new(), window: config.window.max(1) };
+    let mut report = Report { requests: requests.len(), load: vec![0; nodes], ..Report::default() };
+    let (mut ours, mut theirs) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
+    for (i, request) in requests.iter().enumerate() {
+        let tokens = request.tokens();
+        let t0 = Instant::now();
+        let prefix = warm.prefix(&namespace, &tokens)?;
+        let hit = warm.warmest_prefix(&prefix)?;
+        let mut elapsed = t0.elapsed();
+        let warm_node = hit.as_ref().and_then(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)));
+        let chosen = match (config.policy, warm_node) {
+            (Policy::Warmest, Some((node, _))) => node,
+            (Policy::Warmest, None) => load.least(),
+            (Policy::Balanced, _) if load.imbalanced(config.balance_abs) => load.least(),
+            (Policy::Balanced, Some((node, len))) if len as f64 >= config.min_share * tokens.len() as f64 => node,
+            (Policy::Balanced, _) => load.least(),
+        };
+        if let Some((node, len)) = warm_node
+            && node == chosen
+        {
+            report.warm_tokens += len as u64;
+            report.warm_requests += 1;
+        }
+        let t1 = Instant::now();
+        warm.ran_prefix(&prefix, &names[chosen])?;
+        elapsed += t1.elapsed();
+        ours.push(elapsed);
+        if let Some(b) = baseline.as_mut() {
+            let t2 = Instant::now();
+            std::hint::black_box(b.warmest(&config.model, &tokens));
+            b.ran(&config.model, &tokens, &names[chosen]);
+            theirs.push(t2.elapsed());
+        }
+        load.add(chosen, tokens.len() as u64);
+        report.load[chosen] += tokens.len() as u64;
+        report.prompt_tokens += tokens.len() as u64;
+        progress(i + 1);
+    }
+    let t3 = Instant::now();
+    warm.sync()?;
+    report.final_sync = t3.elapsed();
+    report.index = Timing::of(ours);
+    report.baseline = baseline.map(|_| Timing::of(theirs));
+    report.entries = warm.stats()?.entries;
+    report.wall = started.elapsed();
+    Ok(report)
+}

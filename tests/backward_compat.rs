@@ -67,7 +67,8 @@ fn new_turns_after_the_upgrade_extend_old_prefixes_and_old_entries_age_out() -> 
     let dir = tempfile::tempdir().expect("tempdir");
     let queries = queries();
     let entries_in_file = {
-        let json: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture()).expect("fixture")).expect("json");
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(fixture()).expect("fixture")).expect("json");
         json["prefixes"].as_array().map_or(0, Vec::len) as u64
     };
     let warm = Warm::builder().capacity(entries_in_file + 64).open(dir.path().join("w.redb"))?;
@@ -92,10 +93,8 @@ fn new_turns_after_the_upgrade_extend_old_prefixes_and_old_entries_age_out() -> 
     let stats = warm.stats()?;
     assert_eq!(stats.legacy_entries, 0, "{stats:?}");
     assert!(stats.entries <= stats.capacity);
-    let other = queries
-        .iter()
-        .find(|o| o.answer.is_some() && o.model != q.model)
-        .expect("a warm query of the other model");
+    let other =
+        queries.iter().find(|o| o.answer.is_some() && o.model != q.model).expect("a warm query of the other model");
     assert_eq!(warm.warmest(&other.model, &other.tokens)?, None);
     Ok(())
 }

@@ -1,0 +1,179 @@
+//! The binary on real files: live dump beside a writing process, crashed and corrupt files,
+//! JSON output, and a replay that gives the same answer twice.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{bin, db_path, tempdir};
+
+fn run(args: &[&str]) -> Output {
+    Command::new(bin()).args(args).output().expect("the binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Starts a writer process and waits until it has made `n` syncs durable.
+fn writer(path: &Path, n: u64) -> (Child, BufReader<std::process::ChildStdout>) {
+    let mut child = Command::new(bin())
+        .args(["torture-writer", "--db", path.to_str().expect("utf-8 path"), "--capacity", "2048"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("writer starts");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let mut seen = 0;
+    while seen < n {
+        line.clear();
+        assert!(lines.read_line(&mut line).expect("read") > 0, "writer ended early");
+        seen += 1;
+    }
+    (child, lines)
+}
+
+fn json_lines(out: &Output) -> Vec<serde_json::Value> {
+    text(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("each line is JSON")).collect()
+}
+
+#[test]
+fn dump_reads_the_file_while_another_process_writes_it_then_reports_the_crash() {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let p = path.to_str().expect("utf-8");
+    let (mut child, _lines) = writer(&path, 20);
+    let mut counts = Vec::new();
+    let until = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < until || counts.len() < 5 {
+        let out = run(&["dump", p, "--json"]);
+        assert!(out.status.success(), "dump while writing: {}", text(&out.stderr));
+        let rows = json_lines(&out);
+        assert!(!rows.is_empty());
+        let clocks: Vec<u64> = rows.iter().map(|r| r["clock"].as_u64().expect("clock")).collect();
+        assert!(clocks.windows(2).all(|w| w[0] >= w[1]), "newest first");
+        assert!(rows.iter().all(|r| r["node"].as_str().is_some_and(|n| n.starts_with("node-"))));
+        assert!(rows.iter().all(|r| r["model"] == "torture" && r["tokens"].as_u64().is_some_and(|t| t % 64 == 0)));
+        counts.push(clocks[0]);
+        let limited = run(&["dump", p, "--json", "--node", "node-1", "--limit", "3"]);
+        let limited = json_lines(&limited);
+        assert!(limited.len() <= 3 && limited.iter().all(|r| r["node"] == "node-1"));
+    }
+    assert!(counts.windows(2).any(|w| w[1] > w[0]), "the dumps followed the writer's commits: {counts:?}");
+    let stats = run(&["stats", p, "--json"]);
+    assert!(stats.status.success(), "{}", text(&stats.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats JSON");
+    assert!(stats["entries"].as_u64().is_some_and(|e| e > 0 && e <= 2048), "{stats}");
+    assert!(stats["writer_pid"].as_u64().is_some());
+
+    child.kill().expect("SIGKILL the writer");
+    child.wait().expect("reaped");
+    let out = run(&["dump", p]);
+    assert_eq!(out.status.code(), Some(1), "a crashed file is an error, not an empty listing");
+    assert!(text(&out.stderr).contains("no longer running"), "{}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("panicked"));
+    let check = run(&["check", p, "--json"]);
+    let verdict: serde_json::Value = serde_json::from_slice(&check.stdout).expect("check JSON");
+    assert_eq!(verdict["crashed_writer"], true, "{verdict}");
+    assert_eq!(verdict["integrity"], true, "{verdict}");
+    assert_eq!(check.status.code(), Some(0), "a crash loses no consistency: {verdict}");
+    assert_eq!(verdict["problems"].as_array().map(Vec::len), Some(0), "the last commit is consistent: {verdict}");
+    let repaired = run(&["check", p, "--repair"]);
+    assert!(repaired.status.success(), "{}{}", text(&repaired.stdout), text(&repaired.stderr));
+    assert!(text(&repaired.stdout).contains("redb integrity: ok"));
+    let out = run(&["dump", p, "--limit", "5"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("5 entries shown"), "{}", text(&out.stdout));
+}
+
+#[test]
+fn corrupt_and_foreign_files_get_a_clear_error_never_a_panic() {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let p = path.to_str().expect("utf-8");
+    let (mut child, _lines) = writer(&path, 30);
+    child.kill().expect("kill");
+    child.wait().expect("reaped");
+    assert!(run(&["check", p, "--repair"]).status.success());
+    let healthy = run(&["check", p]);
+    assert_eq!(healthy.status.code(), Some(0), "{}", text(&healthy.stdout));
+
+    // Flip one byte inside the data pages (past redb's header region).
+    let mut bytes = std::fs::read(&path).expect("read");
+    let len = bytes.len();
+    let mut flipped_detected = 0;
+    for (i, at) in [len / 3, len / 2, 2 * len / 3].into_iter().enumerate() {
+        let mut copy = bytes.clone();
+        copy[at] ^= 0x10;
+        let bad = dir.path().join(format!("bad-{i}.redb"));
+        std::fs::write(&bad, &copy).expect("write");
+        let b = bad.to_str().expect("utf-8");
+        for args in [vec!["check", b], vec!["dump", b], vec!["stats", b, "--json"]] {
+            let out = run(&args);
+            assert_ne!(out.status.code(), Some(101), "{args:?} panicked: {}", text(&out.stderr));
+            assert!(!text(&out.stderr).contains("panicked"), "{args:?}: {}", text(&out.stderr));
+            if args[0] == "check" {
+                flipped_detected += usize::from(out.status.code() == Some(2));
+            }
+        }
+    }
+    println!("check flagged {flipped_detected} of 3 flipped files");
+    // A byte in an unused page can flip harmlessly; most land in a tree page and must be caught.
+    assert!(flipped_detected >= 1);
+
+    let foreign = dir.path().join("foreign.redb");
+    bytes.truncate(0);
+    bytes.extend_from_slice(b"{\"prefixes\": []}");
+    std::fs::write(&foreign, &bytes).expect("write");
+    let out = run(&["dump", foreign.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("not an index"), "{}", text(&out.stderr));
+    let missing = run(&["stats", dir.path().join("absent.redb").to_str().expect("utf-8")]);
+    assert_eq!(missing.status.code(), Some(1));
+    assert!(!dir.path().join("absent.redb").exists(), "a read-only command never creates a file");
+}
+
+#[test]
+fn import_from_the_command_line_then_dump_shows_the_old_entries() {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let p = path.to_str().expect("utf-8");
+    let old = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0001-from-0.1.7-json/warm.json");
+    let out = run(&["import", old, p]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("imported "), "{}", text(&out.stdout));
+    let again = run(&["import", old, p]);
+    assert!(text(&again.stdout).contains("imported before"));
+    let rows = json_lines(&run(&["dump", p, "--json"]));
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(old).expect("fixture")).expect("json");
+    assert_eq!(rows.len(), json["prefixes"].as_array().map_or(0, Vec::len));
+    assert!(rows.iter().all(|r| r["legacy"] == true && r["tokens"].is_null()));
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{not json").expect("write");
+    let out = run(&["import", bad.to_str().expect("utf-8"), p]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("cannot import"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/mooncake-conversation.jsonl");
+    let once = |_: u8| -> serde_json::Value {
+        let out = run(&["replay", "--trace", trace, "--requests", "500", "--json", "--no-baseline"]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("replay JSON")
+    };
+    let (a, b) = (once(1), once(2));
+    assert_eq!(a["requests"], 500);
+    assert!(a["warm_tokens"].as_u64().is_some_and(|w| w > 0), "{a}");
+    assert_eq!(a["warm_tokens"], b["warm_tokens"]);
+    assert_eq!(a["load"], b["load"]);
+    let default = run(&["replay", "--requests", "300"]);
+    assert!(default.status.success(), "{}", text(&default.stderr));
+    for needle in ["routed warm", "load per node", "index time/request", "ratio (ours/0.1.7)"] {
+        assert!(text(&default.stdout).contains(needle), "missing {needle:?}: {}", text(&default.stdout));
+    }
+}

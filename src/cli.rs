@@ -480,17 +480,28 @@ fn replay_text(r: &Report, c: &Config, source: &str, path: &Path, temporary: boo
 
 fn torture_writer(out: &mut impl Write, db: &Path, seed: u64, capacity: u64, rans: u64) -> Result<ExitCode, Error> {
     let warm = Warm::builder().capacity(capacity).sync_window(Duration::from_millis(2)).open(db)?;
-    let workload = trace::synthetic(if rans == 0 { 1_000_000 } else { rans as usize }, 16, seed);
-    for (i, request) in workload.iter().enumerate() {
-        let mut tokens = request.tokens();
-        tokens.truncate(64 * 24);
-        warm.ran("torture", &tokens, &replay::node_name(i % 5))?;
+    let workload = trace::synthetic(TORTURE_CYCLE, 16, seed);
+    let mut i = 0u64;
+    while rans == 0 || i < rans {
+        let request = &workload[(i % TORTURE_CYCLE as u64) as usize];
+        warm.ran("torture", &torture_tokens(request), &replay::node_name(i as usize % 5))?;
         if i % 3 == 0 {
             warm.sync()?;
-            writeln!(out, "durable {i}").map_err(stdout_error)?;
+            writeln!(out, "durable {i} {}", warm.stats()?.clock).map_err(stdout_error)?;
             out.flush().map_err(stdout_error)?;
         }
+        i += 1;
     }
     warm.close()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Requests the torture writer cycles through (`trace::synthetic(TORTURE_CYCLE, 16, seed)`).
+const TORTURE_CYCLE: usize = 5000;
+
+/// The torture writer's prompt for a request: its first 24 blocks.
+fn torture_tokens(request: &trace::Request) -> Vec<u32> {
+    let mut tokens = request.tokens();
+    tokens.truncate(64 * 24);
+    tokens
 }

@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod backend;
+
 use std::path::PathBuf;
 
 /// A small deterministic generator (SplitMix64), so failures replay from their seed.

@@ -141,7 +141,10 @@ fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result
             std::fs::remove_file(&path).expect("remove");
         }
     }
-    println!("power loss: {} operations recorded, {crash_points} crash points, {images} crash images reopened", ops.len());
+    println!(
+        "power loss: {} operations recorded, {crash_points} crash points, {images} crash images reopened",
+        ops.len()
+    );
     assert!(crash_points > 80);
     Ok(())
 }

@@ -1,0 +1,90 @@
+//! I/O errors and a full disk: typed errors, what was committed stays answerable and durable.
+
+mod common;
+
+use std::time::Duration;
+
+use common::backend::Disk;
+use superfluid_warm::{Error, Hit, Warm};
+
+fn prompt(i: u32) -> Vec<u32> {
+    (0..256).map(|t| i * 1000 + t).collect()
+}
+
+#[test]
+fn a_failing_write_or_sync_is_a_typed_error_and_loses_nothing_committed() -> Result<(), Error> {
+    for fail_syncs in [false, true] {
+        let disk = Disk::default();
+        let warm = Warm::builder().sync_window(Duration::from_secs(30)).open_with_backend(disk.backend())?;
+        for i in 0..10 {
+            warm.ran("m", &prompt(i), "a")?;
+        }
+        warm.sync()?;
+        {
+            let mut state = disk.state();
+            state.fail_syncs = fail_syncs;
+            state.fail_writes = !fail_syncs;
+        }
+        warm.ran("m", &prompt(100), "b")?;
+        let err = warm.sync().expect_err("the commit cannot succeed");
+        assert!(matches!(err, Error::Storage { .. }), "{err}");
+        assert!(err.to_string().contains("committed before is intact"), "{err}");
+        // The head keeps routing on what was committed.
+        for i in 0..10 {
+            assert_eq!(
+                warm.warmest("m", &prompt(i))?,
+                Some(Hit { node: "a".into(), tokens: 256 }),
+                "fail_syncs {fail_syncs}"
+            );
+        }
+        assert_eq!(warm.warmest("m", &prompt(100))?, None, "the failed batch is gone, not half there");
+        drop(warm);
+        let durable = disk.state().durable.clone();
+        let reopened = Warm::open_image(durable)?;
+        for i in 0..10 {
+            assert_eq!(reopened.warmest("m", &prompt(i))?, Some(Hit { node: "a".into(), tokens: 256 }));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_full_disk_is_a_typed_error_and_leaves_a_consistent_file() -> Result<(), Error> {
+    let disk = Disk::default();
+    let warm = Warm::builder().sync_window(Duration::ZERO).open_with_backend(disk.backend())?;
+    let limit = disk.state().live.len() as u64 + 4 * 1024 * 1024;
+    disk.state().limit = Some(limit);
+    let mut acked = 0;
+    let err = loop {
+        match warm.ran("m", &prompt(acked), "a") {
+            Ok(()) => acked += 1,
+            Err(e) => break e,
+        }
+        assert!(acked < 100_000, "the disk never filled");
+    };
+    println!("disk full after {acked} durable rans: {err}");
+    assert!(matches!(err, Error::Storage { .. }), "{err}");
+    assert!(err.to_string().contains("No space left") || err.to_string().contains("no space left"), "{err}");
+    assert!(acked > 10);
+    for i in (0..acked).step_by(7) {
+        assert!(warm.warmest("m", &prompt(i))?.is_some(), "ran {i} was committed before the disk filled");
+    }
+    drop(warm);
+    let image = disk.state().durable.clone();
+    let reopened = Warm::open_image(image)?;
+    for i in 0..acked {
+        assert_eq!(reopened.warmest("m", &prompt(i))?.map(|h| h.tokens), Some(256), "durable ran {i}");
+    }
+    Ok(())
+}
+
+trait OpenImage {
+    fn open_image(image: Vec<u8>) -> Result<Warm, Error>;
+}
+
+impl OpenImage for Warm {
+    /// Reopens a disk image, as after a restart.
+    fn open_image(image: Vec<u8>) -> Result<Warm, Error> {
+        Warm::builder().open_with_backend(Disk::with_image(image).backend())
+    }
+}

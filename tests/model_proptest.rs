@@ -1,0 +1,64 @@
+//! Random operation sequences, reopens included, against the in-memory model of 0.1.7.
+
+mod common;
+
+use proptest::prelude::*;
+use superfluid_warm::baseline::Baseline;
+use superfluid_warm::{Hit, Warm};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Ran { conversation: usize, grow: usize, node: usize },
+    Ask { conversation: usize, cut: usize },
+    Sync,
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0..6usize, 0..400usize, 0..3usize).prop_map(|(conversation, grow, node)| Op::Ran { conversation, grow, node }),
+        4 => (0..6usize, 0..2000usize).prop_map(|(conversation, cut)| Op::Ask { conversation, cut }),
+        1 => Just(Op::Sync),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_sequences_answer_as_the_model(ops in proptest::collection::vec(op(), 1..40)) {
+        let dir = common::tempdir();
+        let path = common::db_path(&dir);
+        let mut warm = Some(Warm::open(&path).expect("open"));
+        let mut model = Baseline::in_memory(1 << 20);
+        // Conversation c's prompt: a shared 128-token system prompt, then its own turns.
+        let mut prompts: Vec<Vec<u32>> = (0..6).map(|_| (0..128).collect()).collect();
+        for op in ops {
+            let w = warm.as_ref().expect("open");
+            match op {
+                Op::Ran { conversation, grow, node } => {
+                    let p = &mut prompts[conversation];
+                    let start = p.len() as u32;
+                    p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+                    let node = ["a", "b", "c"][node];
+                    model.ran("m", p, node);
+                    w.ran("m", p, node).expect("ran");
+                }
+                Op::Ask { conversation, cut } => {
+                    let p = &prompts[conversation];
+                    let p = &p[..cut.min(p.len())];
+                    let want = model.warmest("m", p).map(|(node, tokens)| Hit { node: node.into(), tokens });
+                    prop_assert_eq!(w.warmest("m", p).expect("warmest"), want);
+                }
+                Op::Sync => w.sync().expect("sync"),
+                Op::Reopen => {
+                    warm.take().expect("open").close().expect("close");
+                    warm = Some(Warm::open(&path).expect("reopen"));
+                }
+            }
+        }
+        let w = warm.as_ref().expect("open");
+        prop_assert_eq!(w.stats().expect("stats").entries, model.len() as u64);
+    }
+}

@@ -485,7 +485,7 @@ fn torture_writer(out: &mut impl Write, db: &Path, seed: u64, capacity: u64, ran
     while rans == 0 || i < rans {
         let request = &workload[(i % TORTURE_CYCLE as u64) as usize];
         warm.ran("torture", &torture_tokens(request), &replay::node_name(i as usize % 5))?;
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             warm.sync()?;
             writeln!(out, "durable {i} {}", warm.stats()?.clock).map_err(stdout_error)?;
             out.flush().map_err(stdout_error)?;

@@ -1,1 +1,137 @@
-fn main() {}
+//! The index against a faithful 0.1.7 baseline, in the same run: per-request index time on the
+//! Mooncake conversation trace, the durable point at 64k entries, and open at 64k entries.
+//! `cargo bench` prints criterion's figures, then the ratios (ours / 0.1.7).
+
+use std::hint::black_box;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, criterion_group};
+use superfluid_warm::baseline::{Baseline, MAX_0_1_7};
+use superfluid_warm::replay::node_name;
+use superfluid_warm::{Namespace, Warm, trace};
+
+const MODEL: &str = "mooncake-conversation";
+
+fn requests() -> Vec<Vec<u32>> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake-conversation.jsonl");
+    trace::read(&path).expect("the trace").iter().map(trace::Request::tokens).collect()
+}
+
+/// 64k entries of distinct 4-block prompts, in both designs.
+fn filled(dir: &Path) -> (Warm, Baseline, Vec<Vec<u32>>) {
+    let warm = Warm::builder().capacity(1 << 20).open(dir.join("bench.redb")).expect("open");
+    let mut base = Baseline::kept_in(dir.join("bench.json"), MAX_0_1_7);
+    let prompts: Vec<Vec<u32>> = (0..16_384u32).map(|i| (0..256).map(|t| i * 1000 + t).collect()).collect();
+    for (i, p) in prompts.iter().enumerate() {
+        warm.ran(MODEL, p, &node_name(i % 8)).expect("ran");
+        base.ran(MODEL, p, &node_name(i % 8));
+    }
+    warm.sync().expect("sync");
+    base.save();
+    (warm, base, prompts)
+}
+
+fn per_request(c: &mut Criterion) {
+    let reqs = requests();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let warm = Warm::open(dir.path().join("trace.redb")).expect("open");
+    let ns = Namespace::new(MODEL).expect("namespace");
+    let mut base = Baseline::in_memory(MAX_0_1_7);
+    let mut group = c.benchmark_group("request (warmest + ran), Mooncake trace");
+    let mut i = 0;
+    group.bench_function("superfluid-warm", |b| {
+        b.iter(|| {
+            let tokens = &reqs[i % reqs.len()];
+            let prefix = warm.prefix(&ns, tokens).expect("prefix");
+            black_box(warm.warmest_prefix(&prefix).expect("warmest"));
+            warm.ran_prefix(&prefix, &node_name(i % 8)).expect("ran");
+            i += 1;
+        })
+    });
+    let mut j = 0;
+    group.bench_function("0.1.7", |b| {
+        b.iter(|| {
+            let tokens = &reqs[j % reqs.len()];
+            black_box(base.warmest(MODEL, tokens));
+            base.ran(MODEL, tokens, &node_name(j % 8));
+            j += 1;
+        })
+    });
+    group.finish();
+}
+
+fn durable_and_open(c: &mut Criterion) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (warm, mut base, prompts) = filled(dir.path());
+    let mut group = c.benchmark_group("durable point at 64k entries (one new ran, then sync/save)");
+    group.sample_size(20);
+    let mut k = 0u32;
+    group.bench_function("superfluid-warm sync", |b| {
+        b.iter(|| {
+            warm.ran(MODEL, &prompts[k as usize % prompts.len()], &node_name(k as usize % 7)).expect("ran");
+            warm.sync().expect("sync");
+            k += 1;
+        })
+    });
+    group.bench_function("0.1.7 save", |b| {
+        b.iter(|| {
+            base.ran(MODEL, &prompts[k as usize % prompts.len()], &node_name(k as usize % 7));
+            black_box(base.save());
+            k += 1;
+        })
+    });
+    group.finish();
+    drop(warm);
+    let mut group = c.benchmark_group("open at 64k entries");
+    group.sample_size(10);
+    group.bench_function("superfluid-warm open", |b| {
+        b.iter(|| black_box(Warm::open(dir.path().join("bench.redb")).expect("open")))
+    });
+    group.bench_function("0.1.7 load", |b| {
+        b.iter(|| black_box(Baseline::kept_in(dir.path().join("bench.json"), MAX_0_1_7)))
+    });
+    group.finish();
+}
+
+fn time(n: u32, mut f: impl FnMut()) -> Duration {
+    let t = Instant::now();
+    for _ in 0..n {
+        f();
+    }
+    t.elapsed() / n
+}
+
+/// The ratios, measured again side by side (medians of criterion are in its own output).
+fn ratios() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (warm, mut base, prompts) = filled(dir.path());
+    let ours = time(50, || {
+        warm.ran(MODEL, &prompts[7], "node-x").expect("ran");
+        warm.ran(MODEL, &prompts[7], "node-y").expect("ran");
+        warm.sync().expect("sync");
+    });
+    let theirs = time(10, || {
+        base.ran(MODEL, &prompts[7], "node-x");
+        black_box(base.save());
+    });
+    let json_bytes = std::fs::metadata(dir.path().join("bench.json")).map(|m| m.len()).unwrap_or(0);
+    drop(warm);
+    let open = time(5, || drop(black_box(Warm::open(dir.path().join("bench.redb")).expect("open"))));
+    let load = time(5, || drop(black_box(Baseline::kept_in(dir.path().join("bench.json"), MAX_0_1_7))));
+    println!("\nratios at 64k entries (ours / 0.1.7):");
+    println!("  durable point: {ours:?} vs save {theirs:?} ({json_bytes} bytes rewritten): {:.3}x", ratio(ours, theirs));
+    println!("  open:          {open:?} vs load {load:?}: {:.3}x", ratio(open, load));
+}
+
+fn ratio(a: Duration, b: Duration) -> f64 {
+    a.as_secs_f64() / b.as_secs_f64().max(1e-12)
+}
+
+criterion_group!(benches, per_request, durable_and_open);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    ratios();
+}

@@ -120,7 +120,10 @@ fn ratios() {
     let open = time(5, || drop(black_box(Warm::open(dir.path().join("bench.redb")).expect("open"))));
     let load = time(5, || drop(black_box(Baseline::kept_in(dir.path().join("bench.json"), MAX_0_1_7))));
     println!("\nratios at 64k entries (ours / 0.1.7):");
-    println!("  durable point: {ours:?} vs save {theirs:?} ({json_bytes} bytes rewritten): {:.3}x", ratio(ours, theirs));
+    println!(
+        "  durable point: {ours:?} vs save {theirs:?} ({json_bytes} bytes rewritten): {:.3}x",
+        ratio(ours, theirs)
+    );
     println!("  open:          {open:?} vs load {load:?}: {:.3}x", ratio(open, load));
 }
 

@@ -141,6 +141,8 @@ fn readers_share_the_index_while_it_is_written() -> Result<(), Error> {
                     warm.ran("m", &prompt, &format!("node-{w}"))?;
                     let hit = warm.warmest("m", &prompt)?;
                     assert_eq!(hit.map(|h| (h.node, h.tokens)), Some((format!("node-{w}"), 192)), "read your writes");
+                    // Paced like a head's traffic, so the reader overlaps the writes.
+                    std::thread::sleep(Duration::from_millis(2));
                 }
                 Ok(())
             })

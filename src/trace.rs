@@ -31,10 +31,12 @@ pub fn splitmix64(mut x: u64) -> u64 {
 
 impl Request {
     /// The prompt's tokens: token `j` is `splitmix64(hash_ids[j / 512] * 512 + j % 512) >> 32`.
+    /// A request whose ids do not cover its length (never one from [`parse`]) is cut short.
     pub fn tokens(&self) -> Vec<u32> {
-        (0..self.input_length)
+        let len = self.input_length.min(self.hash_ids.len() * TOKENS_PER_HASH_ID);
+        (0..len)
             .map(|j| {
-                let id = self.hash_ids[j / TOKENS_PER_HASH_ID];
+                let id = self.hash_ids.get(j / TOKENS_PER_HASH_ID).copied().unwrap_or_default();
                 let x = id.wrapping_mul(TOKENS_PER_HASH_ID as u64).wrapping_add((j % TOKENS_PER_HASH_ID) as u64);
                 (splitmix64(x) >> 32) as u32
             })

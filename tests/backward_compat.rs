@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use redb::ReadableTable;
 use serde::Deserialize;
 use superfluid_warm::{Error, Hit, Warm};
 
@@ -128,5 +129,54 @@ fn malformed_or_missing_json_is_a_typed_error_and_changes_nothing() -> Result<()
     let err = Warm::builder().import_json(&bad).open(&path).expect_err("bad import on open");
     assert!(matches!(err, Error::LegacyJson { .. }));
     assert_eq!(Warm::open(&path)?.stats()?.entries, 4, "a refused open touched nothing");
+    Ok(())
+}
+
+const META: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("meta");
+
+/// Rewrites the schema version of a closed index (the first byte of the bincode meta record is
+/// the schema as a varint).
+fn set_schema(path: &Path, from: u8, schema: u8) {
+    let db = redb::Database::create(path).expect("open with redb");
+    let txn = db.begin_write().expect("write");
+    {
+        let mut table = txn.open_table(META).expect("meta table");
+        let mut bytes = table.get("meta").expect("read").expect("a meta record").value().to_vec();
+        assert_eq!(bytes[0], from, "the schema byte");
+        bytes[0] = schema;
+        table.insert("meta", bytes.as_slice()).expect("write");
+    }
+    txn.commit().expect("commit");
+}
+
+#[test]
+fn a_newer_or_unknown_format_is_refused_with_a_typed_error() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("w.redb");
+    let warm = Warm::open(&path)?;
+    warm.ran("m", &[3; 256], "a")?;
+    warm.close()?;
+    set_schema(&path, 1, 2);
+    let err = Warm::open(&path).expect_err("a newer schema");
+    assert!(matches!(err, Error::NewerSchema { found: 2, supported: 1 }), "{err}");
+    assert!(err.to_string().contains("upgrade superfluid-warm"), "{err}");
+    let err = superfluid_warm::Snapshot::open(&path).expect_err("readers refuse it too");
+    assert!(matches!(err, Error::NewerSchema { .. }), "{err}");
+    set_schema(&path, 2, 1);
+    assert_eq!(Warm::open(&path)?.warmest("m", &[3; 256])?.map(|h| h.tokens), Some(256), "refusing changed nothing");
+
+    // A redb file of another program, and a file that is not redb at all.
+    let foreign = dir.path().join("foreign.redb");
+    {
+        let db = redb::Database::create(&foreign).expect("create");
+        let txn = db.begin_write().expect("write");
+        txn.open_table(redb::TableDefinition::<u64, u64>::new("other")).expect("table").insert(1, 2).expect("insert");
+        txn.commit().expect("commit");
+    }
+    assert!(matches!(Warm::open(&foreign), Err(Error::UnknownFormat { .. })));
+    let text = dir.path().join("text.redb");
+    std::fs::write(&text, "this is not a database, it is a text file of some length ".repeat(100)).expect("write");
+    let err = Warm::open(&text).expect_err("not redb");
+    assert!(matches!(err, Error::UnknownFormat { .. } | Error::Corrupted { .. }), "{err}");
     Ok(())
 }

@@ -169,19 +169,7 @@ pub(crate) fn is_legacy(key: &BlockKey) -> bool {
 
 /// The 0.1.7 chain (FNV-1a 64 over the model, then every token's LE bytes), as stored keys.
 pub(crate) fn legacy_chain(model: &str, tokens: &[u32]) -> Vec<BlockKey> {
-    const PRIME: u64 = 0x0000_0100_0000_01B3;
-    let mut h = model.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
-    tokens
-        .chunks_exact(BLOCK_TOKENS)
-        .map(|block| {
-            for t in block {
-                for b in t.to_le_bytes() {
-                    h = (h ^ u64::from(b)).wrapping_mul(PRIME);
-                }
-            }
-            legacy_key(h)
-        })
-        .collect()
+    crate::baseline::chain(model, tokens).map(legacy_key).collect()
 }
 
 #[cfg(test)]

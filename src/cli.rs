@@ -305,7 +305,7 @@ fn check(out: &mut impl Write, path: &Path, json: bool, repair: bool) -> Result<
     // A file left by a crashed head is checked as the head would find it: on a recovered copy.
     let (snapshot, crashed, copy) = match Snapshot::open_even_if_crashed(path) {
         Ok(snapshot) => {
-            let crashed = snapshot.writer().filter(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+            let crashed = snapshot.crashed_writer();
             (snapshot, crashed.map(Some), None)
         }
         Err(Error::CrashedWriter { pid }) => {

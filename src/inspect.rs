@@ -99,9 +99,9 @@ impl Snapshot {
     /// [`Error::Corrupted`], [`Error::Io`] or [`Error::Storage`] otherwise.
     pub fn open(path: impl AsRef<Path>) -> Result<Snapshot> {
         let snapshot = Self::open_even_if_crashed(path)?;
-        match snapshot.writer() {
-            Some(pid) if !alive(pid) => Err(Error::CrashedWriter { pid: Some(pid) }),
-            _ => Ok(snapshot),
+        match snapshot.crashed_writer() {
+            Some(pid) => Err(Error::CrashedWriter { pid: Some(pid) }),
+            None => Ok(snapshot),
         }
     }
 
@@ -159,6 +159,11 @@ impl Snapshot {
     /// Process id of the writer that has (or had, if it crashed) the file open.
     pub fn writer(&self) -> Option<u32> {
         self.meta.writer.as_ref().map(|w| w.pid)
+    }
+
+    /// The writer the file names, if that process is no longer running.
+    pub fn crashed_writer(&self) -> Option<u32> {
+        self.writer().filter(|&pid| !alive(pid))
     }
 
     fn describe(&self, key: BlockKey, entry: Entry) -> DumpEntry {

@@ -30,6 +30,7 @@ pub struct Namespace {
     model: String,
     tenant: Option<Vec<u8>>,
     key: [u8; 32],
+    id: [u8; 8],
 }
 
 impl Namespace {
@@ -64,11 +65,10 @@ impl Namespace {
             }
             None => material.push(0),
         }
-        Ok(Namespace {
-            model: model.to_string(),
-            tenant: tenant.map(<[u8]>::to_vec),
-            key: blake3::derive_key(NS_CONTEXT, &material),
-        })
+        let key = blake3::derive_key(NS_CONTEXT, &material);
+        let mut id = [0; 8];
+        id.copy_from_slice(&blake3::hash(&key).as_bytes()[..8]);
+        Ok(Namespace { model: model.to_string(), tenant: tenant.map(<[u8]>::to_vec), key, id })
     }
 
     /// The model name.
@@ -84,10 +84,7 @@ impl Namespace {
     /// A short public id of this namespace (never the tenant salt): the first 8 bytes of a hash
     /// of its key.
     pub fn id(&self) -> [u8; 8] {
-        let h = blake3::hash(&self.key);
-        let mut out = [0; 8];
-        out.copy_from_slice(&h.as_bytes()[..8]);
-        out
+        self.id
     }
 
     /// The key of every whole block of `tokens`, in order.

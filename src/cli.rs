@@ -210,7 +210,9 @@ fn dump(
 ) -> Result<ExitCode, Error> {
     let snapshot = Snapshot::open(path)?;
     verify_closed(&snapshot, path)?;
+    // JSON lines stream out as they are read; the table needs every row for its widths.
     let mut rows: Vec<DumpEntry> = Vec::new();
+    let mut shown = 0;
     let limit = limit.unwrap_or(usize::MAX);
     let mut failed = None;
     snapshot.visit(!oldest_first, |e| {
@@ -226,11 +228,11 @@ fn dump(
                 failed = Some(err);
                 return false;
             }
-            rows.push(e);
         } else {
             rows.push(e);
         }
-        rows.len() < limit
+        shown += 1;
+        shown < limit
     })?;
     if let Some(err) = failed {
         return Err(stdout_error(err));

@@ -136,11 +136,13 @@ impl Builder {
     fn start(&self, db: Database, legacy: Option<legacy::LegacyFile>) -> Result<Warm> {
         schema::prepare(&db, self.capacity)?;
         let mut state = State::load(&db)?;
-        state.evict(&db)?;
-        state.commit(&db)?;
+        if let Err(e) = state.evict(&db) {
+            return Err(state.lose(&db, e).0);
+        }
+        state.commit(&db, false).map_err(|(e, _)| e)?;
         if let Some(file) = &legacy {
             state.import(&db, file)?;
-            state.commit(&db)?;
+            state.commit(&db, false).map_err(|(e, _)| e)?;
         }
         Warm::start(db, state, self.sync_window)
     }

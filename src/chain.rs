@@ -1,10 +1,15 @@
 //! Prefix hashing: the chain of 64-token blocks, seeded by the model (and tenant).
 //!
-//! Block `i`'s key is the first 16 bytes of
-//! `blake3::keyed_hash(ns_key, cv[i-1] ‖ tokens[64i..64i+64] as u32 LE)`, where `cv[i-1]` is the
-//! whole 32-byte output for the previous block (32 zero bytes for the first) and `ns_key` is
-//! `blake3::derive_key(NS_CONTEXT, len(model) ‖ model ‖ len(tenant) ‖ tenant)`. A block's key
-//! therefore names the model, the tenant and every token before it.
+//! Block `i`'s chained value is `cv[i] = blake3::keyed_hash(cv[i-1], tokens[64i..64i+64] as u32
+//! LE)`: the previous block's 32-byte output is the key of the next (256 bytes, four blake3
+//! compressions per block). The chain starts from `cv[-1] = ns_key =
+//! blake3::derive_key(NS_CONTEXT, len(model) ‖ model ‖ len(tenant) ‖ tenant)`. Its key is
+//! `cv[s][..8] ‖ cv[i][..8]`, with `s` the first block of its segment of [`SEGMENT_BLOCKS`]: the
+//! blocks of one segment of one conversation share their first 8 bytes, so they sit side by side
+//! in the B-tree and a `ran` touches a few leaf pages instead of one per block. A key names the
+//! model, the tenant and every token before it.
+
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 
@@ -17,7 +22,9 @@ pub const MAX_MODEL_BYTES: usize = 1024;
 /// Longest tenant salt accepted, in bytes.
 pub const MAX_TENANT_BYTES: usize = 1024;
 /// The name of the hash scheme written in the meta record.
-pub const HASH_SCHEME: &str = "blake3-keyed-chain-128/v1";
+pub const HASH_SCHEME: &str = "blake3-keyed-chain-seg16/v2";
+/// Blocks per segment: the blocks of a segment share the first half of their keys.
+pub const SEGMENT_BLOCKS: usize = 16;
 
 const NS_CONTEXT: &str = "superfluid-warm 2026-12 prefix namespace v1";
 
@@ -25,12 +32,29 @@ const NS_CONTEXT: &str = "superfluid-warm 2026-12 prefix namespace v1";
 pub type BlockKey = [u8; 16];
 
 /// Where a prefix lives: a model, and optionally a tenant whose prefixes nobody else shares.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Cheap to clone.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Namespace {
+    inner: Arc<NamespaceInner>,
+}
+
+#[derive(PartialEq, Eq)]
+struct NamespaceInner {
     model: String,
     tenant: Option<Vec<u8>>,
     key: [u8; 32],
     id: [u8; 8],
+}
+
+impl std::fmt::Debug for Namespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the tenant salt or the key.
+        f.debug_struct("Namespace")
+            .field("model", &self.inner.model)
+            .field("tenant", &self.inner.tenant.is_some())
+            .field("id", &crate::inspect::hex(&self.inner.id))
+            .finish()
+    }
 }
 
 impl Namespace {
@@ -68,39 +92,45 @@ impl Namespace {
         let key = blake3::derive_key(NS_CONTEXT, &material);
         let mut id = [0; 8];
         id.copy_from_slice(&blake3::hash(&key).as_bytes()[..8]);
-        Ok(Namespace { model: model.to_string(), tenant: tenant.map(<[u8]>::to_vec), key, id })
+        Ok(Namespace {
+            inner: Arc::new(NamespaceInner { model: model.to_string(), tenant: tenant.map(<[u8]>::to_vec), key, id }),
+        })
     }
 
     /// The model name.
     pub fn model(&self) -> &str {
-        &self.model
+        &self.inner.model
     }
 
     /// Whether this namespace is a tenant's own.
     pub fn has_tenant(&self) -> bool {
-        self.tenant.is_some()
+        self.inner.tenant.is_some()
     }
 
     /// A short public id of this namespace (never the tenant salt): the first 8 bytes of a hash
     /// of its key.
     pub fn id(&self) -> [u8; 8] {
-        self.id
+        self.inner.id
     }
 
     /// The key of every whole block of `tokens`, in order.
     pub fn chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
         let blocks = tokens.len() / BLOCK_TOKENS;
         let mut out = Vec::with_capacity(blocks);
-        let mut cv = [0u8; 32];
-        let mut buf = [0u8; 32 + 4 * BLOCK_TOKENS];
-        for block in tokens.chunks_exact(BLOCK_TOKENS) {
-            buf[..32].copy_from_slice(&cv);
-            for (dst, t) in buf[32..].chunks_exact_mut(4).zip(block) {
+        let mut cv = self.inner.key;
+        let mut segment = [0u8; 8];
+        let mut buf = [0u8; 4 * BLOCK_TOKENS];
+        for (i, block) in tokens.chunks_exact(BLOCK_TOKENS).enumerate() {
+            for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
                 dst.copy_from_slice(&t.to_le_bytes());
             }
-            cv = *blake3::keyed_hash(&self.key, &buf).as_bytes();
+            cv = *blake3::keyed_hash(&cv, &buf).as_bytes();
+            if i % SEGMENT_BLOCKS == 0 {
+                segment.copy_from_slice(&cv[..8]);
+            }
             let mut key = [0u8; 16];
-            key.copy_from_slice(&cv[..16]);
+            key[..8].copy_from_slice(&segment);
+            key[8..].copy_from_slice(&cv[..8]);
             out.push(key);
         }
         out
@@ -191,5 +221,24 @@ mod tests {
         let d = Namespace::new("m").map(|n| n.chain(&changed)).unwrap_or_default();
         assert_eq!(a[..3], d[..3]);
         assert_ne!(a[3], d[3]);
+    }
+
+    #[test]
+    fn blocks_of_a_segment_share_the_first_half_of_their_keys() {
+        let tokens: Vec<u32> = (0..64 * 40).collect();
+        let keys = Namespace::new("m").map(|n| n.chain(&tokens)).unwrap_or_default();
+        assert_eq!(keys.len(), 40);
+        for (i, key) in keys.iter().enumerate() {
+            let first = &keys[i / SEGMENT_BLOCKS * SEGMENT_BLOCKS];
+            assert_eq!(key[..8], first[..8], "block {i}");
+            assert_eq!(
+                key[8..] == key[..8],
+                i % SEGMENT_BLOCKS == 0,
+                "block {i}: only a segment's first block names itself"
+            );
+        }
+        assert_ne!(keys[0][..8], keys[16][..8], "each segment has its own first half");
+        let distinct: std::collections::HashSet<_> = keys.iter().collect();
+        assert_eq!(distinct.len(), keys.len());
     }
 }

@@ -19,6 +19,12 @@ pub enum Error {
         /// Newest schema version this build reads.
         supported: u32,
     },
+    /// The file was written by a pre-release build in a schema that cannot be upgraded (its keys
+    /// cannot be turned into this build's keys without the prompts).
+    RetiredSchema {
+        /// Schema version found in the file.
+        found: u32,
+    },
     /// The file holds a schema this build never wrote (not a superfluid-warm index, or a foreign
     /// hash scheme or block size).
     UnknownFormat {
@@ -106,6 +112,11 @@ impl fmt::Display for Error {
             Error::NewerSchema { found, supported } => write!(
                 f,
                 "the index has schema version {found}, newer than the {supported} this build reads; upgrade superfluid-warm"
+            ),
+            Error::RetiredSchema { found } => write!(
+                f,
+                "the index has schema version {found}, written by a pre-release build and not upgradable; \
+                 move it aside and start a new index (import the 0.1.7 warm.json again if it came from one)"
             ),
             Error::UnknownFormat { detail } => write!(
                 f,

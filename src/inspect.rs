@@ -13,7 +13,7 @@ use crate::error::{Error, Result, redb_err};
 use crate::records::{Meta, NamespaceRecord, NodeRecord};
 use crate::schema;
 use crate::state::count;
-use crate::tables::{BY_CLOCK, Entry, META, META_KEY, NAMESPACES, NODES, PREFIXES};
+use crate::tables::{Entry, GENERATIONS, LIVE, META, META_KEY, NAMESPACES, NODES, PREFIXES};
 
 /// One entry of the index, as `dump` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -179,26 +179,29 @@ impl Snapshot {
     }
 
     /// Calls `visit` for each entry in clock order (newest first if `newest_first`) until it
-    /// returns false.
+    /// returns false: a range scan of the generations, each listed key looked up and shown if it
+    /// still has that generation's clock.
     ///
     /// # Errors
-    /// [`Error::Corrupted`] if a clock entry has no prefix entry; [`Error::Storage`].
+    /// [`Error::Storage`].
     pub fn visit(&self, newest_first: bool, mut visit: impl FnMut(DumpEntry) -> bool) -> Result<()> {
-        let by_clock = self.txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+        let generations = self.txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-        let keys =
-            by_clock.iter().map_err(redb_err("reading the clock table"))?.map(|item| item.map(|(k, _)| k.value()));
-        let keys: Box<dyn Iterator<Item = _>> = if newest_first { Box::new(keys.rev()) } else { Box::new(keys) };
-        for item in keys {
-            let (clock, key) = item.map_err(redb_err("reading the clock table"))?;
-            let entry =
-                primary
-                    .get(key)
-                    .map_err(redb_err("reading a prefix"))?
-                    .map(|g| Entry::from_tuple(g.value()))
-                    .ok_or_else(|| Error::Corrupted { detail: format!("clock entry {clock} has no prefix entry") })?;
-            if !visit(self.describe(key, entry)) {
-                break;
+        let all = generations.iter().map_err(redb_err("reading the generations"))?;
+        let all: Box<dyn Iterator<Item = _>> = if newest_first { Box::new(all.rev()) } else { Box::new(all) };
+        for item in all {
+            let (clock, keys) = item.map_err(redb_err("reading the generations"))?;
+            let clock = clock.value();
+            for chunk in keys.value().chunks_exact(16) {
+                let mut key = [0u8; 16];
+                key.copy_from_slice(chunk);
+                let entry =
+                    primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
+                if let Some(entry) = entry.filter(|e| e.clock == clock)
+                    && !visit(self.describe(key, entry))
+                {
+                    return Ok(());
+                }
             }
         }
         Ok(())
@@ -210,7 +213,7 @@ impl Snapshot {
     /// [`Error::Storage`] if the file cannot be read.
     pub fn stats(&self) -> Result<SnapshotStats> {
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-        let by_clock = self.txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+        let live = self.txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
         let mut per_node: HashMap<u32, u64> = HashMap::new();
         let (mut entries, mut legacy) = (0, 0);
         for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
@@ -219,8 +222,8 @@ impl Snapshot {
             entries += 1;
             legacy += u64::from(is_legacy(&key.value()));
         }
-        let first = by_clock.first().map_err(redb_err("reading the clock table"))?.map(|(k, _)| k.value().0);
-        let last = by_clock.last().map_err(redb_err("reading the clock table"))?.map(|(k, _)| k.value().0);
+        let first = live.first().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
+        let last = live.last().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
         let mut per_node: Vec<(String, u64)> = per_node
             .into_iter()
             .map(|(id, n)| (self.nodes.get(&id).cloned().unwrap_or_else(|| format!("#{id}")), n))
@@ -242,15 +245,18 @@ impl Snapshot {
         })
     }
 
-    /// Checks the invariants: the prefix and clock tables are one to one, every clock is at most
-    /// the high-water mark, every node and namespace id is known, and the meta counts match.
+    /// Checks the invariants: every prefix entry is listed in the generation of its clock, each
+    /// generation's live count is the number of its keys that still have its clock, every clock
+    /// is at most the high-water mark, every node and namespace id is known, and the meta counts
+    /// match.
     ///
     /// # Errors
     /// [`Error::Storage`] if the file cannot be read (a broken invariant is a `problem`, not an
     /// error).
     pub fn check(&self) -> Result<Check> {
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-        let by_clock = self.txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+        let generations = self.txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
+        let live = self.txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
         let mut check = Check::default();
         let mut legacy = 0;
         let note = |problems: &mut Vec<String>, p: String| {
@@ -263,9 +269,6 @@ impl Snapshot {
             let (key, entry) = (key.value(), Entry::from_tuple(value.value()));
             check.entries += 1;
             legacy += u64::from(is_legacy(&key));
-            if by_clock.get((entry.clock, key)).map_err(redb_err("reading the clock table"))?.is_none() {
-                note(&mut check.problems, format!("prefix {} has no clock entry at {}", hex(&key), entry.clock));
-            }
             if entry.clock > self.meta.clock {
                 note(
                     &mut check.problems,
@@ -282,17 +285,46 @@ impl Snapshot {
                 );
             }
         }
-        for item in by_clock.iter().map_err(redb_err("reading the clock table"))? {
-            let (clock, key) = item.map_err(redb_err("reading the clock table"))?.0.value();
-            check.clock_entries += 1;
-            match primary.get(key).map_err(redb_err("reading a prefix"))? {
-                Some(v) if Entry::from_tuple(v.value()).clock == clock => {}
-                Some(_) => note(&mut check.problems, format!("clock entry {clock} of {} is stale", hex(&key))),
-                None => note(&mut check.problems, format!("clock entry {clock} of {} has no prefix", hex(&key))),
+        // Each entry is counted at most once (a generation lists a key once, and an entry has one
+        // clock), so if the counts add up to the entries, every entry is listed in its generation.
+        let mut generation_count = 0u64;
+        for item in generations.iter().map_err(redb_err("reading the generations"))? {
+            let (clock, keys) = item.map_err(redb_err("reading the generations"))?;
+            let (clock, keys) = (clock.value(), keys.value());
+            generation_count += 1;
+            if keys.len() % 16 != 0 {
+                note(&mut check.problems, format!("generation {clock} lists {} bytes, not 16 per key", keys.len()));
             }
+            let mut here = 0u32;
+            let mut seen = std::collections::HashSet::new();
+            for chunk in keys.chunks_exact(16) {
+                let mut key = [0u8; 16];
+                key.copy_from_slice(chunk);
+                if !seen.insert(key) {
+                    note(&mut check.problems, format!("generation {clock} lists {} twice", hex(&key)));
+                    continue;
+                }
+                let entry =
+                    primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
+                here += u32::from(entry.is_some_and(|e| e.clock == clock));
+            }
+            let counted = live.get(clock).map_err(redb_err("reading the live counts"))?.map(|g| g.value());
+            if counted != Some(here).filter(|&n| n > 0) {
+                note(
+                    &mut check.problems,
+                    format!("generation {clock} has {here} live keys but its count says {counted:?}"),
+                );
+            }
+            check.clock_entries += u64::from(here);
+        }
+        if count(&live)? != generation_count {
+            note(&mut check.problems, format!("{} live counts for {generation_count} generations", count(&live)?));
         }
         if check.entries != check.clock_entries {
-            note(&mut check.problems, format!("{} prefixes but {} clock entries", check.entries, check.clock_entries));
+            note(
+                &mut check.problems,
+                format!("{} prefixes but {} listed live in their generation", check.entries, check.clock_entries),
+            );
         }
         if count(&primary)? != check.entries {
             note(&mut check.problems, "the prefix table's length disagrees with its entries".into());

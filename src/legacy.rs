@@ -3,14 +3,16 @@
 
 use std::path::Path;
 
+use std::collections::{BTreeMap, HashMap};
+
 use redb::{Database, ReadableTable};
 use serde::Deserialize;
 
 use crate::chain::legacy_key;
 use crate::error::{Error, Result, redb_err};
 use crate::records::Import;
-use crate::state::State;
-use crate::tables::{BY_CLOCK, Entry, LEGACY_NAMESPACE, PREFIXES};
+use crate::state::{State, leave, list};
+use crate::tables::{Entry, LEGACY_NAMESPACE, PREFIXES};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -54,7 +56,19 @@ pub(crate) fn read(path: &Path) -> Result<LegacyFile> {
             });
         }
     }
-    Ok(LegacyFile { entries: stored.prefixes, source: *blake3::hash(&bytes).as_bytes() })
+    // A hash listed twice (0.1.7 never wrote one) keeps its newest clock.
+    let mut newest: HashMap<u64, (String, u64)> = HashMap::with_capacity(stored.prefixes.len());
+    for (hash, node, at) in stored.prefixes {
+        match newest.get(&hash) {
+            Some((_, seen)) if *seen >= at => {}
+            _ => {
+                newest.insert(hash, (node, at));
+            }
+        }
+    }
+    let mut entries: Vec<(u64, String, u64)> = newest.into_iter().map(|(h, (n, at))| (h, n, at)).collect();
+    entries.sort_unstable_by_key(|&(h, _, at)| (at, h));
+    Ok(LegacyFile { entries, source: *blake3::hash(&bytes).as_bytes() })
 }
 
 impl State {
@@ -66,11 +80,10 @@ impl State {
             report.already_imported = true;
             return Ok(report);
         }
-        let result = self.import_in_batch(db, file, &mut report);
-        if result.is_err() {
-            self.reload(db)?;
+        match self.import_in_batch(db, file, &mut report) {
+            Ok(()) => Ok(report),
+            Err(e) => Err(self.lose(db, e).0),
         }
-        result.map(|()| report)
     }
 
     fn import_in_batch(&mut self, db: &Database, file: &LegacyFile, report: &mut ImportReport) -> Result<()> {
@@ -79,29 +92,32 @@ impl State {
         {
             let txn = self.batch(db)?;
             let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-            let mut by_clock = txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
+            let mut left: HashMap<u64, u32> = HashMap::new();
+            let mut listed: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
             for ((hash, _, at), node) in file.entries.iter().zip(nodes) {
                 let key = legacy_key(*hash);
                 let old = primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
                 match old {
                     Some(old) if old.clock >= *at => continue,
-                    Some(old) => {
-                        by_clock.remove((old.clock, key)).map_err(redb_err("writing the clock table"))?;
-                    }
+                    Some(old) => *left.entry(old.clock).or_default() += 1,
                     None => added += 1,
                 }
                 let entry = Entry { node, namespace: LEGACY_NAMESPACE, depth: 0, clock: *at };
                 primary.insert(key, entry.tuple()).map_err(redb_err("writing a prefix"))?;
-                by_clock.insert((*at, key), ()).map_err(redb_err("writing the clock table"))?;
+                listed.entry(*at).or_default().extend_from_slice(&key);
                 report.imported += 1;
                 max_clock = max_clock.max(*at);
+            }
+            drop(primary);
+            leave(txn, &left)?;
+            for (clock, keys) in &listed {
+                list(txn, *clock, keys)?;
             }
         }
         self.meta.entries += added;
         self.meta.legacy_entries += added;
         self.meta.clock = self.meta.clock.max(max_clock);
         self.meta.imports.push(Import { source: file.source, entries: report.imported });
-        self.touch();
         report.evicted = self.evict(db)?;
         Ok(())
     }

@@ -2,9 +2,10 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Schema version this build writes. History: 1 (0.2.0) the first redb format. 0.1.7's JSON file
-/// is imported, not opened (see `migrations/0001-from-0.1.7-json`).
-pub const SCHEMA_VERSION: u32 = 1;
+/// Schema version this build writes. History: 1, the first redb format (pre-release builds only;
+/// refused, see `migrations/0002-segment-keys-and-generations`); 2, segment-local keys and
+/// generation lists. 0.1.7's JSON file is imported, not opened (`migrations/0001-from-0.1.7-json`).
+pub const SCHEMA_VERSION: u32 = 2;
 
 /// The meta record: what the file is, and the counters that must survive a restart.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -6,9 +6,9 @@ use redb::{Database, ReadableTable, ReadableTableMetadata, TableHandle, WriteTra
 use crate::chain::{BLOCK_TOKENS, HASH_SCHEME};
 use crate::codec;
 use crate::error::{Error, Result, redb_err};
-use crate::records::{Meta, SCHEMA_VERSION, Writer};
+use crate::records::{Meta, SCHEMA_VERSION};
 use crate::state::empty_meta;
-use crate::tables::{BY_CLOCK, META, META_KEY, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES};
+use crate::tables::{GENERATIONS, LIVE, META, META_KEY, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES};
 
 /// Reads the meta record of a file, `None` for a new (empty) file.
 ///
@@ -43,8 +43,13 @@ pub(crate) fn check(meta: &mut Meta) -> Result<()> {
     if meta.schema == 0 {
         return Err(Error::UnknownFormat { detail: "schema version 0".into() });
     }
-    // Schema 1 is the first redb schema: no upgrade step exists yet. A later schema adds its
-    // step here, one match arm per version, each taking the file one version up.
+    // Schema 1 (pre-release builds) keyed blocks by 16 bytes of their own hash; schema 2 keys
+    // need the hash of the segment's first block, which a stored key does not give back, so
+    // there is no upgrade step (migrations/0002-segment-keys-and-generations). A later schema
+    // adds its step here, one match arm per version, each taking the file one version up.
+    if meta.schema == 1 {
+        return Err(Error::RetiredSchema { found: 1 });
+    }
     if meta.hash_scheme != HASH_SCHEME {
         return Err(Error::UnknownFormat { detail: format!("hash scheme {:?}", meta.hash_scheme) });
     }
@@ -54,28 +59,24 @@ pub(crate) fn check(meta: &mut Meta) -> Result<()> {
     Ok(())
 }
 
-/// Prepares a file opened for writing: creates or checks it, records the capacity and this writer,
-/// moves the clock past any entry (it never goes back), and commits that durably.
+/// Prepares a file opened for writing: creates a new one, or checks an old one and records a new
+/// capacity. An old file opened with its own capacity is only read (no commit: opening is cheap).
 pub(crate) fn prepare(db: &Database, capacity: u64) -> Result<()> {
     let mut txn = db.begin_write().map_err(redb_err("starting the open"))?;
     let mut meta = match read_meta(&txn)? {
         Some(mut meta) => {
             check(&mut meta)?;
+            if meta.capacity == capacity {
+                return txn.abort().map_err(redb_err("ending the open"));
+            }
             meta
         }
-        None => empty_meta(),
+        None => {
+            for_each_table(&txn)?;
+            empty_meta()
+        }
     };
-    for_each_table(&txn)?;
-    let last = txn
-        .open_table(BY_CLOCK)
-        .map_err(redb_err("opening the clock table"))?
-        .last()
-        .map_err(redb_err("reading the clock table"))?
-        .map(|(k, _)| k.value().0);
-    meta.clock = meta.clock.max(last.unwrap_or(0));
     meta.capacity = capacity;
-    meta.schema = SCHEMA_VERSION;
-    meta.writer = Some(Writer { pid: std::process::id() });
     let bytes = codec::encode("meta", &meta)?;
     txn.open_table(META)
         .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
@@ -88,7 +89,8 @@ pub(crate) fn prepare(db: &Database, capacity: u64) -> Result<()> {
 fn for_each_table(txn: &WriteTransaction) -> Result<()> {
     let err = redb_err::<redb::TableError>("creating tables");
     txn.open_table(PREFIXES).map_err(&err)?;
-    txn.open_table(BY_CLOCK).map_err(&err)?;
+    txn.open_table(GENERATIONS).map_err(&err)?;
+    txn.open_table(LIVE).map_err(&err)?;
     txn.open_table(NODES).map_err(&err)?;
     txn.open_table(NODE_IDS).map_err(&err)?;
     txn.open_table(NAMESPACES).map_err(&err)?;

@@ -1,17 +1,18 @@
 //! The writer's state: the open batch (one redb write transaction), the in-memory copies of the
-//! cold records, and every change to the tables. `Warm` holds it behind a mutex.
+//! cold records, and every change to the tables. Only the thread that holds it (the commit
+//! thread, or a caller in `sync`) writes to redb.
 
 use std::collections::HashMap;
-use std::time::Instant;
 
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
-use crate::chain::{BlockKey, Namespace, Prefix, check_len, is_legacy};
+use crate::chain::{Namespace, check_len, is_legacy};
 use crate::codec;
 use crate::error::{Error, Result, redb_err};
-use crate::records::{Meta, NamespaceRecord, NodeRecord};
+use crate::front::Ran;
+use crate::records::{Meta, NamespaceRecord, NodeRecord, Writer};
 use crate::tables::{
-    BY_CLOCK, Entry, LEGACY_NAMESPACE, META, META_KEY, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES,
+    Entry, GENERATIONS, LEGACY_NAMESPACE, LIVE, META, META_KEY, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES,
 };
 
 /// Longest node name accepted, in bytes.
@@ -24,50 +25,19 @@ pub(crate) struct Nodes {
     pub ids: HashMap<String, u32>,
 }
 
-impl Nodes {
-    pub(crate) fn name(&self, id: u32) -> Option<&str> {
-        self.names.get(id as usize).map(String::as_str)
-    }
-}
-
-/// What a writer keeps between calls.
+/// What the commit thread keeps: the batch and the cold records as of the batch.
 pub(crate) struct State {
-    /// The batch: every change since the last commit, readable by `warmest` (read-your-writes).
+    /// The batch: every change since the last commit.
     pub txn: Option<WriteTransaction>,
-    /// When the oldest uncommitted change was made; `None` when there is none.
-    pub dirty_since: Option<Instant>,
     /// The meta record as of the batch (committed with it).
     pub meta: Meta,
     pub nodes: Nodes,
     pub namespaces: HashMap<[u8; 8], u32>,
-    /// A background commit that failed, to be reported by the next call that writes.
-    pub failed: Option<String>,
-    /// Set when the handle is closing: the flusher stops.
-    pub closing: bool,
-}
-
-/// The longest remembered prefix: its last entry and its length in blocks.
-pub(crate) type Found = Option<(Entry, usize)>;
-
-/// Walks `keys` from the first until one is missing, as 0.1.7 did.
-pub(crate) fn walk(table: &impl ReadableTable<BlockKey, (u32, u32, u32, u64)>, keys: &[BlockKey]) -> Result<Found> {
-    let mut best = None;
-    for (i, key) in keys.iter().enumerate() {
-        match table.get(key).map_err(redb_err("reading a prefix"))? {
-            Some(guard) => best = Some((Entry::from_tuple(guard.value()), i + 1)),
-            None => break,
-        }
-    }
-    Ok(best)
-}
-
-/// The longer of the two walks; the new chain wins a tie.
-pub(crate) fn longer(new: Found, old: Found) -> Found {
-    match (new, old) {
-        (Some(n), Some(o)) if o.1 > n.1 => Some(o),
-        (None, o) => o,
-        (n, _) => n,
-    }
+    /// The `ran`s in the batch (pushed by whoever applied them), to be forgotten by the overlay
+    /// once committed.
+    pub applied: Vec<Ran>,
+    /// Whether the committed meta record names a writer (this one, or one that crashed).
+    marked: bool,
 }
 
 impl State {
@@ -75,24 +45,24 @@ impl State {
     pub(crate) fn load(db: &Database) -> Result<State> {
         let mut state = State {
             txn: None,
-            dirty_since: None,
             meta: empty_meta(),
             nodes: Nodes::default(),
             namespaces: HashMap::new(),
-            failed: None,
-            closing: false,
+            applied: Vec::new(),
+            marked: false,
         };
         state.reload(db)?;
         Ok(state)
     }
 
     /// Drops the batch and reads the committed cold records again (after a failed change).
-    pub(crate) fn reload(&mut self, db: &Database) -> Result<()> {
+    /// The `ran`s of the dropped batch are returned, lost.
+    pub(crate) fn reload(&mut self, db: &Database) -> Result<Vec<Ran>> {
         if let Some(txn) = self.txn.take() {
             // Rolls back; an abort that fails has nothing left to undo.
             let _ = txn.abort();
         }
-        self.dirty_since = None;
+        let lost = std::mem::take(&mut self.applied);
         let read = db.begin_read().map_err(redb_err("reading the meta record"))?;
         let meta_table = read.open_table(META).map_err(redb_err("reading the meta record"))?;
         let bytes = meta_table
@@ -100,6 +70,12 @@ impl State {
             .map_err(redb_err("reading the meta record"))?
             .ok_or_else(|| Error::UnknownFormat { detail: "no meta record".into() })?;
         self.meta = codec::decode("meta", bytes.value())?;
+        self.marked = self.meta.writer.is_some();
+        // The clock never goes back, whatever the meta record says.
+        let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
+        if let Some((last, _)) = generations.last().map_err(redb_err("reading the generations"))? {
+            self.meta.clock = self.meta.clock.max(last.value());
+        }
         let mut nodes = Nodes::default();
         let node_table = read.open_table(NODES).map_err(redb_err("reading nodes"))?;
         for item in node_table.iter().map_err(redb_err("reading nodes"))? {
@@ -119,7 +95,7 @@ impl State {
             .map_err(redb_err("reading namespaces"))?
             .map(|item| item.map(|(k, v)| (k.value(), v.value())).map_err(redb_err("reading namespaces")))
             .collect::<Result<_>>()?;
-        Ok(())
+        Ok(lost)
     }
 
     /// The open batch, begun if there is none.
@@ -130,115 +106,103 @@ impl State {
         self.txn.as_mut().ok_or(Error::Poisoned)
     }
 
-    /// The longest remembered prefix of `prefix`, including uncommitted changes.
-    pub(crate) fn lookup(&self, db: &Database, prefix: &Prefix) -> Result<Found> {
-        let legacy = if self.meta.legacy_entries > 0 { prefix.legacy.as_slice() } else { &[] };
-        if let Some(txn) = &self.txn {
-            let table = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-            return Ok(longer(walk(&table, &prefix.blocks)?, walk(&table, legacy)?));
-        }
-        let read = db.begin_read().map_err(redb_err("starting a read"))?;
-        let table = read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-        Ok(longer(walk(&table, &prefix.blocks)?, walk(&table, legacy)?))
+    /// Whether the batch holds changes.
+    pub(crate) fn dirty(&self) -> bool {
+        self.txn.is_some()
     }
 
-    /// Records that `node` ran `prefix`: every block gets `node` and a fresh clock, except blocks
-    /// already on `node` whose clock is in the newer half of the live range (see
-    /// ARCHITECTURE.md, "write only what changed"). Then evicts if over capacity. On error the
-    /// batch is rolled back whole, so no `ran` is ever half there.
-    pub(crate) fn ran(&mut self, db: &Database, prefix: &Prefix, node: &str) -> Result<()> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
-        if prefix.blocks.is_empty() {
-            return Ok(());
-        }
-        let result = self.ran_in_batch(db, prefix, node);
-        if result.is_err() {
-            self.reload(db)?;
-        }
-        result
-    }
-
-    fn ran_in_batch(&mut self, db: &Database, prefix: &Prefix, node: &str) -> Result<()> {
-        let node = self.intern_node(db, node)?;
-        let namespace = self.intern_namespace(db, &prefix.namespace)?;
-        self.meta.clock += 1;
-        let clock = self.meta.clock;
+    /// Writes one `ran` into the batch: every block gets its node and clock, the keys are listed
+    /// under the clock, and the generations they leave lose a live key each. Then evicts if over
+    /// capacity. On error the caller drops the whole batch ([`State::reload`]), so no `ran` is
+    /// ever half there.
+    pub(crate) fn apply(&mut self, db: &Database, ran: &Ran) -> Result<()> {
+        let node = self.intern_node(db, &ran.node)?;
+        let namespace = self.intern_namespace(db, &ran.namespace)?;
+        let clock = ran.clock;
+        self.meta.clock = self.meta.clock.max(clock);
         let mut added = 0u64;
         {
             let txn = self.batch(db)?;
             let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-            let mut by_clock = txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
-            let oldest = match by_clock.first().map_err(redb_err("reading the clock table"))? {
-                Some((k, _)) => k.value().0,
-                None => clock,
-            };
-            let keep_from = oldest + (clock - oldest) / 2;
-            for (i, key) in prefix.blocks.iter().enumerate() {
+            let mut left: HashMap<u64, u32> = HashMap::new();
+            let mut listed = Vec::with_capacity(ran.blocks.len() * 16);
+            for (i, key) in ran.blocks.iter().enumerate() {
                 let depth = u32::try_from(i + 1).unwrap_or(u32::MAX);
-                let old = primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
-                match old {
-                    Some(old) if old.node == node && old.clock >= keep_from => continue,
-                    Some(old) => {
-                        by_clock.remove((old.clock, *key)).map_err(redb_err("writing the clock table"))?;
-                    }
+                let entry = Entry { node, namespace, depth, clock };
+                let old = primary.insert(key, entry.tuple()).map_err(redb_err("writing a prefix"))?;
+                match old.map(|g| Entry::from_tuple(g.value()).clock) {
+                    // The same key twice in one prompt: listed once.
+                    Some(old) if old == clock => continue,
+                    Some(old) => *left.entry(old).or_default() += 1,
                     None => added += 1,
                 }
-                primary
-                    .insert(key, Entry { node, namespace, depth, clock }.tuple())
-                    .map_err(redb_err("writing a prefix"))?;
-                by_clock.insert((clock, *key), ()).map_err(redb_err("writing the clock table"))?;
+                listed.extend_from_slice(key);
             }
+            drop(primary);
+            leave(txn, &left)?;
+            list(txn, clock, &listed)?;
         }
         self.meta.entries += added;
         self.evict(db)?;
-        self.touch();
         Ok(())
     }
 
-    /// Marks the batch dirty.
-    pub(crate) fn touch(&mut self) {
-        self.dirty_since.get_or_insert_with(Instant::now);
-    }
-
     /// While over capacity, removes the oldest eighth: every entry whose clock is at most the
-    /// clock of the `capacity / 8`-th oldest (0.1.7's rule), by a range scan of the clock table.
+    /// clock of the `capacity / 8`-th oldest entry (0.1.7's rule). The cut is found by summing
+    /// live counts oldest first; the entries go by a range scan of the generations up to it.
     pub(crate) fn evict(&mut self, db: &Database) -> Result<u64> {
         let mut evicted = 0;
         while self.meta.entries > self.meta.capacity {
-            let skip = usize::try_from(self.meta.capacity / 8).unwrap_or(usize::MAX);
+            let skip = self.meta.capacity / 8;
             let (n, legacy) = {
                 let txn = self.batch(db)?;
-                let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-                let mut by_clock = txn.open_table(BY_CLOCK).map_err(redb_err("opening the clock table"))?;
-                let cut = match by_clock.iter().map_err(redb_err("reading the clock table"))?.nth(skip) {
-                    Some(item) => item.map_err(redb_err("reading the clock table"))?.0.value().0,
-                    None => {
-                        return Err(Error::Corrupted {
-                            detail: "the clock table has fewer entries than the meta record counts".into(),
-                        });
+                let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
+                let mut seen = 0u64;
+                let mut cut = None;
+                for item in live.iter().map_err(redb_err("reading the live counts"))? {
+                    let (clock, count) = item.map_err(redb_err("reading the live counts"))?;
+                    seen += u64::from(count.value());
+                    if seen > skip {
+                        cut = Some(clock.value());
+                        break;
                     }
-                };
-                let victims = by_clock
-                    .range(..=(cut, [0xFF; 16]))
-                    .map_err(redb_err("reading the clock table"))?
-                    .map(|item| item.map(|(k, _)| k.value()).map_err(redb_err("reading the clock table")))
-                    .collect::<Result<Vec<_>>>()?;
-                let mut legacy = 0;
-                for (clock, key) in &victims {
-                    by_clock.remove((*clock, *key)).map_err(redb_err("evicting"))?;
-                    if primary.remove(key).map_err(redb_err("evicting"))?.is_none() {
-                        return Err(Error::Corrupted { detail: "a clock entry has no prefix entry".into() });
-                    }
-                    legacy += u64::from(is_legacy(key));
                 }
-                (victims.len() as u64, legacy)
+                let cut = cut.ok_or_else(|| Error::Corrupted {
+                    detail: "the live counts add up to fewer entries than the meta record counts".into(),
+                })?;
+                let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
+                let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+                let (mut n, mut legacy) = (0u64, 0u64);
+                let mut live_clocks = Vec::new();
+                for item in generations.extract_from_if(..=cut, |_, _| true).map_err(redb_err("evicting"))? {
+                    let (clock, keys) = item.map_err(redb_err("evicting"))?;
+                    let clock = clock.value();
+                    for key in keys.value().chunks_exact(16) {
+                        let mut k = [0u8; 16];
+                        k.copy_from_slice(key);
+                        let live_here = primary
+                            .get(k)
+                            .map_err(redb_err("evicting"))?
+                            .is_some_and(|g| Entry::from_tuple(g.value()).clock == clock);
+                        if live_here {
+                            primary.remove(k).map_err(redb_err("evicting"))?;
+                            n += 1;
+                            legacy += u64::from(is_legacy(&k));
+                        }
+                    }
+                    live_clocks.push(clock);
+                }
+                for clock in live_clocks {
+                    live.remove(clock).map_err(redb_err("evicting"))?;
+                }
+                (n, legacy)
             };
+            if n == 0 {
+                return Err(Error::Corrupted { detail: "eviction found no live entry to remove".into() });
+            }
             self.meta.entries = self.meta.entries.saturating_sub(n);
             self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
             evicted += n;
-        }
-        if evicted > 0 {
-            self.touch();
         }
         Ok(evicted)
     }
@@ -262,7 +226,6 @@ impl State {
             .map_err(redb_err("writing a node"))?;
         self.nodes.ids.insert(name.to_string(), id);
         self.nodes.names.push(name.to_string());
-        self.touch();
         Ok(id)
     }
 
@@ -284,25 +247,36 @@ impl State {
             .and_then(|mut t| t.insert(public, id).map(drop).map_err(Into::into))
             .map_err(redb_err("writing a namespace"))?;
         self.namespaces.insert(public, id);
-        self.touch();
         Ok(id)
     }
 
-    /// Commits the batch with the meta record, durably. Nothing to commit is not an error. On
-    /// failure the batch is gone and the state is what was committed before.
-    pub(crate) fn commit(&mut self, db: &Database) -> Result<()> {
-        if self.dirty_since.is_none() {
-            return Ok(());
+    /// Commits the batch with the meta record, durably, naming this process as the writer (or
+    /// no writer when `closing`). Nothing to commit is not an error. On failure the batch is gone,
+    /// the state is what was committed before, and the lost `ran`s are returned with the error.
+    pub(crate) fn commit(&mut self, db: &Database, closing: bool) -> std::result::Result<Vec<Ran>, (Error, Vec<Ran>)> {
+        if !self.dirty() && !(closing && self.marked) {
+            return Ok(std::mem::take(&mut self.applied));
         }
-        let result = self.commit_batch(db);
-        if result.is_err() {
-            self.reload(db)?;
+        match self.commit_batch(db, closing) {
+            Ok(()) => Ok(std::mem::take(&mut self.applied)),
+            Err(e) => Err(self.lose(db, e)),
         }
-        result
     }
 
-    fn commit_batch(&mut self, db: &Database) -> Result<()> {
-        let bytes = codec::encode("meta", &self.meta)?;
+    /// Drops the batch after `e`, returning the error and the `ran`s it lost.
+    pub(crate) fn lose(&mut self, db: &Database, e: Error) -> (Error, Vec<Ran>) {
+        let mut lost = std::mem::take(&mut self.applied);
+        match self.reload(db) {
+            Ok(more) => lost.extend(more),
+            Err(reload) => return (reload, lost),
+        }
+        (e, lost)
+    }
+
+    fn commit_batch(&mut self, db: &Database, closing: bool) -> Result<()> {
+        let mut meta = self.meta.clone();
+        meta.writer = if closing { None } else { Some(Writer { pid: std::process::id() }) };
+        let bytes = codec::encode("meta", &meta)?;
         let mut txn = match self.txn.take() {
             Some(txn) => txn,
             None => db.begin_write().map_err(redb_err("starting a batch"))?,
@@ -312,9 +286,59 @@ impl State {
             .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
             .map_err(redb_err("writing the meta record"))?;
         txn.commit().map_err(redb_err("committing"))?;
-        self.dirty_since = None;
+        self.meta = meta;
+        self.marked = !closing;
         Ok(())
     }
+}
+
+/// Takes one live key per count from each generation in `left` (keys rewritten at a newer clock);
+/// a generation left with none goes.
+pub(crate) fn leave(txn: &WriteTransaction, left: &HashMap<u64, u32>) -> Result<()> {
+    if left.is_empty() {
+        return Ok(());
+    }
+    let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
+    for (&clock, &n) in left {
+        let count = live.get(clock).map_err(redb_err("reading the live counts"))?.map(|g| g.value());
+        let Some(count) = count.filter(|&c| c >= n) else {
+            return Err(Error::Corrupted {
+                detail: format!("generation {clock} has fewer live keys than were rewritten"),
+            });
+        };
+        if count == n {
+            live.remove(clock).map_err(redb_err("writing the live counts"))?;
+            txn.open_table(GENERATIONS)
+                .and_then(|mut t| t.remove(clock).map(drop).map_err(Into::into))
+                .map_err(redb_err("writing the generations"))?;
+        } else {
+            live.insert(clock, count - n).map_err(redb_err("writing the live counts"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Lists `keys` (16 bytes each, each once) under `clock`, after any already listed there.
+pub(crate) fn list(txn: &WriteTransaction, clock: u64, keys: &[u8]) -> Result<()> {
+    if keys.is_empty() {
+        return Ok(());
+    }
+    let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
+    let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
+    let before = generations.get(clock).map_err(redb_err("reading the generations"))?.map(|g| g.value().to_vec());
+    let count = live.get(clock).map_err(redb_err("reading the live counts"))?.map_or(0, |g| g.value());
+    let added = u32::try_from(keys.len() / 16).unwrap_or(u32::MAX);
+    match before {
+        Some(mut all) => {
+            all.extend_from_slice(keys);
+            generations.insert(clock, all.as_slice()).map_err(redb_err("writing the generations"))?;
+        }
+        None => {
+            generations.insert(clock, keys).map_err(redb_err("writing the generations"))?;
+        }
+    }
+    live.insert(clock, count.saturating_add(added)).map_err(redb_err("writing the live counts"))?;
+    Ok(())
 }
 
 /// The meta record of a new file.

@@ -5,9 +5,14 @@ use redb::TableDefinition;
 use crate::chain::BlockKey;
 
 /// Block key → (node id, namespace id, depth in blocks, clock). 16-byte key, 20-byte value.
-pub(crate) const PREFIXES: TableDefinition<BlockKey, (u32, u32, u32, u64)> = TableDefinition::new("prefixes/v1");
-/// (clock, block key) → (): the same entries ordered oldest first, for eviction.
-pub(crate) const BY_CLOCK: TableDefinition<(u64, BlockKey), ()> = TableDefinition::new("by_clock/v1");
+pub(crate) const PREFIXES: TableDefinition<BlockKey, (u32, u32, u32, u64)> = TableDefinition::new("prefixes/v2");
+/// Clock → the keys one `ran` (or one clock of an import) wrote, 16 bytes each, each once: the
+/// clock-ordered table eviction scans. A key listed here is live at this clock only while the
+/// prefix table still gives it this clock (later `ran`s leave stale listings, dropped on eviction).
+pub(crate) const GENERATIONS: TableDefinition<u64, &[u8]> = TableDefinition::new("generations/v2");
+/// Clock → how many keys of that generation are still live (never 0: the row goes with its last
+/// live key). Eviction sums these oldest first to find its cut.
+pub(crate) const LIVE: TableDefinition<u64, u32> = TableDefinition::new("live/v2");
 /// Node id → bincode [`crate::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
 /// Node name → node id.

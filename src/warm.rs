@@ -1,17 +1,25 @@
 //! `Warm`: the index a head links. Shared by reference (`&self`), `Send + Sync`.
+//!
+//! Two locks, taken in this order when both are held: `back` (redb's writer: the batch, held by
+//! the commit thread or by `sync`) and `front` (the clock, the overlay of uncommitted `ran`s, the
+//! queue). Callers of `warmest` and `ran` take only `front`, for microseconds; they never wait
+//! for redb's writer, a commit or an fsync.
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use redb::Database;
+use redb::{Database, ReadableDatabase};
 
 use crate::builder::Builder;
-use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, legacy_chain};
-use crate::error::{Error, Result};
+use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, check_len, legacy_chain};
+use crate::error::{Error, Result, redb_err};
+use crate::front::{Front, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
 use crate::legacy::{self, ImportReport};
-use crate::state::State;
+use crate::lookup::{self, Owner};
+use crate::state::{MAX_NODE_BYTES, State};
+use crate::tables::PREFIXES;
 
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,8 +50,12 @@ pub struct Stats {
 
 pub(crate) struct Inner {
     pub db: Database,
-    pub state: Mutex<State>,
+    pub back: Mutex<State>,
+    pub front: Mutex<Front>,
+    /// Wakes the commit thread (work queued, or closing).
     pub wake: Condvar,
+    /// Wakes callers waiting for the queue to be taken.
+    pub drained: Condvar,
     pub window: Duration,
 }
 
@@ -85,7 +97,15 @@ impl Warm {
     }
 
     pub(crate) fn start(db: Database, state: State, window: Duration) -> Result<Warm> {
-        let inner = Arc::new(Inner { db, state: Mutex::new(state), wake: Condvar::new(), window });
+        let front = Front::new(state.meta.clock, state.nodes.names.clone(), published(&state), snapshot(&db)?);
+        let inner = Arc::new(Inner {
+            db,
+            back: Mutex::new(state),
+            front: Mutex::new(front),
+            wake: Condvar::new(),
+            drained: Condvar::new(),
+            window,
+        });
         let flusher = if window.is_zero() {
             None
         } else {
@@ -99,8 +119,8 @@ impl Warm {
         Ok(Warm { inner, flusher })
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, State>> {
-        self.inner.state.lock().map_err(|_| Error::Poisoned)
+    fn front(&self) -> Result<MutexGuard<'_, Front>> {
+        self.inner.front.lock().map_err(|_| Error::Poisoned)
     }
 
     /// Hashes `tokens` in `namespace` once, for [`Warm::warmest_prefix`] and [`Warm::ran_prefix`].
@@ -110,7 +130,7 @@ impl Warm {
     /// [`Error::Poisoned`] only.
     pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Result<Prefix> {
         let mut prefix = Prefix::new(namespace, tokens);
-        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.lock()?.meta.legacy_entries > 0 {
+        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.front()?.published.legacy_entries > 0 {
             prefix.legacy = legacy_chain(namespace.model(), tokens);
         }
         Ok(prefix)
@@ -127,25 +147,30 @@ impl Warm {
         self.warmest_prefix(&prefix)
     }
 
-    /// [`Warm::warmest`] for a prefix hashed by [`Warm::prefix`].
+    /// [`Warm::warmest`] for a prefix hashed by [`Warm::prefix`]: about log2(blocks) lookups.
     ///
     /// # Errors
     /// [`Error::Storage`] if the file cannot be read.
     pub fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
-        if prefix.blocks.len() < MIN_BLOCKS {
+        if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
             return Ok(None);
         }
-        let state = self.lock()?;
-        let found = state.lookup(&self.inner.db, prefix)?;
-        Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|(entry, blocks)| Hit {
-            node: state.nodes.name(entry.node).unwrap_or("?").to_string(),
+        let front = self.front()?;
+        let found = lookup::search(&front, &prefix.blocks)?;
+        let found =
+            if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&front, &prefix.legacy)?) };
+        Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|(owner, blocks)| Hit {
+            node: match owner {
+                Owner::Pending(name) => name.to_string(),
+                Owner::Stored(id) => front.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}")),
+            },
             tokens: blocks * BLOCK_TOKENS,
         }))
     }
 
     /// Records that `node` ran `tokens` for `model`: every whole block of it now points at
     /// `node`. Atomic: after any crash either all of its blocks are there or none. Durable after
-    /// the next [`Warm::sync`], or at most the sync window after it returns.
+    /// the next [`Warm::sync`], or about the sync window after it returns.
     ///
     /// # Errors
     /// [`Error::InvalidName`] for an empty or over-long model or node name;
@@ -157,23 +182,42 @@ impl Warm {
         self.ran_prefix(&prefix, node)
     }
 
-    /// [`Warm::ran`] for a prefix hashed by [`Warm::prefix`].
+    /// [`Warm::ran`] for a prefix hashed by [`Warm::prefix`]. Costs the caller a hash-map insert
+    /// per block; the commit thread writes it to the file.
     ///
     /// # Errors
     /// As [`Warm::ran`].
     pub fn ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<()> {
-        let mut state = self.lock()?;
-        if let Some(detail) = state.failed.take() {
-            return Err(Error::CommitFailed { detail });
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        if prefix.blocks.is_empty() {
+            return Ok(());
         }
-        let was_clean = state.dirty_since.is_none();
-        state.ran(&self.inner.db, prefix, node)?;
-        if self.flusher.is_none() {
-            state.commit(&self.inner.db)?;
-        } else if was_clean {
-            self.inner.wake.notify_one();
+        {
+            let mut front = self.front()?;
+            if let Some(detail) = front.failed.take() {
+                return Err(Error::CommitFailed { detail });
+            }
+            while front.queued_blocks > MAX_QUEUED_BLOCKS && self.flusher.is_some() && front.failed.is_none() {
+                front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+            }
+            front.clock += 1;
+            let ran = Ran {
+                namespace: prefix.namespace.clone(),
+                blocks: prefix.blocks.clone(),
+                node: front.name(node),
+                clock: front.clock,
+                at: Instant::now(),
+            };
+            let was_idle = front.oldest_pending.is_none();
+            front.push(ran);
+            if self.flusher.is_some() {
+                if was_idle {
+                    self.inner.wake.notify_one();
+                }
+                return Ok(());
+            }
         }
-        Ok(())
+        flush(&self.inner, Flush::Commit)
     }
 
     /// Makes every `ran` so far durable (0.1.7's `save`). Cheap when nothing changed.
@@ -182,11 +226,10 @@ impl Warm {
     /// [`Error::CommitFailed`] if a background commit failed since the last call;
     /// [`Error::Storage`] if this commit fails. Either way what was committed before is intact.
     pub fn sync(&self) -> Result<()> {
-        let mut state = self.lock()?;
-        if let Some(detail) = state.failed.take() {
+        if let Some(detail) = self.front()?.failed.take() {
             return Err(Error::CommitFailed { detail });
         }
-        state.commit(&self.inner.db)
+        flush(&self.inner, Flush::Commit)
     }
 
     /// Imports a 0.1.7 `warm.json` in one transaction, committed before it returns: its prefixes
@@ -198,26 +241,35 @@ impl Warm {
     /// index is unchanged); [`Error::Storage`] if the commit fails.
     pub fn import_json(&self, path: impl AsRef<Path>) -> Result<ImportReport> {
         let file = legacy::read(path.as_ref())?;
-        let mut state = self.lock()?;
-        state.commit(&self.inner.db)?;
-        let report = state.import(&self.inner.db, &file)?;
-        state.commit(&self.inner.db)?;
-        Ok(report)
+        self.sync()?;
+        let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
+        let report = back.import(&self.inner.db, &file)?;
+        let result = back.commit(&self.inner.db, false);
+        let fresh = snapshot(&self.inner.db)?;
+        let mut front = self.front()?;
+        front.snapshot = fresh;
+        front.nodes.clone_from(&back.nodes.names);
+        front.published = published(&back);
+        front.clock = front.clock.max(back.meta.clock);
+        result.map(|_| report).map_err(|(e, _)| e)
     }
 
-    /// Counts and settings, as of the last `ran`.
+    /// Counts and settings, as of every `ran` that returned (the queue is written into the batch
+    /// first, so this may wait for a commit in progress).
     ///
     /// # Errors
-    /// [`Error::Poisoned`] only.
+    /// [`Error::Storage`] if writing the queue fails (those `ran`s are lost, as with a failed
+    /// commit).
     pub fn stats(&self) -> Result<Stats> {
-        let state = self.lock()?;
+        flush(&self.inner, Flush::IfDue)?;
+        let front = self.front()?;
         Ok(Stats {
-            entries: state.meta.entries,
-            legacy_entries: state.meta.legacy_entries,
-            capacity: state.meta.capacity,
-            clock: state.meta.clock,
-            nodes: state.nodes.names.clone(),
-            pending: state.dirty_since.is_some(),
+            entries: front.published.entries,
+            legacy_entries: front.published.legacy_entries,
+            capacity: front.published.capacity,
+            clock: front.clock,
+            nodes: front.nodes.clone(),
+            pending: front.oldest_pending.is_some(),
         })
     }
 
@@ -230,21 +282,16 @@ impl Warm {
     }
 
     fn shutdown(&mut self) -> Result<()> {
-        if let Ok(mut state) = self.inner.state.lock() {
-            state.closing = true;
+        if let Ok(mut front) = self.inner.front.lock() {
+            front.closing = true;
         }
         self.inner.wake.notify_all();
         if let Some(handle) = self.flusher.take() {
             // A flusher that panicked has nothing left to commit for us.
             let _ = handle.join();
         }
-        let mut state = self.lock()?;
-        if state.closing && state.meta.writer.is_some() {
-            state.meta.writer = None;
-            state.touch();
-        }
-        let failed = state.failed.take();
-        state.commit(&self.inner.db)?;
+        let failed = self.front()?.failed.take();
+        flush(&self.inner, Flush::Close)?;
         match failed {
             Some(detail) => Err(Error::CommitFailed { detail }),
             None => Ok(()),
@@ -259,36 +306,119 @@ impl Drop for Warm {
     }
 }
 
-/// The commit thread: commits the batch once its oldest change is a window old.
-fn flush_loop(inner: &Inner) {
-    let Ok(mut state) = inner.state.lock() else { return };
-    loop {
-        if state.closing {
-            return;
-        }
-        let wait = match state.dirty_since {
-            None => None,
-            Some(since) => {
-                let age = since.elapsed();
-                if age >= inner.window {
-                    if let Err(e) = state.commit(&inner.db) {
-                        state.failed = Some(e.to_string());
-                    }
-                    continue;
-                }
-                Some(inner.window - age)
+/// A read of the prefix table as of the last commit.
+fn snapshot(db: &Database) -> Result<Snapshot> {
+    let read = db.begin_read().map_err(redb_err("starting a read"))?;
+    read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))
+}
+
+fn published(state: &State) -> Published {
+    Published { entries: state.meta.entries, legacy_entries: state.meta.legacy_entries, capacity: state.meta.capacity }
+}
+
+/// What a flush ends with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Flush {
+    /// Write the queue into the batch; commit only if the oldest change is a window old.
+    IfDue,
+    /// Write the queue and commit.
+    Commit,
+    /// Write the queue, commit, and mark the file closed.
+    Close,
+}
+
+/// Takes the queue, writes it into the batch and commits as `how` says, then tells the callers.
+/// On failure the batch and the queue taken are lost; their overlay entries go, and the error is
+/// returned (the commit thread keeps it for the next caller).
+fn flush(inner: &Inner, how: Flush) -> Result<()> {
+    let mut back = inner.back.lock().map_err(|_| Error::Poisoned)?;
+    let (rans, due) = {
+        let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
+        let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
+        let rans = front.take();
+        inner.drained.notify_all();
+        (rans, due)
+    };
+    let mut failure = None;
+    let mut rans = rans.into_iter();
+    for ran in rans.by_ref() {
+        match back.apply(&inner.db, &ran) {
+            Ok(()) => back.applied.push(ran),
+            Err(e) => {
+                let (e, mut lost) = back.lose(&inner.db, e);
+                lost.push(ran);
+                failure = Some((e, lost));
+                break;
             }
-        };
-        let next = match wait {
-            None => inner.wake.wait(state),
-            Some(d) => inner.wake.wait_timeout(state, d).map(|(guard, _)| guard).map_err(|e| {
-                let (guard, _) = e.into_inner();
-                std::sync::PoisonError::new(guard)
-            }),
-        };
-        match next {
-            Ok(guard) => state = guard,
-            Err(_) => return,
+        }
+    }
+    let unapplied: Vec<Ran> = rans.collect();
+    let outcome = match failure {
+        Some(f) => Err(f),
+        None if how != Flush::IfDue || due => back.commit(&inner.db, how == Flush::Close).map(Some),
+        None => Ok(None),
+    };
+    let fresh = match &outcome {
+        Ok(Some(_)) => Some(snapshot(&inner.db)?),
+        _ => None,
+    };
+    let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
+    front.nodes.clone_from(&back.nodes.names);
+    front.published = published(&back);
+    match outcome {
+        Ok(Some(committed)) => {
+            if let Some(fresh) = fresh {
+                front.snapshot = fresh;
+            }
+            front.forget(&committed);
+            Ok(())
+        }
+        Ok(None) => Ok(()),
+        Err((e, lost)) => {
+            front.forget(&lost);
+            front.forget(&unapplied);
+            inner.drained.notify_all();
+            Err(e)
+        }
+    }
+}
+
+/// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch
+/// once its oldest change is a window old.
+fn flush_loop(inner: &Inner) {
+    loop {
+        {
+            let Ok(mut front) = inner.front.lock() else { return };
+            loop {
+                if front.closing {
+                    return;
+                }
+                if !front.queue.is_empty() {
+                    break;
+                }
+                let wait = match front.oldest_pending {
+                    None => None,
+                    Some(since) => match inner.window.checked_sub(since.elapsed()) {
+                        Some(left) if !left.is_zero() => Some(left),
+                        _ => break,
+                    },
+                };
+                front = match wait {
+                    None => match inner.wake.wait(front) {
+                        Ok(guard) => guard,
+                        Err(_) => return,
+                    },
+                    Some(d) => match inner.wake.wait_timeout(front, d) {
+                        Ok((guard, _)) => guard,
+                        Err(_) => return,
+                    },
+                };
+            }
+        }
+        if let Err(e) = flush(inner, Flush::IfDue) {
+            if let Ok(mut front) = inner.front.lock() {
+                front.failed = Some(e.to_string());
+            }
         }
     }
 }

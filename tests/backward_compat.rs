@@ -87,9 +87,12 @@ fn new_turns_after_the_upgrade_extend_old_prefixes_and_old_entries_age_out() -> 
     // Fresh traffic pushes every imported entry out; their prefixes go cold, as 0.1.7's would.
     let mut fresh_rans = 0;
     while warm.stats()?.legacy_entries > 0 && fresh_rans < entries_in_file as u32 {
-        let tokens: Vec<u32> = (0..256).map(|t| 9_000_000 + fresh_rans * 1000 + t).collect();
-        warm.ran("fresh", &tokens, "node-x")?;
-        fresh_rans += 1;
+        for _ in 0..32 {
+            let tokens: Vec<u32> = (0..256).map(|t| 9_000_000 + fresh_rans * 1000 + t).collect();
+            warm.ran("fresh", &tokens, "node-x")?;
+            fresh_rans += 1;
+        }
+        warm.sync()?; // stats count what is written
     }
     let stats = warm.stats()?;
     assert_eq!(stats.legacy_entries, 0, "{stats:?}");
@@ -156,13 +159,13 @@ fn a_newer_or_unknown_format_is_refused_with_a_typed_error() -> Result<(), Error
     let warm = Warm::open(&path)?;
     warm.ran("m", &[3; 256], "a")?;
     warm.close()?;
-    set_schema(&path, 1, 2);
+    set_schema(&path, 2, 3);
     let err = Warm::open(&path).expect_err("a newer schema");
-    assert!(matches!(err, Error::NewerSchema { found: 2, supported: 1 }), "{err}");
+    assert!(matches!(err, Error::NewerSchema { found: 3, supported: 2 }), "{err}");
     assert!(err.to_string().contains("upgrade superfluid-warm"), "{err}");
     let err = superfluid_warm::Snapshot::open(&path).expect_err("readers refuse it too");
     assert!(matches!(err, Error::NewerSchema { .. }), "{err}");
-    set_schema(&path, 2, 1);
+    set_schema(&path, 3, 2);
     assert_eq!(Warm::open(&path)?.warmest("m", &[3; 256])?.map(|h| h.tokens), Some(256), "refusing changed nothing");
 
     // A redb file of another program, and a file that is not redb at all.
@@ -179,4 +182,32 @@ fn a_newer_or_unknown_format_is_refused_with_a_typed_error() -> Result<(), Error
     let err = Warm::open(&text).expect_err("not redb");
     assert!(matches!(err, Error::UnknownFormat { .. } | Error::Corrupted { .. }), "{err}");
     Ok(())
+}
+
+/// Schema 1 (pre-release builds) cannot be upgraded: refused with its own error, file untouched.
+#[test]
+fn a_pre_release_schema_1_file_is_refused_and_left_as_it_is() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fixture =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/0002-segment-keys-and-generations/warm-v1.redb");
+    let path = dir.path().join("warm-v1.redb");
+    std::fs::copy(&fixture, &path).expect("copy the fixture");
+    let before = v1_prefixes(&path);
+    assert!(before.len() > 100, "the fixture holds entries");
+    let err = Warm::open(&path).expect_err("schema 1");
+    assert!(matches!(err, Error::RetiredSchema { found: 1 }), "{err}");
+    assert!(err.to_string().contains("start a new index"), "{err}");
+    let err = superfluid_warm::Snapshot::open(&path).expect_err("readers refuse it too");
+    assert!(matches!(err, Error::RetiredSchema { found: 1 }), "{err}");
+    assert!(v1_prefixes(&path) == before, "a refused file keeps its entries");
+}
+
+/// The schema 1 prefix table, read with redb directly.
+fn v1_prefixes(path: &Path) -> Vec<([u8; 16], (u32, u32, u32, u64))> {
+    use redb::{ReadableDatabase, ReadableTable};
+    const V1: redb::TableDefinition<[u8; 16], (u32, u32, u32, u64)> = redb::TableDefinition::new("prefixes/v1");
+    let db = redb::ReadOnlyDatabase::open(path).expect("open read-only");
+    let txn = db.begin_read().expect("read");
+    let table = txn.open_table(V1).expect("the v1 table");
+    table.iter().expect("iter").map(|e| e.map(|(k, v)| (k.value(), v.value())).expect("entry")).collect()
 }

@@ -69,6 +69,7 @@ fn eviction_takes_the_oldest_eighth_and_a_touched_prefix_survives() -> Result<()
     model.ran("m", &prompt(0), "node-a");
     warm.ran("m", &prompt(20), "node-b")?;
     model.ran("m", &prompt(20), "node-b");
+    warm.sync()?; // an eviction is answered from once it is committed
     let stats = warm.stats()?;
     assert_eq!(stats.entries, 72, "84 entries: the 12 with a clock at most the 10th oldest's went");
     for i in 0..=20 {

@@ -1,0 +1,151 @@
+//! The caller's side of a `Warm`: the clock, the `ran`s not yet committed (an overlay `warmest`
+//! answers from before redb has them) and the queue the commit thread drains. Callers only ever
+//! hold this lock for a few microseconds; redb's writer is the commit thread's (see `warm.rs`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::chain::{BlockKey, Namespace};
+
+/// Hashes a block key by its last 8 bytes: they are already a uniform hash of the block (the
+/// first 8 are shared by a segment), so there is nothing left to mix.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        if let Some(tail) = bytes.get(8..16).and_then(|t| <[u8; 8]>::try_from(t).ok()) {
+            self.0 ^= u64::from_le_bytes(tail);
+        } else {
+            for &b in bytes {
+                self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3);
+            }
+        }
+    }
+
+    fn write_usize(&mut self, _len: usize) {
+        // The length prefix of a `[u8; 16]` says nothing.
+    }
+}
+
+/// A map keyed by block keys.
+pub(crate) type KeyMap<V> = HashMap<BlockKey, V, std::hash::BuildHasherDefault<KeyHasher>>;
+
+/// The prefix table as of the last commit, shared with the callers.
+pub(crate) type Snapshot = redb::ReadOnlyTable<BlockKey, (u32, u32, u32, u64)>;
+
+/// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
+pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
+
+/// One `ran`, as queued for the commit thread.
+pub(crate) struct Ran {
+    pub namespace: Namespace,
+    pub blocks: Vec<BlockKey>,
+    pub node: Arc<str>,
+    pub clock: u64,
+    /// When the caller made it (for the sync window).
+    pub at: Instant,
+}
+
+/// A block of a `ran` not yet committed: what `warmest` answers for it.
+#[derive(Clone)]
+pub(crate) struct Pending {
+    pub node: Arc<str>,
+    pub clock: u64,
+}
+
+/// What the commit thread last told the callers about the file.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Published {
+    pub entries: u64,
+    pub legacy_entries: u64,
+    pub capacity: u64,
+}
+
+/// The caller's side.
+pub(crate) struct Front {
+    /// The clock of the last `ran` (the next gets one more).
+    pub clock: u64,
+    /// Every block of every `ran` not yet committed, newest write winning.
+    pub overlay: KeyMap<Pending>,
+    /// The prefix table as of the last commit: replaced, with the overlay entries that commit
+    /// made redundant removed, under this lock, so every `ran` is always in one or the other.
+    pub snapshot: Snapshot,
+    /// `ran`s the commit thread has not taken yet, oldest first.
+    pub queue: Vec<Ran>,
+    pub queued_blocks: usize,
+    /// When the oldest `ran` not yet committed was made.
+    pub oldest_pending: Option<Instant>,
+    /// Node names by id, as the commit thread assigned them (committed or about to be).
+    pub nodes: Vec<String>,
+    /// One shared copy of each node name, for the overlay.
+    names: HashMap<String, Arc<str>>,
+    pub published: Published,
+    /// A background commit that failed, for the next call that writes.
+    pub failed: Option<String>,
+    /// Set when the handle is closing: the commit thread stops.
+    pub closing: bool,
+}
+
+impl Front {
+    pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, snapshot: Snapshot) -> Front {
+        Front {
+            clock,
+            overlay: KeyMap::default(),
+            snapshot,
+            queue: Vec::new(),
+            queued_blocks: 0,
+            oldest_pending: None,
+            nodes,
+            names: HashMap::new(),
+            published,
+            failed: None,
+            closing: false,
+        }
+    }
+
+    /// The shared copy of a node name.
+    pub(crate) fn name(&mut self, node: &str) -> Arc<str> {
+        if let Some(name) = self.names.get(node) {
+            return Arc::clone(name);
+        }
+        let name: Arc<str> = Arc::from(node);
+        self.names.insert(node.to_string(), Arc::clone(&name));
+        name
+    }
+
+    /// Queues a `ran` and makes it visible to `warmest` at once.
+    pub(crate) fn push(&mut self, ran: Ran) {
+        let pending = Pending { node: Arc::clone(&ran.node), clock: ran.clock };
+        for key in &ran.blocks {
+            self.overlay.insert(*key, pending.clone());
+        }
+        self.queued_blocks += ran.blocks.len();
+        self.oldest_pending.get_or_insert(ran.at);
+        self.queue.push(ran);
+    }
+
+    /// Takes the queue for the commit thread.
+    pub(crate) fn take(&mut self) -> Vec<Ran> {
+        self.queued_blocks = 0;
+        std::mem::take(&mut self.queue)
+    }
+
+    /// Forgets the overlay entries of `rans`, now committed (or lost), unless a later `ran`
+    /// rewrote them.
+    pub(crate) fn forget(&mut self, rans: &[Ran]) {
+        for ran in rans {
+            for key in &ran.blocks {
+                if self.overlay.get(key).is_some_and(|p| p.clock == ran.clock) {
+                    self.overlay.remove(key);
+                }
+            }
+        }
+        self.oldest_pending = self.queue.first().map(|r| r.at);
+    }
+}

@@ -1,8 +1,9 @@
 //! Prefix hashing: the chain of 64-token blocks, seeded by the model (and tenant).
 //!
-//! Block `i`'s chained value is `cv[i] = blake3::keyed_hash(cv[i-1], tokens[64i..64i+64] as u32
-//! LE)`: the previous block's 32-byte output is the key of the next (256 bytes, four blake3
-//! compressions per block). The chain starts from `cv[-1] = ns_key =
+//! Block `i`'s chained value is `cv[i] = blake3::keyed_hash(cv[i-1], bytes(block i))`: the
+//! previous block's 32-byte output is the key of the next. `bytes` is each token as 3 bytes LE
+//! when all 64 tokens are below 2^24 (every real vocabulary: 192 bytes, three blake3
+//! compressions), else each as 4 bytes LE (256 bytes); the two lengths never collide. The chain starts from `cv[-1] = ns_key =
 //! blake3::derive_key(NS_CONTEXT, len(model) ‖ model ‖ len(tenant) ‖ tenant)`. Its key is
 //! `cv[s][..8] ‖ cv[i][..8]`, with `s` the first block of its segment of [`SEGMENT_BLOCKS`]: the
 //! blocks of one segment of one conversation share their first 8 bytes, so they sit side by side
@@ -121,10 +122,18 @@ impl Namespace {
         let mut segment = [0u8; 8];
         let mut buf = [0u8; 4 * BLOCK_TOKENS];
         for (i, block) in tokens.chunks_exact(BLOCK_TOKENS).enumerate() {
-            for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
-                dst.copy_from_slice(&t.to_le_bytes());
-            }
-            cv = *blake3::keyed_hash(&cv, &buf).as_bytes();
+            let bytes = if block.iter().all(|&t| t < 1 << 24) {
+                for (dst, t) in buf.chunks_exact_mut(3).zip(block) {
+                    dst.copy_from_slice(&t.to_le_bytes()[..3]);
+                }
+                &buf[..3 * BLOCK_TOKENS]
+            } else {
+                for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
+                    dst.copy_from_slice(&t.to_le_bytes());
+                }
+                &buf[..]
+            };
+            cv = *blake3::keyed_hash(&cv, bytes).as_bytes();
             if i % SEGMENT_BLOCKS == 0 {
                 segment.copy_from_slice(&cv[..8]);
             }
@@ -240,5 +249,20 @@ mod tests {
         assert_ne!(keys[0][..8], keys[16][..8], "each segment has its own first half");
         let distinct: std::collections::HashSet<_> = keys.iter().collect();
         assert_eq!(distinct.len(), keys.len());
+    }
+
+    #[test]
+    fn a_token_above_2_pow_24_changes_the_encoding_not_the_uniqueness() {
+        let ns = Namespace::new("m").map_err(|e| e.to_string());
+        let Ok(ns) = ns else { panic!("namespace") };
+        let narrow: Vec<u32> = (0..128).collect();
+        let mut wide = narrow.clone();
+        wide[5] = 1 << 24;
+        let mut wrapped = narrow.clone();
+        wrapped[5] = 0; // 2^24 truncated to 3 bytes would be 0: must not collide
+        let (a, b, c) = (ns.chain(&narrow), ns.chain(&wide), ns.chain(&wrapped));
+        assert_ne!(b[0], c[0]);
+        assert_ne!(a[0], b[0]);
+        assert_eq!(a.len(), 2);
     }
 }

@@ -37,7 +37,7 @@ impl std::hash::Hasher for KeyHasher {
 pub(crate) type KeyMap<V> = HashMap<BlockKey, V, std::hash::BuildHasherDefault<KeyHasher>>;
 
 /// The prefix table as of the last commit, shared with the callers.
-pub(crate) type Snapshot = redb::ReadOnlyTable<BlockKey, (u32, u32, u32, u64)>;
+pub(crate) type Snapshot = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
 
 /// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
 pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
@@ -55,7 +55,8 @@ pub(crate) struct Ran {
 /// A block of a `ran` not yet committed: what `warmest` answers for it.
 #[derive(Clone)]
 pub(crate) struct Pending {
-    pub node: Arc<str>,
+    /// Index into [`Front::names`].
+    pub node: u32,
     pub clock: u64,
 }
 
@@ -83,8 +84,9 @@ pub(crate) struct Front {
     pub oldest_pending: Option<Instant>,
     /// Node names by id, as the commit thread assigned them (committed or about to be).
     pub nodes: Vec<String>,
-    /// One shared copy of each node name, for the overlay.
-    names: HashMap<String, Arc<str>>,
+    /// Every node name a `ran` gave, by the index the overlay uses.
+    pub names: Vec<Arc<str>>,
+    name_ids: HashMap<String, u32>,
     pub published: Published,
     /// A background commit that failed, for the next call that writes.
     pub failed: Option<String>,
@@ -102,26 +104,31 @@ impl Front {
             queued_blocks: 0,
             oldest_pending: None,
             nodes,
-            names: HashMap::new(),
+            names: Vec::new(),
+            name_ids: HashMap::new(),
             published,
             failed: None,
             closing: false,
         }
     }
 
-    /// The shared copy of a node name.
-    pub(crate) fn name(&mut self, node: &str) -> Arc<str> {
-        if let Some(name) = self.names.get(node) {
-            return Arc::clone(name);
+    /// The overlay's index of a node name, and a shared copy of it.
+    pub(crate) fn name(&mut self, node: &str) -> (u32, Arc<str>) {
+        if let Some(&id) = self.name_ids.get(node)
+            && let Some(name) = self.names.get(id as usize)
+        {
+            return (id, Arc::clone(name));
         }
+        let id = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
         let name: Arc<str> = Arc::from(node);
-        self.names.insert(node.to_string(), Arc::clone(&name));
-        name
+        self.names.push(Arc::clone(&name));
+        self.name_ids.insert(node.to_string(), id);
+        (id, name)
     }
 
     /// Queues a `ran` and makes it visible to `warmest` at once.
-    pub(crate) fn push(&mut self, ran: Ran) {
-        let pending = Pending { node: Arc::clone(&ran.node), clock: ran.clock };
+    pub(crate) fn push(&mut self, ran: Ran, node: u32) {
+        let pending = Pending { node, clock: ran.clock };
         for key in &ran.blocks {
             self.overlay.insert(*key, pending.clone());
         }

@@ -13,7 +13,7 @@ use crate::error::{Error, Result, redb_err};
 use crate::records::{Meta, NamespaceRecord, NodeRecord};
 use crate::schema;
 use crate::state::count;
-use crate::tables::{Entry, GENERATIONS, LIVE, META, META_KEY, NAMESPACES, NODES, PREFIXES};
+use crate::tables::{Entry, GENERATIONS, LIVE, META, META_KEY, NAMESPACES, NODES, PREFIXES, stored};
 
 /// One entry of the index, as `dump` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -195,8 +195,10 @@ impl Snapshot {
             for chunk in keys.value().chunks_exact(16) {
                 let mut key = [0u8; 16];
                 key.copy_from_slice(chunk);
-                let entry =
-                    primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
+                let entry = primary
+                    .get(stored(&key))
+                    .map_err(redb_err("reading a prefix"))?
+                    .map(|g| Entry::from_tuple(g.value()));
                 if let Some(entry) = entry.filter(|e| e.clock == clock)
                     && !visit(self.describe(key, entry))
                 {
@@ -220,7 +222,7 @@ impl Snapshot {
             let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
             *per_node.entry(Entry::from_tuple(value.value()).node).or_default() += 1;
             entries += 1;
-            legacy += u64::from(is_legacy(&key.value()));
+            legacy += u64::from(is_legacy(&key.value().to_be_bytes()));
         }
         let first = live.first().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
         let last = live.last().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
@@ -266,7 +268,7 @@ impl Snapshot {
         };
         for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
             let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
-            let (key, entry) = (key.value(), Entry::from_tuple(value.value()));
+            let (key, entry) = (key.value().to_be_bytes(), Entry::from_tuple(value.value()));
             check.entries += 1;
             legacy += u64::from(is_legacy(&key));
             if entry.clock > self.meta.clock {
@@ -304,8 +306,10 @@ impl Snapshot {
                     note(&mut check.problems, format!("generation {clock} lists {} twice", hex(&key)));
                     continue;
                 }
-                let entry =
-                    primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
+                let entry = primary
+                    .get(stored(&key))
+                    .map_err(redb_err("reading a prefix"))?
+                    .map(|g| Entry::from_tuple(g.value()));
                 here += u32::from(entry.is_some_and(|e| e.clock == clock));
             }
             let counted = live.get(clock).map_err(redb_err("reading the live counts"))?.map(|g| g.value());

@@ -12,7 +12,7 @@ use crate::chain::legacy_key;
 use crate::error::{Error, Result, redb_err};
 use crate::records::Import;
 use crate::state::{State, leave, list};
-use crate::tables::{Entry, LEGACY_NAMESPACE, PREFIXES};
+use crate::tables::{Entry, LEGACY_NAMESPACE, PREFIXES, stored};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -96,14 +96,17 @@ impl State {
             let mut listed: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
             for ((hash, _, at), node) in file.entries.iter().zip(nodes) {
                 let key = legacy_key(*hash);
-                let old = primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
+                let old = primary
+                    .get(stored(&key))
+                    .map_err(redb_err("reading a prefix"))?
+                    .map(|g| Entry::from_tuple(g.value()));
                 match old {
                     Some(old) if old.clock >= *at => continue,
                     Some(old) => *left.entry(old.clock).or_default() += 1,
                     None => added += 1,
                 }
                 let entry = Entry { node, namespace: LEGACY_NAMESPACE, depth: 0, clock: *at };
-                primary.insert(key, entry.tuple()).map_err(redb_err("writing a prefix"))?;
+                primary.insert(stored(&key), entry.tuple()).map_err(redb_err("writing a prefix"))?;
                 listed.entry(*at).or_default().extend_from_slice(&key);
                 report.imported += 1;
                 max_clock = max_clock.max(*at);

@@ -8,17 +8,15 @@
 //! reads instead of one per block. 0.1.7's imported entries promise no such thing, so their
 //! chain is walked block by block as 0.1.7 did.
 
-use std::sync::Arc;
-
 use crate::chain::BlockKey;
 use crate::error::{Result, redb_err};
 use crate::front::Front;
-use crate::tables::Entry;
+use crate::tables::{Entry, stored};
 
 /// Who ran a block: a name from the overlay, or a node id from the file.
 #[derive(Clone, Debug)]
 pub(crate) enum Owner {
-    Pending(Arc<str>),
+    Pending(u32),
     Stored(u32),
 }
 
@@ -27,9 +25,9 @@ pub(crate) type Found = Option<(Owner, usize)>;
 
 fn probe(front: &Front, key: &BlockKey) -> Result<Option<Owner>> {
     if let Some(p) = front.overlay.get(key) {
-        return Ok(Some(Owner::Pending(Arc::clone(&p.node))));
+        return Ok(Some(Owner::Pending(p.node)));
     }
-    let found = front.snapshot.get(key).map_err(redb_err("reading a prefix"))?;
+    let found = front.snapshot.get(stored(key)).map_err(redb_err("reading a prefix"))?;
     Ok(found.map(|g| Owner::Stored(Entry::from_tuple(g.value()).node)))
 }
 

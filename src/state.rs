@@ -13,6 +13,7 @@ use crate::front::Ran;
 use crate::records::{Meta, NamespaceRecord, NodeRecord, Writer};
 use crate::tables::{
     Entry, GENERATIONS, LEGACY_NAMESPACE, LIVE, META, META_KEY, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES,
+    stored,
 };
 
 /// Longest node name accepted, in bytes.
@@ -129,7 +130,7 @@ impl State {
             for (i, key) in ran.blocks.iter().enumerate() {
                 let depth = u32::try_from(i + 1).unwrap_or(u32::MAX);
                 let entry = Entry { node, namespace, depth, clock };
-                let old = primary.insert(key, entry.tuple()).map_err(redb_err("writing a prefix"))?;
+                let old = primary.insert(stored(key), entry.tuple()).map_err(redb_err("writing a prefix"))?;
                 match old.map(|g| Entry::from_tuple(g.value()).clock) {
                     // The same key twice in one prompt: listed once.
                     Some(old) if old == clock => continue,
@@ -181,11 +182,11 @@ impl State {
                         let mut k = [0u8; 16];
                         k.copy_from_slice(key);
                         let live_here = primary
-                            .get(k)
+                            .get(stored(&k))
                             .map_err(redb_err("evicting"))?
                             .is_some_and(|g| Entry::from_tuple(g.value()).clock == clock);
                         if live_here {
-                            primary.remove(k).map_err(redb_err("evicting"))?;
+                            primary.remove(stored(&k)).map_err(redb_err("evicting"))?;
                             n += 1;
                             legacy += u64::from(is_legacy(&k));
                         }

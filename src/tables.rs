@@ -4,8 +4,15 @@ use redb::TableDefinition;
 
 use crate::chain::BlockKey;
 
-/// Block key → (node id, namespace id, depth in blocks, clock). 16-byte key, 20-byte value.
-pub(crate) const PREFIXES: TableDefinition<BlockKey, (u32, u32, u32, u64)> = TableDefinition::new("prefixes/v2");
+/// Block key (its 16 bytes read as a big-endian `u128`, so the integer order is the byte order and
+/// a comparison is one instruction) → (node id, namespace id, depth in blocks, clock). 16-byte
+/// key, 20-byte value.
+pub(crate) const PREFIXES: TableDefinition<u128, (u32, u32, u32, u64)> = TableDefinition::new("prefixes/v2");
+
+/// The prefix table's key for a block key.
+pub(crate) fn stored(key: &BlockKey) -> u128 {
+    u128::from_be_bytes(*key)
+}
 /// Clock → the keys one `ran` (or one clock of an import) wrote, 16 bytes each, each once: the
 /// clock-ordered table eviction scans. A key listed here is live at this clock only while the
 /// prefix table still gives it this clock (later `ran`s leave stale listings, dropped on eviction).

@@ -161,7 +161,7 @@ impl Warm {
             if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&front, &prefix.legacy)?) };
         Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|(owner, blocks)| Hit {
             node: match owner {
-                Owner::Pending(name) => name.to_string(),
+                Owner::Pending(i) => front.names.get(i as usize).map_or_else(|| format!("?{i}"), |n| n.to_string()),
                 Owner::Stored(id) => front.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}")),
             },
             tokens: blocks * BLOCK_TOKENS,
@@ -201,15 +201,16 @@ impl Warm {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
             front.clock += 1;
+            let (index, name) = front.name(node);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
                 blocks: prefix.blocks.clone(),
-                node: front.name(node),
+                node: name,
                 clock: front.clock,
                 at: Instant::now(),
             };
             let was_idle = front.oldest_pending.is_none();
-            front.push(ran);
+            front.push(ran, index);
             if self.flusher.is_some() {
                 if was_idle {
                     self.inner.wake.notify_one();

@@ -137,12 +137,12 @@ impl Builder {
         schema::prepare(&db, self.capacity)?;
         let mut state = State::load(&db)?;
         if let Err(e) = state.evict(&db) {
-            return Err(state.lose(&db, e).0);
+            return Err(state.lose(&db, e).error);
         }
-        state.commit(&db, false).map_err(|(e, _)| e)?;
+        state.commit(&db, false).map_err(|lost| lost.error)?;
         if let Some(file) = &legacy {
             state.import(&db, file)?;
-            state.commit(&db, false).map_err(|(e, _)| e)?;
+            state.commit(&db, false).map_err(|lost| lost.error)?;
         }
         Warm::start(db, state, self.sync_window)
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::chain::{BlockKey, Namespace};
+use crate::overlay::Overlay;
 
 /// Hashes a block key by its last 8 bytes: they are already a uniform hash of the block (the
 /// first 8 are shared by a segment), so there is nothing left to mix.
@@ -28,13 +29,14 @@ impl std::hash::Hasher for KeyHasher {
         }
     }
 
+    fn write_u64(&mut self, v: u64) {
+        self.0 ^= v;
+    }
+
     fn write_usize(&mut self, _len: usize) {
         // The length prefix of a `[u8; 16]` says nothing.
     }
 }
-
-/// A map keyed by block keys.
-pub(crate) type KeyMap<V> = HashMap<BlockKey, V, std::hash::BuildHasherDefault<KeyHasher>>;
 
 /// The prefix table as of the last commit, shared with the callers.
 pub(crate) type Snapshot = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
@@ -45,19 +47,11 @@ pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
 /// One `ran`, as queued for the commit thread.
 pub(crate) struct Ran {
     pub namespace: Namespace,
-    pub blocks: Vec<BlockKey>,
+    pub blocks: Arc<[BlockKey]>,
     pub node: Arc<str>,
     pub clock: u64,
     /// When the caller made it (for the sync window).
     pub at: Instant,
-}
-
-/// A block of a `ran` not yet committed: what `warmest` answers for it.
-#[derive(Clone)]
-pub(crate) struct Pending {
-    /// Index into [`Front::names`].
-    pub node: u32,
-    pub clock: u64,
 }
 
 /// What the commit thread last told the callers about the file.
@@ -72,8 +66,8 @@ pub(crate) struct Published {
 pub(crate) struct Front {
     /// The clock of the last `ran` (the next gets one more).
     pub clock: u64,
-    /// Every block of every `ran` not yet committed, newest write winning.
-    pub overlay: KeyMap<Pending>,
+    /// Every `ran` not yet committed.
+    pub overlay: Overlay,
     /// The prefix table as of the last commit: replaced, with the overlay entries that commit
     /// made redundant removed, under this lock, so every `ran` is always in one or the other.
     pub snapshot: Snapshot,
@@ -98,7 +92,7 @@ impl Front {
     pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, snapshot: Snapshot) -> Front {
         Front {
             clock,
-            overlay: KeyMap::default(),
+            overlay: Overlay::default(),
             snapshot,
             queue: Vec::new(),
             queued_blocks: 0,
@@ -128,10 +122,7 @@ impl Front {
 
     /// Queues a `ran` and makes it visible to `warmest` at once.
     pub(crate) fn push(&mut self, ran: Ran, node: u32) {
-        let pending = Pending { node, clock: ran.clock };
-        for key in &ran.blocks {
-            self.overlay.insert(*key, pending.clone());
-        }
+        self.overlay.push(ran.clock, Arc::clone(&ran.blocks), node);
         self.queued_blocks += ran.blocks.len();
         self.oldest_pending.get_or_insert(ran.at);
         self.queue.push(ran);
@@ -143,15 +134,11 @@ impl Front {
         std::mem::take(&mut self.queue)
     }
 
-    /// Forgets the overlay entries of `rans`, now committed (or lost), unless a later `ran`
-    /// rewrote them.
+    /// Forgets the `ran`s up to the newest of `rans`, now committed (or lost): every `ran` with
+    /// a clock up to it was taken with them.
     pub(crate) fn forget(&mut self, rans: &[Ran]) {
-        for ran in rans {
-            for key in &ran.blocks {
-                if self.overlay.get(key).is_some_and(|p| p.clock == ran.clock) {
-                    self.overlay.remove(key);
-                }
-            }
+        if let Some(newest) = rans.iter().map(|r| r.clock).max() {
+            self.overlay.forget_through(newest);
         }
         self.oldest_pending = self.queue.first().map(|r| r.at);
     }

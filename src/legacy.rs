@@ -82,7 +82,7 @@ impl State {
         }
         match self.import_in_batch(db, file, &mut report) {
             Ok(()) => Ok(report),
-            Err(e) => Err(self.lose(db, e).0),
+            Err(e) => Err(self.lose(db, e).error),
         }
     }
 

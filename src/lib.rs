@@ -27,6 +27,7 @@ mod front;
 mod inspect;
 mod legacy;
 mod lookup;
+mod overlay;
 mod records;
 mod schema;
 mod state;

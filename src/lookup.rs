@@ -24,8 +24,8 @@ pub(crate) enum Owner {
 pub(crate) type Found = Option<(Owner, usize)>;
 
 fn probe(front: &Front, key: &BlockKey) -> Result<Option<Owner>> {
-    if let Some(p) = front.overlay.get(key) {
-        return Ok(Some(Owner::Pending(p.node)));
+    if let Some(node) = front.overlay.get(key) {
+        return Ok(Some(Owner::Pending(node)));
     }
     let found = front.snapshot.get(stored(key)).map_err(redb_err("reading a prefix"))?;
     Ok(found.map(|g| Owner::Stored(Entry::from_tuple(g.value()).node)))

@@ -26,6 +26,12 @@ pub(crate) struct Nodes {
     pub ids: HashMap<String, u32>,
 }
 
+/// A failed change: the error, and the `ran`s whose batch it dropped.
+pub(crate) struct Lost {
+    pub error: Error,
+    pub rans: Vec<Ran>,
+}
+
 /// What the commit thread keeps: the batch and the cold records as of the batch.
 pub(crate) struct State {
     /// The batch: every change since the last commit.
@@ -254,8 +260,8 @@ impl State {
     /// Commits the batch with the meta record, durably, naming this process as the writer (or
     /// no writer when `closing`). Nothing to commit is not an error. On failure the batch is gone,
     /// the state is what was committed before, and the lost `ran`s are returned with the error.
-    pub(crate) fn commit(&mut self, db: &Database, closing: bool) -> std::result::Result<Vec<Ran>, (Error, Vec<Ran>)> {
-        if !self.dirty() && !(closing && self.marked) {
+    pub(crate) fn commit(&mut self, db: &Database, closing: bool) -> std::result::Result<Vec<Ran>, Box<Lost>> {
+        if !(self.dirty() || closing && self.marked) {
             return Ok(std::mem::take(&mut self.applied));
         }
         match self.commit_batch(db, closing) {
@@ -264,14 +270,14 @@ impl State {
         }
     }
 
-    /// Drops the batch after `e`, returning the error and the `ran`s it lost.
-    pub(crate) fn lose(&mut self, db: &Database, e: Error) -> (Error, Vec<Ran>) {
-        let mut lost = std::mem::take(&mut self.applied);
+    /// Drops the batch after `error`, returning it with the `ran`s it lost.
+    pub(crate) fn lose(&mut self, db: &Database, error: Error) -> Box<Lost> {
+        let mut rans = std::mem::take(&mut self.applied);
         match self.reload(db) {
-            Ok(more) => lost.extend(more),
-            Err(reload) => return (reload, lost),
+            Ok(more) => rans.extend(more),
+            Err(reload) => return Box::new(Lost { error: reload, rans }),
         }
-        (e, lost)
+        Box::new(Lost { error, rans })
     }
 
     fn commit_batch(&mut self, db: &Database, closing: bool) -> Result<()> {

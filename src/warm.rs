@@ -18,7 +18,7 @@ use crate::error::{Error, Result, redb_err};
 use crate::front::{Front, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
 use crate::legacy::{self, ImportReport};
 use crate::lookup::{self, Owner};
-use crate::state::{MAX_NODE_BYTES, State};
+use crate::state::{Lost, MAX_NODE_BYTES, State};
 use crate::tables::PREFIXES;
 
 /// The node that ran the longest remembered prefix of a prompt.
@@ -197,14 +197,18 @@ impl Warm {
             if let Some(detail) = front.failed.take() {
                 return Err(Error::CommitFailed { detail });
             }
-            while front.queued_blocks > MAX_QUEUED_BLOCKS && self.flusher.is_some() && front.failed.is_none() {
+            // Back-pressure: the commit thread is behind (queue) or a commit is (overlay).
+            while (front.queued_blocks > MAX_QUEUED_BLOCKS || front.overlay.blocks() > 4 * MAX_QUEUED_BLOCKS)
+                && self.flusher.is_some()
+                && front.failed.is_none()
+            {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
             front.clock += 1;
             let (index, name) = front.name(node);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
-                blocks: prefix.blocks.clone(),
+                blocks: prefix.blocks.as_slice().into(),
                 node: name,
                 clock: front.clock,
                 at: Instant::now(),
@@ -252,7 +256,7 @@ impl Warm {
         front.nodes.clone_from(&back.nodes.names);
         front.published = published(&back);
         front.clock = front.clock.max(back.meta.clock);
-        result.map(|_| report).map_err(|(e, _)| e)
+        result.map(|_| report).map_err(|lost| lost.error)
     }
 
     /// Counts and settings, as of every `ran` that returned (the queue is written into the batch
@@ -346,9 +350,9 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
         match back.apply(&inner.db, &ran) {
             Ok(()) => back.applied.push(ran),
             Err(e) => {
-                let (e, mut lost) = back.lose(&inner.db, e);
-                lost.push(ran);
-                failure = Some((e, lost));
+                let mut lost = back.lose(&inner.db, e);
+                lost.rans.push(ran);
+                failure = Some(lost);
                 break;
             }
         }
@@ -372,10 +376,12 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
                 front.snapshot = fresh;
             }
             front.forget(&committed);
+            inner.drained.notify_all();
             Ok(())
         }
         Ok(None) => Ok(()),
-        Err((e, lost)) => {
+        Err(lost) => {
+            let Lost { error: e, rans: lost } = *lost;
             front.forget(&lost);
             front.forget(&unapplied);
             inner.drained.notify_all();
@@ -416,10 +422,10 @@ fn flush_loop(inner: &Inner) {
                 };
             }
         }
-        if let Err(e) = flush(inner, Flush::IfDue) {
-            if let Ok(mut front) = inner.front.lock() {
-                front.failed = Some(e.to_string());
-            }
+        if let Err(e) = flush(inner, Flush::IfDue)
+            && let Ok(mut front) = inner.front.lock()
+        {
+            front.failed = Some(e.to_string());
         }
     }
 }

@@ -202,8 +202,11 @@ fn a_pre_release_schema_1_file_is_refused_and_left_as_it_is() {
     assert!(v1_prefixes(&path) == before, "a refused file keeps its entries");
 }
 
+/// A schema 1 prefix entry: key → (node, namespace, depth, clock).
+type V1Entry = ([u8; 16], (u32, u32, u32, u64));
+
 /// The schema 1 prefix table, read with redb directly.
-fn v1_prefixes(path: &Path) -> Vec<([u8; 16], (u32, u32, u32, u64))> {
+fn v1_prefixes(path: &Path) -> Vec<V1Entry> {
     use redb::{ReadableDatabase, ReadableTable};
     const V1: redb::TableDefinition<[u8; 16], (u32, u32, u32, u64)> = redb::TableDefinition::new("prefixes/v1");
     let db = redb::ReadOnlyDatabase::open(path).expect("open read-only");

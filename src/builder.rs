@@ -24,7 +24,7 @@ pub const MAX_CAPACITY: u64 = 1 << 40;
 /// The settings of a [`Warm`]: `Warm::builder().capacity(1 << 16).open(path)`.
 #[derive(Clone, Debug)]
 pub struct Builder {
-    capacity: u64,
+    capacity: Option<u64>,
     cache_bytes: usize,
     sync_window: Duration,
     check_integrity: bool,
@@ -38,11 +38,11 @@ impl Default for Builder {
 }
 
 impl Builder {
-    /// The defaults: [`DEFAULT_CAPACITY`], [`DEFAULT_CACHE_BYTES`], [`DEFAULT_SYNC_WINDOW`],
-    /// integrity checked on open.
+    /// The defaults: the file's capacity ([`DEFAULT_CAPACITY`] for a new file),
+    /// [`DEFAULT_CACHE_BYTES`], [`DEFAULT_SYNC_WINDOW`], integrity checked on open.
     pub fn new() -> Builder {
         Builder {
-            capacity: DEFAULT_CAPACITY,
+            capacity: None,
             cache_bytes: DEFAULT_CACHE_BYTES,
             sync_window: DEFAULT_SYNC_WINDOW,
             check_integrity: true,
@@ -51,8 +51,10 @@ impl Builder {
     }
 
     /// Most entries (blocks) kept; past it the oldest eighth is evicted. 1 to [`MAX_CAPACITY`].
+    /// Unset, an existing file keeps the capacity it has and a new one gets [`DEFAULT_CAPACITY`];
+    /// set, it is recorded in the file (a smaller one evicts on open).
     pub fn capacity(&mut self, blocks: u64) -> &mut Self {
-        self.capacity = blocks;
+        self.capacity = Some(blocks);
         self
     }
 
@@ -92,8 +94,8 @@ impl Builder {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.capacity == 0 || self.capacity > MAX_CAPACITY {
-            return Err(Error::InvalidConfig { detail: format!("capacity {} (1 to {MAX_CAPACITY})", self.capacity) });
+        if let Some(c) = self.capacity.filter(|&c| c == 0 || c > MAX_CAPACITY) {
+            return Err(Error::InvalidConfig { detail: format!("capacity {c} (1 to {MAX_CAPACITY})") });
         }
         if self.sync_window > Duration::from_secs(60) {
             return Err(Error::InvalidConfig { detail: format!("sync window {:?} (at most 60 s)", self.sync_window) });

@@ -59,14 +59,15 @@ pub(crate) fn check(meta: &mut Meta) -> Result<()> {
     Ok(())
 }
 
-/// Prepares a file opened for writing: creates a new one, or checks an old one and records a new
-/// capacity. An old file opened with its own capacity is only read (no commit: opening is cheap).
-pub(crate) fn prepare(db: &Database, capacity: u64) -> Result<()> {
+/// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
+/// checks an old one and records `capacity` if one was given and differs. Otherwise an old file
+/// is only read (no commit: opening is cheap).
+pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<()> {
     let mut txn = db.begin_write().map_err(redb_err("starting the open"))?;
     let mut meta = match read_meta(&txn)? {
         Some(mut meta) => {
             check(&mut meta)?;
-            if meta.capacity == capacity {
+            if capacity.is_none_or(|c| c == meta.capacity) {
                 return txn.abort().map_err(redb_err("ending the open"));
             }
             meta
@@ -76,7 +77,7 @@ pub(crate) fn prepare(db: &Database, capacity: u64) -> Result<()> {
             empty_meta()
         }
     };
-    meta.capacity = capacity;
+    meta.capacity = capacity.unwrap_or(crate::builder::DEFAULT_CAPACITY);
     let bytes = codec::encode("meta", &meta)?;
     txn.open_table(META)
         .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))

@@ -168,3 +168,18 @@ fn readers_share_the_index_while_it_is_written() -> Result<(), Error> {
     assert!(seen.iter().any(|&n| n > 0 && n < 1800), "and saw the file while it was being written");
     Ok(())
 }
+
+#[test]
+fn a_file_keeps_its_capacity_unless_one_is_given() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    Warm::builder().capacity(5000).open(&path)?.close()?;
+    assert_eq!(Warm::open(&path)?.stats()?.capacity, 5000, "a plain open keeps the file's capacity");
+    let warm = Warm::builder().capacity(64).open(&path)?;
+    assert_eq!(warm.stats()?.capacity, 64);
+    drop(warm);
+    assert_eq!(Warm::open(&path)?.stats()?.capacity, 64, "a given capacity is recorded");
+    let fresh = dir.path().join("fresh.redb");
+    assert_eq!(Warm::open(&fresh)?.stats()?.capacity, superfluid_warm::DEFAULT_CAPACITY);
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! The figures of issue 5 that criterion does not fit: open after a clean close and after a
+//! crash, the durable point (time and bytes written), at 64k and 1M entries; warmest at 10M
+//! entries with resident memory; 4 threads of `ran` with group commit. The 0.1.7 design is
+//! measured in the same run where it has a counterpart, and ratios are printed.
+//!
+//! `cargo bench --bench scale` (all, ~3 min); `cargo bench --bench scale -- 64k 1m 10m threads`
+//! picks parts. A crash is a child process (this binary again) that fills a file and aborts.
+
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use superfluid_warm::baseline::Baseline;
+use superfluid_warm::replay::node_name;
+use superfluid_warm::{Namespace, Warm};
+
+const MODEL: &str = "bench";
+/// Blocks per filler prompt.
+const BLOCKS: u32 = 64;
+
+/// A distinct prompt of `BLOCKS` blocks.
+fn prompt(i: u32) -> Vec<u32> {
+    (0..BLOCKS * 64).map(|t| i.wrapping_mul(1_000_003).wrapping_add(t * 7919)).collect()
+}
+
+/// Fills `path` with `entries` blocks (distinct prompts, 8 nodes), committed.
+fn fill(path: &Path, entries: u64) -> Warm {
+    let warm = Warm::builder().capacity(entries + entries / 4).open(path).expect("open");
+    let ns = Namespace::new(MODEL).expect("namespace");
+    for i in 0..(entries / u64::from(BLOCKS)) as u32 {
+        let p = Prefix::of(&warm, &ns, i);
+        warm.ran_prefix(&p, &node_name(i as usize % 8)).expect("ran");
+    }
+    warm.sync().expect("sync");
+    warm
+}
+
+struct Prefix;
+impl Prefix {
+    fn of(warm: &Warm, ns: &Namespace, i: u32) -> superfluid_warm::Prefix {
+        warm.prefix(ns, &prompt(i)).expect("prefix")
+    }
+}
+
+/// The same entries in the 0.1.7 design, saved.
+fn fill_baseline(path: &Path, entries: u64) -> Baseline {
+    let mut base = Baseline::kept_in(path.to_path_buf(), entries as usize + 1);
+    for i in 0..(entries / u64::from(BLOCKS)) as u32 {
+        base.ran(MODEL, &prompt(i), &node_name(i as usize % 8));
+    }
+    base.save();
+    base
+}
+
+/// Bytes this process has written to storage so far (`/proc/self/io`).
+fn written() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").unwrap_or_default();
+    io.lines().find_map(|l| l.strip_prefix("write_bytes: ")).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+}
+
+/// Resident and peak resident memory in MiB (`/proc/self/status`).
+fn rss() -> (f64, f64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| -> f64 {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn pct(v: &mut [Duration], q: f64) -> Duration {
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1e3)
+}
+
+/// Opens after a clean close and after a crash at `entries`, and the durable point, beside the
+/// 0.1.7 design's load and save.
+fn open_and_durable(label: &str, entries: u64) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("warm.redb");
+    let json = dir.path().join("warm.json");
+    let warm = fill(&path, entries);
+    let mut base = fill_baseline(&json, entries);
+    // Durable point: one new ran (64 blocks) made durable.
+    let mut ours = Vec::new();
+    let before = written();
+    let rounds = 20u32;
+    for k in 0..rounds {
+        warm.ran(MODEL, &prompt(10_000_000 + k), "node-new").expect("ran");
+        let t = Instant::now();
+        warm.sync().expect("sync");
+        ours.push(t.elapsed());
+    }
+    let our_bytes = (written() - before) / u64::from(rounds);
+    let mut theirs = Vec::new();
+    let before = written();
+    for k in 0..5 {
+        base.ran(MODEL, &prompt(10_000_000 + k), "node-new");
+        let t = Instant::now();
+        base.save();
+        theirs.push(t.elapsed());
+    }
+    let their_bytes = (written() - before) / 5;
+    let (ours, theirs) = (median(ours), median(theirs));
+    println!(
+        "{label}: durable point {} and {} KiB written vs 0.1.7 save {} and {} KiB: {:.1}x cheaper in time, {:.1}x in bytes",
+        ms(ours),
+        our_bytes / 1024,
+        ms(theirs),
+        their_bytes / 1024,
+        theirs.as_secs_f64() / ours.as_secs_f64(),
+        their_bytes as f64 / our_bytes.max(1) as f64
+    );
+    warm.close().expect("close");
+    let file = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let open = median((0..5).map(|_| timed(|| drop(black_box(Warm::open(&path).expect("open"))))).collect());
+    let checked = median(
+        (0..3)
+            .map(|_| {
+                timed(|| drop(black_box(Warm::builder().check_integrity_on_open(true).open(&path).expect("open"))))
+            })
+            .collect(),
+    );
+    let load = median(
+        (0..3).map(|_| timed(|| drop(black_box(Baseline::kept_in(json.clone(), entries as usize + 1))))).collect(),
+    );
+    println!(
+        "{label}: open after a clean close {} (with the full integrity check {}) vs 0.1.7 load {}: {:.3}x ({:.3}x); file {:.1} MiB",
+        ms(open),
+        ms(checked),
+        ms(load),
+        open.as_secs_f64() / load.as_secs_f64(),
+        checked.as_secs_f64() / load.as_secs_f64(),
+        file as f64 / 1048576.0
+    );
+    // After a crash: a child process writes more and aborts without closing.
+    let crashed = dir.path().join("crashed.redb");
+    std::fs::copy(&path, &crashed).expect("copy");
+    let status = Command::new(std::env::current_exe().expect("exe"))
+        .env("SCALE_CRASH_CHILD", &crashed)
+        .status()
+        .expect("spawn the crashing child");
+    assert!(!status.success(), "the child aborts");
+    let t = Instant::now();
+    let warm = Warm::open(&crashed).expect("open after a crash");
+    let after_crash = t.elapsed();
+    let hit = warm.warmest(MODEL, &prompt(3)).expect("warmest");
+    println!(
+        "{label}: open after a crash {} (redb's repair verifies every page); a committed prompt answers {:?}",
+        ms(after_crash),
+        hit.map(|h| h.tokens)
+    );
+}
+
+fn timed(f: impl FnOnce()) -> Duration {
+    let t = Instant::now();
+    f();
+    t.elapsed()
+}
+
+/// The crashing child: opens, writes a few rans, makes them durable, writes more, aborts.
+fn crash_child(path: &Path) -> ! {
+    let warm = Warm::open(path).expect("child open");
+    for i in 0..50 {
+        warm.ran(MODEL, &prompt(20_000_000 + i), "node-crash").expect("ran");
+    }
+    warm.sync().expect("sync");
+    for i in 50..100 {
+        warm.ran(MODEL, &prompt(20_000_000 + i), "node-crash").expect("ran");
+    }
+    std::process::abort();
+}
+
+/// Warmest at 10M entries: filled here, answered by a fresh process (so its resident memory is
+/// what a head that opens such a file uses, not what filling it left behind).
+fn ten_million() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path: PathBuf = dir.path().join("warm.redb");
+    let entries = 10_000_000u64;
+    let t = Instant::now();
+    let warm = fill(&path, entries);
+    let filled = t.elapsed();
+    let (_, peak) = rss();
+    warm.close().expect("close");
+    let file = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "10M: filled {entries} entries in {:.1} s from one thread (file {:.0} MiB; peak resident while filling {peak:.0} MiB)",
+        filled.as_secs_f64(),
+        file as f64 / 1048576.0
+    );
+    let status = Command::new(std::env::current_exe().expect("exe"))
+        .env("SCALE_ANSWER_CHILD", &path)
+        .env("SCALE_ENTRIES", entries.to_string())
+        .status()
+        .expect("spawn the answering child");
+    assert!(status.success(), "the answering child failed");
+}
+
+/// The answering child: opens the 10M file and times warmest on random filled prompts.
+fn answer_child(path: &Path, entries: u64) {
+    let t = Instant::now();
+    let warm = Warm::open(path).expect("open");
+    let open = t.elapsed();
+    let ns = Namespace::new(MODEL).expect("namespace");
+    let n = (entries / u64::from(BLOCKS)) as u32;
+    let mut state = 12345u64;
+    let mut times = Vec::new();
+    let mut hits = 0;
+    for _ in 0..20_000 {
+        state = superfluid_warm::trace::splitmix64(state);
+        let i = (state % u64::from(n)) as u32;
+        let p = warm.prefix(&ns, &prompt(i)).expect("prefix");
+        let t = Instant::now();
+        hits += usize::from(black_box(warm.warmest_prefix(&p).expect("warmest")).is_some());
+        times.push(t.elapsed());
+    }
+    let (now, peak) = rss();
+    println!(
+        "10M: open {}; warmest of a {BLOCKS}-block prompt p50 {:.1} us p99 {:.1} us ({hits}/20000 hits); resident {now:.0} MiB (peak {peak:.0} MiB)",
+        ms(open),
+        pct(&mut times, 0.5).as_secs_f64() * 1e6,
+        pct(&mut times, 0.99).as_secs_f64() * 1e6
+    );
+}
+
+/// 4 threads of `ran` (conversation turns), group commit: rans/s and the latency until durable.
+fn threads() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let warm = Warm::open(dir.path().join("warm.redb")).expect("open");
+    let per_thread = 2_000u32;
+    let t = Instant::now();
+    let latencies: Vec<Duration> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4u32)
+            .map(|th| {
+                let warm = &warm;
+                s.spawn(move || {
+                    let ns = Namespace::new(MODEL).expect("namespace");
+                    let mut out = Vec::new();
+                    for i in 0..per_thread {
+                        // 100 conversations per thread, each turn one block longer.
+                        let conv = th * 1000 + i % 100;
+                        let turn = i / 100 + 2;
+                        let tokens: Vec<u32> = (0..turn * 64).map(|t| conv * 100_000 + t).collect();
+                        let p = warm.prefix(&ns, &tokens).expect("prefix");
+                        let _ = warm.warmest_prefix(&p).expect("warmest");
+                        warm.ran_prefix(&p, &node_name((conv % 8) as usize)).expect("ran");
+                        if i % 50 == 0 {
+                            // How long until this ran is durable: sync waits for the commit.
+                            let t = Instant::now();
+                            warm.sync().expect("sync");
+                            out.push(t.elapsed());
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
+    });
+    let wall = t.elapsed();
+    let mut lat = latencies;
+    let rans = 4 * per_thread;
+    println!(
+        "4 threads: {rans} rans (incl. warmest) in {:.2} s = {:.0} rans/s with group commit; sync latency p50 {} p99 {}",
+        wall.as_secs_f64(),
+        f64::from(rans) / wall.as_secs_f64(),
+        ms(pct(&mut lat, 0.5)),
+        ms(pct(&mut lat, 0.99))
+    );
+    let t = Instant::now();
+    for i in 0..400u32 {
+        let tokens: Vec<u32> = (0..256).map(|t| 9_000_000 + i * 1000 + t).collect();
+        warm.ran(MODEL, &tokens, "node-x").expect("ran");
+    }
+    let queued = t.elapsed();
+    let t = Instant::now();
+    warm.sync().expect("sync");
+    println!(
+        "4 threads: without sync, 400 rans return in {} and are durable {} later (default window 50 ms)",
+        ms(queued),
+        ms(t.elapsed())
+    );
+}
+
+fn main() {
+    if let Some(path) = std::env::var_os("SCALE_CRASH_CHILD") {
+        crash_child(Path::new(&path));
+    }
+    if let Some(path) = std::env::var_os("SCALE_ANSWER_CHILD") {
+        let entries = std::env::var("SCALE_ENTRIES").ok().and_then(|e| e.parse().ok()).unwrap_or(0);
+        answer_child(Path::new(&path), entries);
+        return;
+    }
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    let want = |part: &str| args.is_empty() || args.iter().any(|a| a == part);
+    println!("superfluid-warm scale benchmark ({} cores)", std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if want("64k") {
+        open_and_durable("64k", 1 << 16);
+    }
+    if want("1m") {
+        open_and_durable("1M", 1 << 20);
+    }
+    if want("threads") {
+        threads();
+    }
+    if want("10m") {
+        ten_million();
+    }
+}

@@ -183,3 +183,43 @@ fn a_file_keeps_its_capacity_unless_one_is_given() -> Result<(), Error> {
     assert_eq!(Warm::open(&fresh)?.stats()?.capacity, superfluid_warm::DEFAULT_CAPACITY);
     Ok(())
 }
+
+/// Every `ran` that returned is answered, by any thread, while the commit thread keeps writing,
+/// committing and swapping its snapshot underneath (a 1 ms window makes that constant).
+#[test]
+fn every_returned_ran_is_answered_while_commits_swap_the_snapshot() -> Result<(), Error> {
+    let dir = tempdir();
+    let warm = Warm::builder().sync_window(std::time::Duration::from_millis(1)).open(db_path(&dir))?;
+    let missed = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..3u32)
+            .map(|th| {
+                let warm = &warm;
+                s.spawn(move || -> Result<u32, Error> {
+                    let mut missed = 0;
+                    let tokens = |i: u32| -> Vec<u32> {
+                        (0..64 * (2 + i % 9)).map(|t| th * 10_000_000 + i * 1000 + t).collect()
+                    };
+                    let node = |i: u32| NODES[((i + th) % 4) as usize];
+                    for i in 0..1500u32 {
+                        warm.ran("m", &tokens(i), node(i))?;
+                        // This ran (in the overlay) and older ones (committed since, or not).
+                        for back in [0, 1, 7, 50, 400] {
+                            let Some(j) = i.checked_sub(back) else { continue };
+                            let got = warm.warmest("m", &tokens(j))?;
+                            if got.as_ref().map(|h| (h.node.as_str(), h.tokens)) != Some((node(j), tokens(j).len())) {
+                                missed += 1;
+                            }
+                        }
+                    }
+                    Ok(missed)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("thread")).sum::<Result<u32, Error>>()
+    })?;
+    assert_eq!(missed, 0, "a ran that returned was not answered (or answered with another node)");
+    warm.sync()?;
+    let stats = warm.stats()?;
+    assert!(!stats.pending);
+    Ok(())
+}

@@ -338,7 +338,8 @@ fn check(out: &mut impl Write, path: &Path, json: bool, repair: bool) -> Result<
         });
         emit(out, &line.to_string())?;
     } else {
-        let mut text = format!("{} entries, {} clock entries checked\n", report.entries, report.clock_entries);
+        let mut text =
+            format!("{} entries, {} listed live in their generation\n", report.entries, report.clock_entries);
         for p in &report.problems {
             text += &format!("problem: {p}\n");
         }

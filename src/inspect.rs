@@ -64,7 +64,7 @@ pub struct SnapshotStats {
 pub struct Check {
     /// Entries of the prefix table looked at.
     pub entries: u64,
-    /// Entries of the clock table looked at.
+    /// Entries found live in the generation of their clock (equal to `entries` when healthy).
     pub clock_entries: u64,
     /// Every invariant that does not hold (empty: all hold).
     pub problems: Vec<String>,

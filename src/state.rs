@@ -180,26 +180,31 @@ impl State {
                 let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
                 let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
                 let (mut n, mut legacy) = (0u64, 0u64);
-                let mut live_clocks = Vec::new();
+                // Every generation up to the cut goes; a listed key goes if its clock is at most the
+                // cut (a later write keeps it). Keys are removed in key order: neighbours share
+                // leaf pages, so each page is copied once per eviction, not once per key.
+                let mut victims = Vec::new();
+                let mut gone = Vec::new();
                 for item in generations.extract_from_if(..=cut, |_, _| true).map_err(redb_err("evicting"))? {
                     let (clock, keys) = item.map_err(redb_err("evicting"))?;
-                    let clock = clock.value();
-                    for key in keys.value().chunks_exact(16) {
-                        let mut k = [0u8; 16];
-                        k.copy_from_slice(key);
-                        let live_here = primary
-                            .get(stored(&k))
-                            .map_err(redb_err("evicting"))?
-                            .is_some_and(|g| Entry::from_tuple(g.value()).clock == clock);
-                        if live_here {
-                            primary.remove(stored(&k)).map_err(redb_err("evicting"))?;
-                            n += 1;
-                            legacy += u64::from(is_legacy(&k));
-                        }
-                    }
-                    live_clocks.push(clock);
+                    gone.push(clock.value());
+                    victims.extend(keys.value().chunks_exact(16).map(|k| {
+                        let mut key = [0u8; 16];
+                        key.copy_from_slice(k);
+                        stored(&key)
+                    }));
                 }
-                for clock in live_clocks {
+                victims.sort_unstable();
+                victims.dedup();
+                for key in victims {
+                    let old = primary.get(key).map_err(redb_err("evicting"))?.map(|g| Entry::from_tuple(g.value()));
+                    if old.is_some_and(|e| e.clock <= cut) {
+                        primary.remove(key).map_err(redb_err("evicting"))?;
+                        n += 1;
+                        legacy += u64::from(is_legacy(&key.to_be_bytes()));
+                    }
+                }
+                for clock in gone {
                     live.remove(clock).map_err(redb_err("evicting"))?;
                 }
                 (n, legacy)

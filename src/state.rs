@@ -154,6 +154,65 @@ impl State {
         Ok(())
     }
 
+    /// Whether `blocks` more can be written without any eviction, so that a batch of `ran`s may
+    /// be merged ([`State::apply_merged`]) with exactly the result of applying them one by one.
+    pub(crate) fn fits(&self, blocks: usize) -> bool {
+        self.meta.entries.saturating_add(blocks as u64) <= self.meta.capacity
+    }
+
+    /// Writes `rans` (oldest first, no eviction possible: see [`State::fits`]) as one merge: each
+    /// key once, with its newest write, in key order, so each leaf page is visited once and a
+    /// block several of them wrote is written once. The result is what applying them one by one
+    /// gives, except that a key is listed only in the generation that still holds it.
+    pub(crate) fn apply_merged(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
+        let mut writes: Vec<(u128, u32, u32)> = Vec::with_capacity(rans.iter().map(|r| r.blocks.len()).sum());
+        let mut ids = Vec::with_capacity(rans.len());
+        for (r, ran) in rans.iter().enumerate() {
+            ids.push((self.intern_node(db, &ran.node)?, self.intern_namespace(db, &ran.namespace)?));
+            let r = u32::try_from(r).unwrap_or(u32::MAX);
+            writes.extend(
+                ran.blocks.iter().enumerate().map(|(i, k)| (stored(k), r, u32::try_from(i + 1).unwrap_or(u32::MAX))),
+            );
+        }
+        // Newest write last within a key, then keep it.
+        writes.sort_unstable_by_key(|&(key, r, _)| (key, r));
+        writes.dedup_by(|later, earlier| {
+            if later.0 == earlier.0 {
+                *earlier = *later;
+                true
+            } else {
+                false
+            }
+        });
+        let mut added = 0u64;
+        let mut listed: Vec<Vec<u8>> = vec![Vec::new(); rans.len()];
+        {
+            let txn = self.batch(db)?;
+            let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+            let mut left: HashMap<u64, u32> = HashMap::new();
+            for &(key, r, depth) in &writes {
+                let (ran, (node, namespace)) = (&rans[r as usize], ids[r as usize]);
+                let entry = Entry { node, namespace, depth, clock: ran.clock };
+                let old = primary.insert(key, entry.tuple()).map_err(redb_err("writing a prefix"))?;
+                match old.map(|g| Entry::from_tuple(g.value()).clock) {
+                    Some(old) => *left.entry(old).or_default() += 1,
+                    None => added += 1,
+                }
+                listed[r as usize].extend_from_slice(&key.to_be_bytes());
+            }
+            drop(primary);
+            leave(txn, &left)?;
+            for (ran, keys) in rans.iter().zip(&listed) {
+                list(txn, ran.clock, keys)?;
+            }
+        }
+        if let Some(last) = rans.last() {
+            self.meta.clock = self.meta.clock.max(last.clock);
+        }
+        self.meta.entries += added;
+        Ok(())
+    }
+
     /// While over capacity, removes the oldest eighth: every entry whose clock is at most the
     /// clock of the `capacity / 8`-th oldest entry (0.1.7's rule). The cut is found by summing
     /// live counts oldest first; the entries go by a range scan of the generations up to it.

@@ -345,15 +345,28 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
         (rans, due)
     };
     let mut failure = None;
+    let blocks: usize = rans.iter().map(|r| r.blocks.len()).sum();
+    let merge = rans.len() > 1 && back.fits(blocks);
     let mut rans = rans.into_iter();
-    for ran in rans.by_ref() {
+    if merge {
+        let all: Vec<Ran> = rans.by_ref().collect();
+        match back.apply_merged(&inner.db, &all) {
+            Ok(()) => back.applied.extend(all),
+            Err(e) => {
+                let mut lost = back.lose(&inner.db, e);
+                lost.rans.extend(all);
+                failure = Some(lost);
+            }
+        }
+    }
+    while failure.is_none() {
+        let Some(ran) = rans.next() else { break };
         match back.apply(&inner.db, &ran) {
             Ok(()) => back.applied.push(ran),
             Err(e) => {
                 let mut lost = back.lose(&inner.db, e);
                 lost.rans.push(ran);
                 failure = Some(lost);
-                break;
             }
         }
     }

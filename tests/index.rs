@@ -223,3 +223,39 @@ fn every_returned_ran_is_answered_while_commits_swap_the_snapshot() -> Result<()
     assert!(!stats.pending);
     Ok(())
 }
+
+/// Group commit merges the `ran`s of a batch (each key written once, in key order): the file it
+/// leaves holds exactly the entries that committing every `ran` on its own leaves.
+#[test]
+fn a_merged_batch_leaves_the_same_entries_as_one_ran_at_a_time() -> Result<(), Error> {
+    let dir = tempdir();
+    let (one, merged) = (dir.path().join("one.redb"), dir.path().join("merged.redb"));
+    let mut rng = Rng(5);
+    let mut conversations = Conversations::new(15);
+    let turns: Vec<_> = (0..800).map(|i| (conversations.turn(&mut rng), NODES[i % 4])).collect();
+    {
+        let a = Warm::builder().sync_window(Duration::ZERO).open(&one)?;
+        let b = Warm::builder().sync_window(Duration::from_secs(30)).open(&merged)?;
+        for ((m, p), node) in &turns {
+            a.ran(m, p, node)?;
+            b.ran(m, p, node)?;
+        }
+        a.close()?;
+        b.close()?;
+    }
+    let entries = |path: &std::path::Path| -> Result<Vec<(String, String, u64, Option<usize>)>, Error> {
+        let snapshot = Snapshot::open(path)?;
+        assert!(snapshot.check()?.problems.is_empty(), "{:?}", snapshot.check()?.problems);
+        let mut out = Vec::new();
+        snapshot.visit(false, |e| {
+            out.push((superfluid_warm::hex(&e.key), e.node, e.clock, e.tokens));
+            true
+        })?;
+        out.sort();
+        Ok(out)
+    };
+    let (a, b) = (entries(&one)?, entries(&merged)?);
+    assert!(a.len() > 1500, "{} entries", a.len());
+    assert!(a == b, "the merged file differs ({} vs {} entries)", a.len(), b.len());
+    Ok(())
+}

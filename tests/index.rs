@@ -243,7 +243,8 @@ fn a_merged_batch_leaves_the_same_entries_as_one_ran_at_a_time() -> Result<(), E
         a.close()?;
         b.close()?;
     }
-    let entries = |path: &std::path::Path| -> Result<Vec<(String, String, u64, Option<usize>)>, Error> {
+    type Row = (String, String, u64, Option<usize>);
+    let entries = |path: &std::path::Path| -> Result<Vec<Row>, Error> {
         let snapshot = Snapshot::open(path)?;
         assert!(snapshot.check()?.problems.is_empty(), "{:?}", snapshot.check()?.problems);
         let mut out = Vec::new();

@@ -122,7 +122,7 @@ impl Front {
 
     /// Queues a `ran` and makes it visible to `warmest` at once.
     pub(crate) fn push(&mut self, ran: Ran, node: u32) {
-        self.overlay.push(ran.clock, Arc::clone(&ran.blocks), node);
+        self.overlay.push(ran.clock, &ran.blocks, node);
         self.queued_blocks += ran.blocks.len();
         self.oldest_pending.get_or_insert(ran.at);
         self.queue.push(ran);
@@ -131,15 +131,18 @@ impl Front {
     /// Takes the queue for the commit thread.
     pub(crate) fn take(&mut self) -> Vec<Ran> {
         self.queued_blocks = 0;
+        self.overlay.seal();
         std::mem::take(&mut self.queue)
     }
 
     /// Forgets the `ran`s up to the newest of `rans`, now committed (or lost): every `ran` with
-    /// a clock up to it was taken with them.
-    pub(crate) fn forget(&mut self, rans: &[Ran]) {
-        if let Some(newest) = rans.iter().map(|r| r.clock).max() {
-            self.overlay.forget_through(newest);
-        }
+    /// a clock up to it was taken with them. Returns the maps to drop outside the lock.
+    pub(crate) fn forget(&mut self, rans: &[Ran]) -> Vec<impl Sized + use<>> {
+        let gone = match rans.iter().map(|r| r.clock).max() {
+            Some(newest) => self.overlay.forget_through(newest),
+            None => Vec::new(),
+        };
         self.oldest_pending = self.queue.first().map(|r| r.at);
+        gone
     }
 }

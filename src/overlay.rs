@@ -1,21 +1,25 @@
 //! The overlay: every `ran` not yet committed, answerable by block key. One small entry per
-//! block: the last 8 bytes of its key (already a uniform hash of everything up to it) → the node
-//! and the low 32 bits of the clock of the newest pending `ran` that wrote it. 16 bytes an entry,
-//! so the map stays dense in cache; the `ran`s' key lists are shared with the queue, not copied.
+//! block: the last 8 bytes of its key (already a uniform hash of everything up to it) → the index
+//! of the node that wrote it. Entries live in one map per batch: `ran`s go into the open map;
+//! when the commit thread takes the queue, the open map is sealed with it; when that batch is
+//! committed (or lost), its map is dropped whole. So inserts go to a small map, and forgetting a
+//! batch costs nothing per block.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 
 use crate::chain::BlockKey;
 use crate::front::KeyHasher;
 
-/// The `ran`s not yet committed, oldest first.
+type Map = HashMap<u64, u32, std::hash::BuildHasherDefault<KeyHasher>>;
+
+/// The `ran`s not yet committed.
 #[derive(Default)]
 pub(crate) struct Overlay {
-    rans: VecDeque<(u64, Arc<[BlockKey]>)>,
-    /// Block tail → (node index, low 32 bits of the clock) of its newest pending write.
-    blocks: HashMap<u64, (u32, u32), std::hash::BuildHasherDefault<KeyHasher>>,
-    held: usize,
+    /// Sealed batches, oldest first: (clock of their newest `ran`, blocks written, map).
+    sealed: VecDeque<(u64, usize, Map)>,
+    open: Map,
+    open_clock: u64,
+    open_blocks: usize,
 }
 
 fn tail(key: &BlockKey) -> u64 {
@@ -25,45 +29,50 @@ fn tail(key: &BlockKey) -> u64 {
 }
 
 impl Overlay {
-    /// Adds a `ran` (clocks only grow).
-    pub(crate) fn push(&mut self, clock: u64, blocks: Arc<[BlockKey]>, node: u32) {
-        self.blocks.reserve(blocks.len());
-        for key in blocks.iter() {
-            self.blocks.insert(tail(key), (node, clock as u32));
+    /// Adds a `ran` to the open batch (clocks only grow).
+    pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32) {
+        self.open.reserve(blocks.len());
+        for key in blocks {
+            self.open.insert(tail(key), node);
         }
-        self.held += blocks.len();
-        self.rans.push_back((clock, blocks));
+        self.open_clock = clock;
+        self.open_blocks += blocks.len();
     }
 
-    /// The node of the newest pending `ran` that wrote `key` (at any depth: a key names its
-    /// depth).
+    /// Closes the open batch: the commit thread has taken its `ran`s.
+    pub(crate) fn seal(&mut self) {
+        if self.open_blocks > 0 {
+            let map = std::mem::take(&mut self.open);
+            self.sealed.push_back((self.open_clock, self.open_blocks, map));
+            self.open_blocks = 0;
+        }
+    }
+
+    /// The node index of the newest pending `ran` that wrote `key` (at any depth: a key names
+    /// its depth).
     pub(crate) fn get(&self, key: &BlockKey) -> Option<u32> {
-        self.blocks.get(&tail(key)).map(|&(node, _)| node)
+        let t = tail(key);
+        if let Some(&node) = self.open.get(&t) {
+            return Some(node);
+        }
+        self.sealed.iter().rev().find_map(|(_, _, map)| map.get(&t).copied())
     }
 
-    /// Forgets every `ran` up to `clock` (committed, or lost); a block a later pending `ran`
-    /// rewrote stays.
-    pub(crate) fn forget_through(&mut self, clock: u64) {
-        while self.rans.front().is_some_and(|(c, _)| *c <= clock) {
-            if let Some((c, gone)) = self.rans.pop_front() {
-                self.held -= gone.len();
-                for key in gone.iter() {
-                    let t = tail(key);
-                    if self.blocks.get(&t).is_some_and(|&(_, low)| low == c as u32) {
-                        self.blocks.remove(&t);
-                    }
-                }
+    /// Takes out every sealed batch whose `ran`s all have a clock up to `clock` (committed, or
+    /// lost); the caller drops them (outside its lock).
+    pub(crate) fn forget_through(&mut self, clock: u64) -> Vec<Map> {
+        let mut gone = Vec::new();
+        while self.sealed.front().is_some_and(|(newest, _, _)| *newest <= clock) {
+            if let Some((_, _, map)) = self.sealed.pop_front() {
+                gone.push(map);
             }
         }
-        if self.rans.is_empty() {
-            // Give the memory of a burst back.
-            self.blocks = HashMap::default();
-        }
+        gone
     }
 
-    /// Blocks held (counting each `ran`'s).
+    /// Blocks held, counting each `ran`'s.
     pub(crate) fn blocks(&self) -> usize {
-        self.held
+        self.open_blocks + self.sealed.iter().map(|(_, n, _)| n).sum::<usize>()
     }
 }
 
@@ -71,28 +80,30 @@ impl Overlay {
 mod tests {
     use super::*;
 
-    fn chain(seed: u8, n: usize) -> Arc<[BlockKey]> {
+    fn chain(seed: u8, n: usize) -> Vec<BlockKey> {
         let ns = crate::chain::Namespace::new("m").ok();
         let tokens: Vec<u32> = (0..n as u32 * 64).map(|t| t * 7 + u32::from(seed)).collect();
-        ns.map(|ns| ns.chain(&tokens)).unwrap_or_default().into()
+        ns.map(|ns| ns.chain(&tokens)).unwrap_or_default()
     }
 
     #[test]
-    fn the_newest_pending_ran_answers_and_forgetting_is_by_clock() {
+    fn the_newest_pending_ran_answers_and_a_committed_batch_goes_whole() {
         let mut overlay = Overlay::default();
         let a = chain(1, 40);
-        let b: Arc<[BlockKey]> = a[..20].to_vec().into();
-        overlay.push(1, Arc::clone(&a), 0);
-        overlay.push(2, Arc::clone(&b), 1);
-        assert_eq!(overlay.get(&a[5]), Some(1), "b ran the first 20 blocks last");
+        overlay.push(1, &a, 0);
+        overlay.seal();
+        overlay.push(2, &a[..20], 1);
+        assert_eq!(overlay.get(&a[5]), Some(1), "the open batch is newer than the sealed one");
         assert_eq!(overlay.get(&a[30]), Some(0));
         assert_eq!(overlay.get(&chain(2, 1)[0]), None);
         assert_eq!(overlay.blocks(), 60);
-        overlay.forget_through(1);
-        assert_eq!(overlay.get(&a[30]), None, "a's own blocks went with it");
-        assert_eq!(overlay.get(&a[5]), Some(1), "b's did not");
-        overlay.forget_through(2);
-        assert_eq!(overlay.get(&a[5]), None);
-        assert!(overlay.blocks.is_empty() && overlay.blocks() == 0);
+        assert!(overlay.forget_through(0).is_empty(), "batch 1 is not committed yet");
+        assert_eq!(overlay.forget_through(1).len(), 1);
+        assert_eq!(overlay.get(&a[30]), None, "a's own blocks went with its batch");
+        assert_eq!(overlay.get(&a[5]), Some(1), "the open batch stays");
+        assert!(overlay.forget_through(2).is_empty(), "an open batch is never forgotten");
+        overlay.seal();
+        assert_eq!(overlay.forget_through(2).len(), 1);
+        assert_eq!((overlay.get(&a[5]), overlay.blocks()), (None, 0));
     }
 }

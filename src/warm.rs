@@ -383,24 +383,24 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     front.nodes.clone_from(&back.nodes.names);
     front.published = published(&back);
-    match outcome {
+    // What is replaced is dropped after the lock is released.
+    let (result, _old_snapshot, _gone, _lost_gone) = match outcome {
         Ok(Some(committed)) => {
-            if let Some(fresh) = fresh {
-                front.snapshot = fresh;
-            }
-            front.forget(&committed);
-            inner.drained.notify_all();
-            Ok(())
+            let old = fresh.map(|fresh| std::mem::replace(&mut front.snapshot, fresh));
+            let gone = front.forget(&committed);
+            (Ok(()), old, gone, Vec::new())
         }
-        Ok(None) => Ok(()),
+        Ok(None) => (Ok(()), None, Vec::new(), Vec::new()),
         Err(lost) => {
             let Lost { error: e, rans: lost } = *lost;
-            front.forget(&lost);
-            front.forget(&unapplied);
-            inner.drained.notify_all();
-            Err(e)
+            let gone = front.forget(&lost);
+            let more = front.forget(&unapplied);
+            (Err(e), None, gone, more)
         }
-    }
+    };
+    drop(front);
+    inner.drained.notify_all();
+    result
 }
 
 /// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch

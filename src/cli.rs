@@ -95,6 +95,9 @@ enum Command {
         /// Skip the 0.1.7 baseline.
         #[arg(long)]
         no_baseline: bool,
+        /// Map tokens into a vocabulary of this size (e.g. 151936), as a tokenizer's ids are.
+        #[arg(long)]
+        vocab: Option<u32>,
         /// As one JSON object.
         #[arg(long)]
         json: bool,
@@ -171,6 +174,7 @@ fn run(command: Command) -> Result<ExitCode, Error> {
             db,
             capacity,
             no_baseline,
+            vocab,
             json,
         } => {
             let config = Config {
@@ -183,6 +187,7 @@ fn run(command: Command) -> Result<ExitCode, Error> {
                 min_share,
                 balance_abs,
                 baseline: !no_baseline,
+                vocab,
                 ..Config::default()
             };
             replay_cmd(out, trace.as_deref(), requests, &config, db, capacity, json)
@@ -437,6 +442,9 @@ fn replay_json(r: &Report, c: &Config, source: &str) -> String {
 fn replay_text(r: &Report, c: &Config, source: &str, path: &Path, temporary: bool) -> String {
     let mut t = format!("replay of {source}\n");
     t += &format!("policy {} over {} nodes (load window {} requests)\n", policy_name(c.policy), c.nodes, c.window);
+    if let Some(vocab) = c.vocab {
+        t += &format!("tokens mapped into a vocabulary of {vocab}\n");
+    }
     t += &format!("requests         {}\n", r.requests);
     t += &format!("prompt tokens    {}\n", r.prompt_tokens);
     t += &format!(

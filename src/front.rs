@@ -44,6 +44,10 @@ pub(crate) type Snapshot = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
 /// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
 pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
 
+/// Blocks in one batch above which it is committed without waiting for the window: bounds the
+/// dirty pages a write transaction holds in memory when the commit thread is saturated.
+pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
+
 /// One `ran`, as queued for the commit thread.
 pub(crate) struct Ran {
     pub namespace: Namespace,

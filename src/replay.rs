@@ -38,6 +38,9 @@ pub struct Config {
     pub model: String,
     /// Also drive the 0.1.7 design with the same decisions and time it.
     pub baseline: bool,
+    /// Map every token into a vocabulary of this size (`token % vocab`), as a real tokenizer's
+    /// ids are; `None` keeps the trace's 32-bit tokens.
+    pub vocab: Option<u32>,
 }
 
 impl Default for Config {
@@ -50,6 +53,7 @@ impl Default for Config {
             balance_abs: 65_536,
             model: "mooncake-conversation".into(),
             baseline: true,
+            vocab: None,
         }
     }
 }
@@ -160,7 +164,10 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     let mut report = Report { requests: requests.len(), load: vec![0; nodes], ..Report::default() };
     let (mut ours, mut theirs) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
     for (i, request) in requests.iter().enumerate() {
-        let tokens = request.tokens();
+        let mut tokens = request.tokens();
+        if let Some(vocab) = config.vocab.filter(|&v| v > 0) {
+            tokens.iter_mut().for_each(|t| *t %= vocab);
+        }
         let t0 = Instant::now();
         let prefix = warm.prefix(&namespace, &tokens)?;
         let hit = warm.warmest_prefix(&prefix)?;

@@ -15,7 +15,7 @@ use redb::{Database, ReadableDatabase};
 use crate::builder::Builder;
 use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, check_len, legacy_chain};
 use crate::error::{Error, Result, redb_err};
-use crate::front::{Front, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
+use crate::front::{Front, MAX_BATCH_BLOCKS, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
 use crate::legacy::{self, ImportReport};
 use crate::lookup::{self, Owner};
 use crate::state::{Lost, MAX_NODE_BYTES, State};
@@ -371,6 +371,7 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
         }
     }
     let unapplied: Vec<Ran> = rans.collect();
+    let due = due || back.applied.iter().map(|r| r.blocks.len()).sum::<usize>() >= MAX_BATCH_BLOCKS;
     let outcome = match failure {
         Some(f) => Err(f),
         None if how != Flush::IfDue || due => back.commit(&inner.db, how == Flush::Close).map(Some),

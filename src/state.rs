@@ -120,36 +120,10 @@ impl State {
 
     /// Writes one `ran` into the batch: every block gets its node and clock, the keys are listed
     /// under the clock, and the generations they leave lose a live key each. Then evicts if over
-    /// capacity. On error the caller drops the whole batch ([`State::reload`]), so no `ran` is
-    /// ever half there.
+    /// capacity. On error the caller drops the whole batch ([`State::lose`]), so no `ran` is ever
+    /// half there.
     pub(crate) fn apply(&mut self, db: &Database, ran: &Ran) -> Result<()> {
-        let node = self.intern_node(db, &ran.node)?;
-        let namespace = self.intern_namespace(db, &ran.namespace)?;
-        let clock = ran.clock;
-        self.meta.clock = self.meta.clock.max(clock);
-        let mut added = 0u64;
-        {
-            let txn = self.batch(db)?;
-            let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-            let mut left: HashMap<u64, u32> = HashMap::new();
-            let mut listed = Vec::with_capacity(ran.blocks.len() * 16);
-            for (i, key) in ran.blocks.iter().enumerate() {
-                let depth = u32::try_from(i + 1).unwrap_or(u32::MAX);
-                let entry = Entry { node, namespace, depth, clock };
-                let old = primary.insert(stored(key), entry.tuple()).map_err(redb_err("writing a prefix"))?;
-                match old.map(|g| Entry::from_tuple(g.value()).clock) {
-                    // The same key twice in one prompt: listed once.
-                    Some(old) if old == clock => continue,
-                    Some(old) => *left.entry(old).or_default() += 1,
-                    None => added += 1,
-                }
-                listed.extend_from_slice(key);
-            }
-            drop(primary);
-            leave(txn, &left)?;
-            list(txn, clock, &listed)?;
-        }
-        self.meta.entries += added;
+        self.apply_merged(db, std::slice::from_ref(ran))?;
         self.evict(db)?;
         Ok(())
     }

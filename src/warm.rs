@@ -344,33 +344,33 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
         inner.drained.notify_all();
         (rans, due)
     };
-    let mut failure = None;
-    let blocks: usize = rans.iter().map(|r| r.blocks.len()).sum();
-    let merge = rans.len() > 1 && back.fits(blocks);
-    let mut rans = rans.into_iter();
-    if merge {
-        let all: Vec<Ran> = rans.by_ref().collect();
-        match back.apply_merged(&inner.db, &all) {
-            Ok(()) => back.applied.extend(all),
-            Err(e) => {
-                let mut lost = back.lose(&inner.db, e);
-                lost.rans.extend(all);
-                failure = Some(lost);
+    // Write the batch: merged when it cannot evict, else one `ran` at a time, stopping at the
+    // first error; on an error the batch and every `ran` not applied are lost together.
+    let mut rans = rans;
+    let (mut done, mut error) = (0, None);
+    if rans.len() > 1 && back.fits(rans.iter().map(|r| r.blocks.len()).sum()) {
+        match back.apply_merged(&inner.db, &rans) {
+            Ok(()) => done = rans.len(),
+            Err(e) => error = Some(e),
+        }
+    } else {
+        for ran in &rans {
+            match back.apply(&inner.db, ran) {
+                Ok(()) => done += 1,
+                Err(e) => {
+                    error = Some(e);
+                    break;
+                }
             }
         }
     }
-    while failure.is_none() {
-        let Some(ran) = rans.next() else { break };
-        match back.apply(&inner.db, &ran) {
-            Ok(()) => back.applied.push(ran),
-            Err(e) => {
-                let mut lost = back.lose(&inner.db, e);
-                lost.rans.push(ran);
-                failure = Some(lost);
-            }
-        }
-    }
-    let unapplied: Vec<Ran> = rans.collect();
+    let not_applied = rans.split_off(done);
+    back.applied.extend(rans);
+    let failure = error.map(|e| {
+        let mut lost = back.lose(&inner.db, e);
+        lost.rans.extend(not_applied);
+        lost
+    });
     let due = due || back.applied.iter().map(|r| r.blocks.len()).sum::<usize>() >= MAX_BATCH_BLOCKS;
     let outcome = match failure {
         Some(f) => Err(f),
@@ -385,18 +385,15 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
     front.nodes.clone_from(&back.nodes.names);
     front.published = published(&back);
     // What is replaced is dropped after the lock is released.
-    let (result, _old_snapshot, _gone, _lost_gone) = match outcome {
+    let (result, _old_snapshot, _gone) = match outcome {
         Ok(Some(committed)) => {
             let old = fresh.map(|fresh| std::mem::replace(&mut front.snapshot, fresh));
-            let gone = front.forget(&committed);
-            (Ok(()), old, gone, Vec::new())
+            (Ok(()), old, front.forget(&committed))
         }
-        Ok(None) => (Ok(()), None, Vec::new(), Vec::new()),
+        Ok(None) => (Ok(()), None, Vec::new()),
         Err(lost) => {
-            let Lost { error: e, rans: lost } = *lost;
-            let gone = front.forget(&lost);
-            let more = front.forget(&unapplied);
-            (Err(e), None, gone, more)
+            let Lost { error, rans } = *lost;
+            (Err(error), None, front.forget(&rans))
         }
     };
     drop(front);

@@ -7,36 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::chain::{BlockKey, Namespace};
-use crate::overlay::Overlay;
-
-/// Hashes a block key by its last 8 bytes: they are already a uniform hash of the block (the
-/// first 8 are shared by a segment), so there is nothing left to mix.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct KeyHasher(u64);
-
-impl std::hash::Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        if let Some(tail) = bytes.get(8..16).and_then(|t| <[u8; 8]>::try_from(t).ok()) {
-            self.0 ^= u64::from_le_bytes(tail);
-        } else {
-            for &b in bytes {
-                self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3);
-            }
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 ^= v;
-    }
-
-    fn write_usize(&mut self, _len: usize) {
-        // The length prefix of a `[u8; 16]` says nothing.
-    }
-}
+use crate::overlay::{Map, Overlay};
 
 /// The prefix table as of the last commit, shared with the callers.
 pub(crate) type Snapshot = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
@@ -82,8 +53,8 @@ pub(crate) struct Front {
     pub oldest_pending: Option<Instant>,
     /// Node names by id, as the commit thread assigned them (committed or about to be).
     pub nodes: Vec<String>,
-    /// Every node name a `ran` gave, by the index the overlay uses.
-    pub names: Vec<Arc<str>>,
+    /// Every node name a `ran` gave, by the index the overlay uses (not the file's node ids).
+    pub pending_names: Vec<Arc<str>>,
     name_ids: HashMap<String, u32>,
     pub published: Published,
     /// A background commit that failed, for the next call that writes.
@@ -102,7 +73,7 @@ impl Front {
             queued_blocks: 0,
             oldest_pending: None,
             nodes,
-            names: Vec::new(),
+            pending_names: Vec::new(),
             name_ids: HashMap::new(),
             published,
             failed: None,
@@ -113,13 +84,13 @@ impl Front {
     /// The overlay's index of a node name, and a shared copy of it.
     pub(crate) fn name(&mut self, node: &str) -> (u32, Arc<str>) {
         if let Some(&id) = self.name_ids.get(node)
-            && let Some(name) = self.names.get(id as usize)
+            && let Some(name) = self.pending_names.get(id as usize)
         {
             return (id, Arc::clone(name));
         }
-        let id = u32::try_from(self.names.len()).unwrap_or(u32::MAX);
+        let id = u32::try_from(self.pending_names.len()).unwrap_or(u32::MAX);
         let name: Arc<str> = Arc::from(node);
-        self.names.push(Arc::clone(&name));
+        self.pending_names.push(Arc::clone(&name));
         self.name_ids.insert(node.to_string(), id);
         (id, name)
     }
@@ -141,7 +112,7 @@ impl Front {
 
     /// Forgets the `ran`s up to the newest of `rans`, now committed (or lost): every `ran` with
     /// a clock up to it was taken with them. Returns the maps to drop outside the lock.
-    pub(crate) fn forget(&mut self, rans: &[Ran]) -> Vec<impl Sized + use<>> {
+    pub(crate) fn forget(&mut self, rans: &[Ran]) -> Vec<Map> {
         let gone = match rans.iter().map(|r| r.clock).max() {
             Some(newest) => self.overlay.forget_through(newest),
             None => Vec::new(),

@@ -8,9 +8,31 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::chain::BlockKey;
-use crate::front::KeyHasher;
 
-type Map = HashMap<u64, u32, std::hash::BuildHasherDefault<KeyHasher>>;
+/// Hashes an overlay key as itself: it is already 8 bytes of a uniform hash, so there is nothing
+/// left to mix.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct KeyHasher(u64);
+
+impl std::hash::Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+/// One batch's entries: block key tail → node index. A different key with the same 8-byte tail
+/// would be taken for it: at a million pending blocks, a chance of about 2^-44.
+pub(crate) type Map = HashMap<u64, u32, std::hash::BuildHasherDefault<KeyHasher>>;
 
 /// The `ran`s not yet committed.
 #[derive(Default)]

@@ -161,7 +161,9 @@ impl Warm {
             if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&front, &prefix.legacy)?) };
         Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|(owner, blocks)| Hit {
             node: match owner {
-                Owner::Pending(i) => front.names.get(i as usize).map_or_else(|| format!("?{i}"), |n| n.to_string()),
+                Owner::Pending(i) => {
+                    front.pending_names.get(i as usize).map_or_else(|| format!("?{i}"), |n| n.to_string())
+                }
                 Owner::Stored(id) => front.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}")),
             },
             tokens: blocks * BLOCK_TOKENS,

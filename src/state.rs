@@ -134,7 +134,8 @@ impl State {
         self.meta.entries.saturating_add(blocks as u64) <= self.meta.capacity
     }
 
-    /// Writes `rans` (oldest first, no eviction possible: see [`State::fits`]) as one merge: each
+    /// Writes `rans` (oldest first; more than one only when no eviction is possible, see
+    /// [`State::fits`]) as one merge: each
     /// key once, with its newest write, in key order, so each leaf page is visited once and a
     /// block several of them wrote is written once. The result is what applying them one by one
     /// gives, except that a key is listed only in the generation that still holds it.

@@ -194,6 +194,12 @@ impl Warm {
         if prefix.blocks.is_empty() {
             return Ok(());
         }
+        // Without a commit thread, this `ran` is committed by this call alone: the writer is
+        // held from before it is queued, so no other caller's commit (or failure) takes it.
+        let back = match self.flusher {
+            Some(_) => None,
+            None => Some(self.inner.back.lock().map_err(|_| Error::Poisoned)?),
+        };
         {
             let mut front = self.front()?;
             if let Some(detail) = front.failed.take() {
@@ -224,7 +230,10 @@ impl Warm {
                 return Ok(());
             }
         }
-        flush(&self.inner, Flush::Commit)
+        match back {
+            Some(back) => flush_locked(&self.inner, back, Flush::Commit),
+            None => Ok(()),
+        }
     }
 
     /// Makes every `ran` so far durable (0.1.7's `save`). Cheap when nothing changed.
@@ -233,10 +242,13 @@ impl Warm {
     /// [`Error::CommitFailed`] if a background commit failed since the last call;
     /// [`Error::Storage`] if this commit fails. Either way what was committed before is intact.
     pub fn sync(&self) -> Result<()> {
-        if let Some(detail) = self.front()?.failed.take() {
-            return Err(Error::CommitFailed { detail });
+        flush(&self.inner, Flush::Commit)?;
+        // A failure of the commit thread is recorded before it lets go of the writer, so one
+        // that lost `ran`s before this sync is seen here.
+        match self.front()?.failed.take() {
+            Some(detail) => Err(Error::CommitFailed { detail }),
+            None => Ok(()),
         }
-        flush(&self.inner, Flush::Commit)
     }
 
     /// Imports a 0.1.7 `warm.json` in one transaction, committed before it returns: its prefixes
@@ -268,7 +280,7 @@ impl Warm {
     /// [`Error::Storage`] if writing the queue fails (those `ran`s are lost, as with a failed
     /// commit).
     pub fn stats(&self) -> Result<Stats> {
-        flush(&self.inner, Flush::IfDue)?;
+        flush(&self.inner, Flush::Write)?;
         let front = self.front()?;
         Ok(Stats {
             entries: front.published.entries,
@@ -326,8 +338,11 @@ fn published(state: &State) -> Published {
 /// What a flush ends with.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Flush {
-    /// Write the queue into the batch; commit only if the oldest change is a window old.
+    /// The commit thread's: write the queue into the batch; commit only if the oldest change is a
+    /// window old or the batch is full; a failure is kept for the next caller.
     IfDue,
+    /// As `IfDue`, for a caller who gets the failure itself.
+    Write,
     /// Write the queue and commit.
     Commit,
     /// Write the queue, commit, and mark the file closed.
@@ -336,9 +351,14 @@ enum Flush {
 
 /// Takes the queue, writes it into the batch and commits as `how` says, then tells the callers.
 /// On failure the batch and the queue taken are lost; their overlay entries go, and the error is
-/// returned (the commit thread keeps it for the next caller).
+/// returned (and, for the commit thread, kept for the next caller).
 fn flush(inner: &Inner, how: Flush) -> Result<()> {
-    let mut back = inner.back.lock().map_err(|_| Error::Poisoned)?;
+    let back = inner.back.lock().map_err(|_| Error::Poisoned)?;
+    flush_locked(inner, back, how)
+}
+
+/// [`flush`] with the writer already held.
+fn flush_locked(inner: &Inner, mut back: MutexGuard<'_, State>, how: Flush) -> Result<()> {
     let (rans, due) = {
         let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
         let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
@@ -376,11 +396,15 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
     let due = due || back.applied.iter().map(|r| r.blocks.len()).sum::<usize>() >= MAX_BATCH_BLOCKS;
     let outcome = match failure {
         Some(f) => Err(f),
-        None if how != Flush::IfDue || due => back.commit(&inner.db, how == Flush::Close).map(Some),
+        None if matches!(how, Flush::Commit | Flush::Close) || due => {
+            back.commit(&inner.db, how == Flush::Close).map(Some)
+        }
         None => Ok(None),
     };
+    // Without a fresh snapshot (a read that failed), the committed `ran`s stay in the overlay
+    // and the old snapshot stays: the answers stay right, and the next commit forgets them.
     let fresh = match &outcome {
-        Ok(Some(_)) => Some(snapshot(&inner.db)?),
+        Ok(Some(_)) => snapshot(&inner.db).ok(),
         _ => None,
     };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
@@ -388,13 +412,19 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
     front.published = published(&back);
     // What is replaced is dropped after the lock is released.
     let (result, _old_snapshot, _gone) = match outcome {
-        Ok(Some(committed)) => {
-            let old = fresh.map(|fresh| std::mem::replace(&mut front.snapshot, fresh));
-            (Ok(()), old, front.forget(&committed))
-        }
+        Ok(Some(committed)) => match fresh {
+            Some(fresh) => (Ok(()), Some(std::mem::replace(&mut front.snapshot, fresh)), front.forget(&committed)),
+            None => {
+                front.oldest_pending = front.queue.first().map(|r| r.at);
+                (Ok(()), None, Vec::new())
+            }
+        },
         Ok(None) => (Ok(()), None, Vec::new()),
         Err(lost) => {
             let Lost { error, rans } = *lost;
+            if how == Flush::IfDue {
+                front.failed = Some(error.to_string());
+            }
             (Err(error), None, front.forget(&rans))
         }
     };
@@ -435,10 +465,7 @@ fn flush_loop(inner: &Inner) {
                 };
             }
         }
-        if let Err(e) = flush(inner, Flush::IfDue)
-            && let Ok(mut front) = inner.front.lock()
-        {
-            front.failed = Some(e.to_string());
-        }
+        // A failure is recorded by `flush` for the next caller.
+        let _ = flush(inner, Flush::IfDue);
     }
 }

@@ -88,3 +88,41 @@ impl OpenImage for Warm {
         Warm::builder().open_with_backend(Disk::with_image(image).backend())
     }
 }
+
+/// Four threads `ran` with no sync window (each `ran` durable before it returns) while the disk
+/// starts failing its syncs: every `ran` that returned `Ok` is in the durable image, and none is
+/// acknowledged for another thread's failed commit.
+#[test]
+fn with_no_window_every_acknowledged_ran_is_durable_even_when_commits_fail() -> Result<(), Error> {
+    let disk = Disk::default();
+    let warm = Warm::builder().sync_window(Duration::ZERO).open_with_backend(disk.backend())?;
+    let acked: Vec<u32> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4u32)
+            .map(|th| {
+                let (warm, disk) = (&warm, &disk);
+                s.spawn(move || {
+                    let mut acked = Vec::new();
+                    for i in 0..60u32 {
+                        let id = th * 1000 + i;
+                        if th == 0 && i == 30 {
+                            disk.state().fail_syncs = true;
+                        }
+                        if warm.ran("m", &prompt(id), "a").is_ok() {
+                            acked.push(id);
+                        }
+                    }
+                    acked
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
+    });
+    assert!(acked.len() > 30, "{} acknowledged", acked.len());
+    assert!(acked.len() < 240, "the failing disk refused some");
+    drop(warm);
+    let reopened = Warm::open_image(disk.state().durable.clone())?;
+    for id in &acked {
+        assert_eq!(reopened.warmest("m", &prompt(*id))?.map(|h| h.tokens), Some(256), "acknowledged ran {id}");
+    }
+    Ok(())
+}

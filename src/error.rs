@@ -70,8 +70,9 @@ pub enum Error {
         /// The error redb reported.
         source: redb::Error,
     },
-    /// A background commit failed: the `ran`s since the last durable point were lost (what was
-    /// committed before is intact) and the call that reports it did nothing.
+    /// The commit thread's last commit failed and none has succeeded since: the call that reports
+    /// it did nothing; the `ran`s before it are kept (answered) and retried, and what was
+    /// committed before is intact.
     CommitFailed {
         /// The error of the failed commit.
         detail: String,
@@ -150,7 +151,7 @@ impl fmt::Display for Error {
             ),
             Error::CommitFailed { detail } => write!(
                 f,
-                "a background commit failed ({detail}); the rans since the last sync were lost and this call did nothing; retry it, and check the disk"
+                "the last background commit failed ({detail}) and none has succeeded since; this call did nothing, the rans before it are kept and retried; check the disk, and reopen the index if it persists"
             ),
             Error::Trace { line, detail } => {
                 write!(f, "trace line {line}: {detail}; each line must be a Mooncake request object")

@@ -57,7 +57,7 @@ pub(crate) struct Front {
     pub pending_names: Vec<Arc<str>>,
     name_ids: HashMap<String, u32>,
     pub published: Published,
-    /// A background commit that failed, for the next call that writes.
+    /// The error of the last commit, while none has succeeded since.
     pub failed: Option<String>,
     /// Set when the handle is closing: the commit thread stops.
     pub closing: bool,
@@ -108,6 +108,15 @@ impl Front {
         self.queued_blocks = 0;
         self.overlay.seal();
         std::mem::take(&mut self.queue)
+    }
+
+    /// Puts back `rans` (from a failed commit, oldest first) ahead of what was queued since: they
+    /// are still in the overlay and will be retried.
+    pub(crate) fn requeue(&mut self, mut rans: Vec<Ran>) {
+        self.queued_blocks += rans.iter().map(|r| r.blocks.len()).sum::<usize>();
+        rans.append(&mut self.queue);
+        self.queue = rans;
+        self.oldest_pending = self.queue.first().map(|r| r.at);
     }
 
     /// Forgets the `ran`s up to the newest of `rans`, now committed (or lost): every `ran` with

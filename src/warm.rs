@@ -174,11 +174,15 @@ impl Warm {
     /// `node`. Atomic: after any crash either all of its blocks are there or none. Durable after
     /// the next [`Warm::sync`], or about the sync window after it returns.
     ///
+    /// A failed commit loses nothing in memory: its `ran`s stay answered and are retried by the
+    /// next commit; only a crash or a close that cannot commit loses them.
+    ///
     /// # Errors
     /// [`Error::InvalidName`] for an empty or over-long model or node name;
-    /// [`Error::CommitFailed`] if a background commit failed since the last call (this call did
-    /// nothing); [`Error::Storage`] if the file cannot be written (this call did nothing, and the
-    /// rans not yet committed were lost).
+    /// [`Error::CommitFailed`] while the commit thread's last commit failed and none has
+    /// succeeded since (this call did nothing; the `ran`s before it are kept and retried);
+    /// with a zero sync window, [`Error::Storage`] if the commit fails (this `ran` is kept and
+    /// retried with the next, but is not durable).
     pub fn ran(&self, model: &str, tokens: &[u32], node: &str) -> Result<()> {
         let prefix = self.prefix(&Namespace::new(model)?, tokens)?;
         self.ran_prefix(&prefix, node)
@@ -202,15 +206,18 @@ impl Warm {
         };
         {
             let mut front = self.front()?;
-            if let Some(detail) = front.failed.take() {
-                return Err(Error::CommitFailed { detail });
-            }
             // Back-pressure: the commit thread is behind (queue) or a commit is (overlay).
             while (front.queued_blocks > MAX_QUEUED_BLOCKS || front.overlay.blocks() > 4 * MAX_QUEUED_BLOCKS)
                 && self.flusher.is_some()
                 && front.failed.is_none()
             {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+            }
+            // While commits fail, the queue is not added to (it would only grow): with a commit
+            // thread at all, without one past the back-pressure bound (each `ran` retries).
+            let full = self.flusher.is_some() || front.queued_blocks > MAX_QUEUED_BLOCKS;
+            if let Some(detail) = front.failed.as_ref().filter(|_| full) {
+                return Err(Error::CommitFailed { detail: detail.clone() });
             }
             front.clock += 1;
             let (index, name) = front.name(node);
@@ -236,19 +243,14 @@ impl Warm {
         }
     }
 
-    /// Makes every `ran` so far durable (0.1.7's `save`). Cheap when nothing changed.
+    /// Makes every `ran` so far durable (0.1.7's `save`): `Ok` means every `ran` that returned
+    /// before this call is durable, whoever made it. Cheap when nothing changed.
     ///
     /// # Errors
-    /// [`Error::CommitFailed`] if a background commit failed since the last call;
-    /// [`Error::Storage`] if this commit fails. Either way what was committed before is intact.
+    /// [`Error::Storage`] if the commit fails: what was committed before is intact, and the
+    /// `ran`s since stay answered and are retried by the next commit.
     pub fn sync(&self) -> Result<()> {
-        flush(&self.inner, Flush::Commit)?;
-        // A failure of the commit thread is recorded before it lets go of the writer, so one
-        // that lost `ran`s before this sync is seen here.
-        match self.front()?.failed.take() {
-            Some(detail) => Err(Error::CommitFailed { detail }),
-            None => Ok(()),
-        }
+        flush(&self.inner, Flush::Commit)
     }
 
     /// Imports a 0.1.7 `warm.json` in one transaction, committed before it returns: its prefixes
@@ -277,10 +279,9 @@ impl Warm {
     /// first, so this may wait for a commit in progress).
     ///
     /// # Errors
-    /// [`Error::Storage`] if writing the queue fails (those `ran`s are lost, as with a failed
-    /// commit).
+    /// [`Error::Storage`] if writing the queue fails (those `ran`s are kept and retried).
     pub fn stats(&self) -> Result<Stats> {
-        flush(&self.inner, Flush::Write)?;
+        flush(&self.inner, Flush::IfDue)?;
         let front = self.front()?;
         Ok(Stats {
             entries: front.published.entries,
@@ -309,12 +310,7 @@ impl Warm {
             // A flusher that panicked has nothing left to commit for us.
             let _ = handle.join();
         }
-        let failed = self.front()?.failed.take();
-        flush(&self.inner, Flush::Close)?;
-        match failed {
-            Some(detail) => Err(Error::CommitFailed { detail }),
-            None => Ok(()),
-        }
+        flush(&self.inner, Flush::Close)
     }
 }
 
@@ -338,11 +334,9 @@ fn published(state: &State) -> Published {
 /// What a flush ends with.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Flush {
-    /// The commit thread's: write the queue into the batch; commit only if the oldest change is a
-    /// window old or the batch is full; a failure is kept for the next caller.
+    /// Write the queue into the batch; commit only if the oldest change is a window old or the
+    /// batch is full.
     IfDue,
-    /// As `IfDue`, for a caller who gets the failure itself.
-    Write,
     /// Write the queue and commit.
     Commit,
     /// Write the queue, commit, and mark the file closed.
@@ -350,8 +344,8 @@ enum Flush {
 }
 
 /// Takes the queue, writes it into the batch and commits as `how` says, then tells the callers.
-/// On failure the batch and the queue taken are lost; their overlay entries go, and the error is
-/// returned (and, for the commit thread, kept for the next caller).
+/// On failure the batch is dropped and its `ran`s go back to the head of the queue (still in the
+/// overlay) to be retried; the error is returned and kept in `failed` until a commit succeeds.
 fn flush(inner: &Inner, how: Flush) -> Result<()> {
     let back = inner.back.lock().map_err(|_| Error::Poisoned)?;
     flush_locked(inner, back, how)
@@ -412,20 +406,22 @@ fn flush_locked(inner: &Inner, mut back: MutexGuard<'_, State>, how: Flush) -> R
     front.published = published(&back);
     // What is replaced is dropped after the lock is released.
     let (result, _old_snapshot, _gone) = match outcome {
-        Ok(Some(committed)) => match fresh {
-            Some(fresh) => (Ok(()), Some(std::mem::replace(&mut front.snapshot, fresh)), front.forget(&committed)),
-            None => {
-                front.oldest_pending = front.queue.first().map(|r| r.at);
-                (Ok(()), None, Vec::new())
+        Ok(Some(committed)) => {
+            front.failed = None;
+            match fresh {
+                Some(fresh) => (Ok(()), Some(std::mem::replace(&mut front.snapshot, fresh)), front.forget(&committed)),
+                None => {
+                    front.oldest_pending = front.queue.first().map(|r| r.at);
+                    (Ok(()), None, Vec::new())
+                }
             }
-        },
+        }
         Ok(None) => (Ok(()), None, Vec::new()),
         Err(lost) => {
             let Lost { error, rans } = *lost;
-            if how == Flush::IfDue {
-                front.failed = Some(error.to_string());
-            }
-            (Err(error), None, front.forget(&rans))
+            front.failed = Some(error.to_string());
+            front.requeue(rans);
+            (Err(error), None, Vec::new())
         }
     };
     drop(front);
@@ -442,6 +438,17 @@ fn flush_loop(inner: &Inner) {
             loop {
                 if front.closing {
                     return;
+                }
+                if front.failed.is_some() {
+                    // Retry a failed commit a window later (or at close, or a caller's sync).
+                    front = match inner.wake.wait_timeout(front, inner.window) {
+                        Ok((guard, _)) => guard,
+                        Err(_) => return,
+                    };
+                    if front.closing {
+                        return;
+                    }
+                    break;
                 }
                 if !front.queue.is_empty() {
                     break;
@@ -465,7 +472,7 @@ fn flush_loop(inner: &Inner) {
                 };
             }
         }
-        // A failure is recorded by `flush` for the next caller.
+        // A failure is kept by `flush` (in `failed`) for the callers, and retried.
         let _ = flush(inner, Flush::IfDue);
     }
 }

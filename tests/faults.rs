@@ -37,13 +37,19 @@ fn a_failing_write_or_sync_is_a_typed_error_and_loses_nothing_committed() -> Res
                 "fail_syncs {fail_syncs}"
             );
         }
-        assert_eq!(warm.warmest("m", &prompt(100))?, None, "the failed batch is gone, not half there");
+        assert_eq!(
+            warm.warmest("m", &prompt(100))?,
+            Some(Hit { node: "b".into(), tokens: 256 }),
+            "the ran of the failed commit is kept (answered, retried), not lost"
+        );
+        assert!(warm.sync().is_err(), "while the disk fails, every sync says so");
         drop(warm);
         let durable = disk.state().durable.clone();
         let reopened = Warm::open_image(durable)?;
         for i in 0..10 {
             assert_eq!(reopened.warmest("m", &prompt(i))?, Some(Hit { node: "a".into(), tokens: 256 }));
         }
+        assert_eq!(reopened.warmest("m", &prompt(100))?, None, "never durable, and not half there");
     }
     Ok(())
 }
@@ -126,6 +132,46 @@ fn with_no_window_every_acknowledged_ran_is_durable_even_when_commits_fail() -> 
     let reopened = Warm::open_image(disk.state().durable.clone())?;
     for id in &acked {
         assert_eq!(reopened.warmest("m", &prompt(*id))?.map(|h| h.tokens), Some(256), "acknowledged ran {id}");
+    }
+    Ok(())
+}
+
+/// The same with group commit: a `sync` that returns `Ok` means every `ran` its thread made
+/// before it is durable, even when the commit thread's own commit failed in between.
+#[test]
+fn with_group_commit_a_successful_sync_covers_every_earlier_ran() -> Result<(), Error> {
+    let disk = Disk::default();
+    let warm = Warm::builder().sync_window(Duration::from_millis(1)).open_with_backend(disk.backend())?;
+    let total = std::sync::atomic::AtomicU32::new(0);
+    let covered: Vec<u32> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4u32)
+            .map(|th| {
+                let (warm, disk, total) = (&warm, &disk, &total);
+                s.spawn(move || {
+                    let (mut made, mut covered) = (Vec::new(), Vec::new());
+                    for i in 0..80u32 {
+                        let id = th * 1000 + i;
+                        if total.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= 150 {
+                            disk.state().fail_syncs = true;
+                        }
+                        if warm.ran("m", &prompt(id), "a").is_ok() {
+                            made.push(id);
+                        }
+                        if i % 5 == 4 && warm.sync().is_ok() {
+                            covered.append(&mut made);
+                        }
+                    }
+                    covered
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
+    });
+    assert!(covered.len() >= 40, "{} covered by a successful sync", covered.len());
+    drop(warm);
+    let reopened = Warm::open_image(disk.state().durable.clone())?;
+    for id in &covered {
+        assert_eq!(reopened.warmest("m", &prompt(*id))?.map(|h| h.tokens), Some(256), "ran {id} before an Ok sync");
     }
     Ok(())
 }

@@ -160,7 +160,7 @@ impl State {
             }
         });
         let mut added = 0u64;
-        let mut listed: Vec<Vec<u8>> = vec![Vec::new(); rans.len()];
+        let mut listed: Vec<Vec<(u32, u128)>> = vec![Vec::new(); rans.len()];
         {
             let txn = self.batch(db)?;
             let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
@@ -173,12 +173,15 @@ impl State {
                     Some(old) => *left.entry(old).or_default() += 1,
                     None => added += 1,
                 }
-                listed[r as usize].extend_from_slice(&key.to_be_bytes());
+                listed[r as usize].push((depth, key));
             }
             drop(primary);
             leave(txn, &left)?;
-            for (ran, keys) in rans.iter().zip(&listed) {
-                list(txn, ran.clock, keys)?;
+            for (ran, keys) in rans.iter().zip(&mut listed) {
+                // Listed in prompt order, so a dump shows a generation as its prompt ran.
+                keys.sort_unstable();
+                let bytes: Vec<u8> = keys.iter().flat_map(|(_, key)| key.to_be_bytes()).collect();
+                list(txn, ran.clock, &bytes)?;
             }
         }
         if let Some(last) = rans.last() {

@@ -433,14 +433,15 @@ fn flush_locked(inner: &Inner, mut back: MutexGuard<'_, State>, how: Flush) -> R
 /// once its oldest change is a window old.
 fn flush_loop(inner: &Inner) {
     loop {
-        {
+        let how = {
             let Ok(mut front) = inner.front.lock() else { return };
             loop {
                 if front.closing {
                     return;
                 }
                 if front.failed.is_some() {
-                    // Retry a failed commit a window later (or at close, or a caller's sync).
+                    // Retry a failed commit a window later (or sooner, at a caller's sync); a
+                    // commit that succeeds, even of nothing, clears the failure.
                     front = match inner.wake.wait_timeout(front, inner.window) {
                         Ok((guard, _)) => guard,
                         Err(_) => return,
@@ -448,16 +449,19 @@ fn flush_loop(inner: &Inner) {
                     if front.closing {
                         return;
                     }
-                    break;
+                    if front.failed.is_some() {
+                        break Flush::Commit;
+                    }
+                    continue;
                 }
                 if !front.queue.is_empty() {
-                    break;
+                    break Flush::IfDue;
                 }
                 let wait = match front.oldest_pending {
                     None => None,
                     Some(since) => match inner.window.checked_sub(since.elapsed()) {
                         Some(left) if !left.is_zero() => Some(left),
-                        _ => break,
+                        _ => break Flush::IfDue,
                     },
                 };
                 front = match wait {
@@ -471,8 +475,8 @@ fn flush_loop(inner: &Inner) {
                     },
                 };
             }
-        }
+        };
         // A failure is kept by `flush` (in `failed`) for the callers, and retried.
-        let _ = flush(inner, Flush::IfDue);
+        let _ = flush(inner, how);
     }
 }

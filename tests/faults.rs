@@ -2,10 +2,20 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use common::backend::Disk;
 use superfluid_warm::{Error, Hit, Warm};
+
+/// Runs `f(thread)` on four threads at once and gathers what they return.
+fn on_four_threads(f: impl Fn(u32) -> Vec<u32> + Sync) -> Vec<u32> {
+    std::thread::scope(|s| {
+        let f = &f;
+        let handles: Vec<_> = (0..4).map(|th| s.spawn(move || f(th))).collect();
+        handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
+    })
+}
 
 fn prompt(i: u32) -> Vec<u32> {
     (0..256).map(|t| i * 1000 + t).collect()
@@ -102,29 +112,21 @@ impl OpenImage for Warm {
 fn with_no_window_every_acknowledged_ran_is_durable_even_when_commits_fail() -> Result<(), Error> {
     let disk = Disk::default();
     let warm = Warm::builder().sync_window(Duration::ZERO).open_with_backend(disk.backend())?;
-    let total = std::sync::atomic::AtomicU32::new(0);
-    let acked: Vec<u32> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..4u32)
-            .map(|th| {
-                let (warm, disk, total) = (&warm, &disk, &total);
-                s.spawn(move || {
-                    let mut acked = Vec::new();
-                    for i in 0..60u32 {
-                        let id = th * 1000 + i;
-                        // The disk fails once 80 rans are in, all threads running.
-                        if total.load(std::sync::atomic::Ordering::SeqCst) >= 80 {
-                            disk.state().fail_syncs = true;
-                        }
-                        if warm.ran("m", &prompt(id), "a").is_ok() {
-                            acked.push(id);
-                            total.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        }
-                    }
-                    acked
-                })
-            })
-            .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
+    let total = AtomicU32::new(0);
+    let acked = on_four_threads(|th| {
+        let mut acked = Vec::new();
+        for i in 0..60u32 {
+            let id = th * 1000 + i;
+            // The disk fails once 80 rans are in, all threads running.
+            if total.load(Ordering::SeqCst) >= 80 {
+                disk.state().fail_syncs = true;
+            }
+            if warm.ran("m", &prompt(id), "a").is_ok() {
+                acked.push(id);
+                total.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        acked
     });
     assert!(acked.len() >= 80, "{} acknowledged", acked.len());
     assert!(acked.len() < 240, "the failing disk refused some");
@@ -142,30 +144,22 @@ fn with_no_window_every_acknowledged_ran_is_durable_even_when_commits_fail() -> 
 fn with_group_commit_a_successful_sync_covers_every_earlier_ran() -> Result<(), Error> {
     let disk = Disk::default();
     let warm = Warm::builder().sync_window(Duration::from_millis(1)).open_with_backend(disk.backend())?;
-    let total = std::sync::atomic::AtomicU32::new(0);
-    let covered: Vec<u32> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..4u32)
-            .map(|th| {
-                let (warm, disk, total) = (&warm, &disk, &total);
-                s.spawn(move || {
-                    let (mut made, mut covered) = (Vec::new(), Vec::new());
-                    for i in 0..80u32 {
-                        let id = th * 1000 + i;
-                        if total.fetch_add(1, std::sync::atomic::Ordering::SeqCst) >= 150 {
-                            disk.state().fail_syncs = true;
-                        }
-                        if warm.ran("m", &prompt(id), "a").is_ok() {
-                            made.push(id);
-                        }
-                        if i % 5 == 4 && warm.sync().is_ok() {
-                            covered.append(&mut made);
-                        }
-                    }
-                    covered
-                })
-            })
-            .collect();
-        handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
+    let total = AtomicU32::new(0);
+    let covered = on_four_threads(|th| {
+        let (mut made, mut covered) = (Vec::new(), Vec::new());
+        for i in 0..80u32 {
+            let id = th * 1000 + i;
+            if total.fetch_add(1, Ordering::SeqCst) >= 150 {
+                disk.state().fail_syncs = true;
+            }
+            if warm.ran("m", &prompt(id), "a").is_ok() {
+                made.push(id);
+            }
+            if i % 5 == 4 && warm.sync().is_ok() {
+                covered.append(&mut made);
+            }
+        }
+        covered
     });
     assert!(covered.len() >= 40, "{} covered by a successful sync", covered.len());
     drop(warm);

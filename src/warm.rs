@@ -238,7 +238,7 @@ impl Warm {
             }
         }
         match back {
-            Some(back) => flush_locked(&self.inner, back, Flush::Commit),
+            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit),
             None => Ok(()),
         }
     }
@@ -262,8 +262,10 @@ impl Warm {
     /// index is unchanged); [`Error::Storage`] if the commit fails.
     pub fn import_json(&self, path: impl AsRef<Path>) -> Result<ImportReport> {
         let file = legacy::read(path.as_ref())?;
-        self.sync()?;
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
+        // Everything before is committed first, under the same hold of the writer: the import's
+        // batch then holds no `ran`, and a failure of it loses none.
+        flush_locked(&self.inner, &mut back, Flush::Commit)?;
         let report = back.import(&self.inner.db, &file)?;
         let result = back.commit(&self.inner.db, false);
         let fresh = snapshot(&self.inner.db)?;
@@ -347,12 +349,12 @@ enum Flush {
 /// On failure the batch is dropped and its `ran`s go back to the head of the queue (still in the
 /// overlay) to be retried; the error is returned and kept in `failed` until a commit succeeds.
 fn flush(inner: &Inner, how: Flush) -> Result<()> {
-    let back = inner.back.lock().map_err(|_| Error::Poisoned)?;
-    flush_locked(inner, back, how)
+    let mut back = inner.back.lock().map_err(|_| Error::Poisoned)?;
+    flush_locked(inner, &mut back, how)
 }
 
 /// [`flush`] with the writer already held.
-fn flush_locked(inner: &Inner, mut back: MutexGuard<'_, State>, how: Flush) -> Result<()> {
+fn flush_locked(inner: &Inner, back: &mut State, how: Flush) -> Result<()> {
     let (rans, due) = {
         let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
         let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
@@ -403,7 +405,7 @@ fn flush_locked(inner: &Inner, mut back: MutexGuard<'_, State>, how: Flush) -> R
     };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     front.nodes.clone_from(&back.nodes.names);
-    front.published = published(&back);
+    front.published = published(back);
     // What is replaced is dropped after the lock is released.
     let (result, _old_snapshot, _gone) = match outcome {
         Ok(Some(committed)) => {

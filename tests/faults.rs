@@ -169,3 +169,22 @@ fn with_group_commit_a_successful_sync_covers_every_earlier_ran() -> Result<(), 
     }
     Ok(())
 }
+
+/// An import while the disk fails is a typed error, and the `ran`s queued before it are kept
+/// (answered, retried), not dropped with the import's batch.
+#[test]
+fn a_failed_import_keeps_the_rans_before_it() -> Result<(), Error> {
+    let disk = Disk::default();
+    let warm = Warm::builder().sync_window(Duration::from_secs(30)).open_with_backend(disk.backend())?;
+    for i in 0..5 {
+        warm.ran("m", &prompt(i), "a")?;
+    }
+    disk.state().fail_writes = true;
+    let json = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/0001-from-0.1.7-json/warm.json");
+    let err = warm.import_json(&json).expect_err("the disk fails");
+    assert!(matches!(err, Error::Storage { .. }), "{err}");
+    for i in 0..5 {
+        assert_eq!(warm.warmest("m", &prompt(i))?, Some(Hit { node: "a".into(), tokens: 256 }), "ran {i} kept");
+    }
+    Ok(())
+}

@@ -56,6 +56,11 @@ enum Command {
         #[arg(long)]
         repair: bool,
     },
+    /// Gives a closed index's free pages back to the filesystem (entries unchanged).
+    Compact {
+        /// The index file (no head may have it open).
+        path: PathBuf,
+    },
     /// Imports a superfluid 0.1.7 warm.json into an index (the JSON file is only read).
     Import {
         /// The 0.1.7 file.
@@ -146,6 +151,10 @@ fn run(command: Command) -> Result<ExitCode, Error> {
         Command::Dump { path, json, node, limit, oldest_first } => dump(out, &path, json, node, limit, oldest_first),
         Command::Stats { path, json } => stats(out, &path, json),
         Command::Check { path, json, repair } => check(out, &path, json, repair),
+        Command::Compact { path } => {
+            let done = superfluid_warm::compact(&path)?;
+            emit(out, &format!("compacted {}: {} -> {} bytes", path.display(), done.bytes_before, done.bytes_after))
+        }
         Command::Import { old, path } => {
             let warm = Warm::open(&path)?;
             let report = warm.import_json(&old)?;

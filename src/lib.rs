@@ -22,6 +22,7 @@
 mod builder;
 mod chain;
 mod codec;
+mod compact;
 mod error;
 mod front;
 mod inspect;
@@ -40,6 +41,7 @@ pub mod trace;
 
 pub use builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_CAPACITY, DEFAULT_SYNC_WINDOW, MAX_CAPACITY};
 pub use chain::{BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix};
+pub use compact::{Compacted, compact};
 pub use error::{Error, Result};
 pub use inspect::{Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy};
 pub use legacy::ImportReport;

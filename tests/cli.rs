@@ -179,3 +179,42 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
         assert!(text(&default.stdout).contains(needle), "missing {needle:?}: {}", text(&default.stdout));
     }
 }
+
+/// `compact` shrinks a churned file and leaves its entries as they were; it refuses a file a
+/// head has open, and a file that is not an index.
+#[test]
+fn compact_gives_space_back_and_keeps_every_entry() {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let p = path.to_str().expect("utf-8");
+    let out = run(&["replay", "--requests", "300", "--capacity", "20000", "--no-baseline", "--db", p]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let dump = |p: &str| -> Vec<serde_json::Value> {
+        let mut rows = json_lines(&run(&["dump", p, "--json"]));
+        rows.sort_by_key(|r| r.to_string());
+        rows
+    };
+    let before = dump(p);
+    assert!(before.len() > 1000, "{} entries", before.len());
+    let out = run(&["compact", p]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stdout);
+    let sizes: Vec<u64> = said.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+    assert_eq!(sizes.len(), 2, "{said}");
+    assert!(sizes[1] < sizes[0], "the churned file shrank: {said}");
+    assert_eq!(std::fs::metadata(&path).expect("file").len(), sizes[1]);
+    assert!(dump(p) == before, "compaction changed the entries");
+    assert!(run(&["check", p]).status.success());
+
+    let (mut child, _lines) = writer(&path, 3);
+    let busy = run(&["compact", p]);
+    assert!(!busy.status.success(), "a file a head has open is refused");
+    assert!(text(&busy.stderr).contains("open"), "{}", text(&busy.stderr));
+    child.kill().expect("kill");
+    child.wait().expect("reaped");
+    let text_file = dir.path().join("notes.redb");
+    std::fs::write(&text_file, "not an index ".repeat(500)).expect("write");
+    let foreign = run(&["compact", text_file.to_str().expect("utf-8")]);
+    assert!(!foreign.status.success());
+    assert_eq!(std::fs::read(&text_file).expect("read"), "not an index ".repeat(500).as_bytes(), "left as it is");
+}

@@ -131,9 +131,14 @@ fn with_no_window_every_acknowledged_ran_is_durable_even_when_commits_fail() -> 
     assert!(acked.len() >= 80, "{} acknowledged", acked.len());
     assert!(acked.len() < 240, "the failing disk refused some");
     drop(warm);
+    assert_durable(&disk, &acked)
+}
+
+/// Every prompt of `ids` is answered by the disk's durable image, reopened.
+fn assert_durable(disk: &Disk, ids: &[u32]) -> Result<(), Error> {
     let reopened = Warm::open_image(disk.state().durable.clone())?;
-    for id in &acked {
-        assert_eq!(reopened.warmest("m", &prompt(*id))?.map(|h| h.tokens), Some(256), "acknowledged ran {id}");
+    for id in ids {
+        assert_eq!(reopened.warmest("m", &prompt(*id))?.map(|h| h.tokens), Some(256), "ran {id} is not durable");
     }
     Ok(())
 }
@@ -163,11 +168,7 @@ fn with_group_commit_a_successful_sync_covers_every_earlier_ran() -> Result<(), 
     });
     assert!(covered.len() >= 40, "{} covered by a successful sync", covered.len());
     drop(warm);
-    let reopened = Warm::open_image(disk.state().durable.clone())?;
-    for id in &covered {
-        assert_eq!(reopened.warmest("m", &prompt(*id))?.map(|h| h.tokens), Some(256), "ran {id} before an Ok sync");
-    }
-    Ok(())
+    assert_durable(&disk, &covered)
 }
 
 /// An import while the disk fails is a typed error, and the `ran`s queued before it are kept

@@ -1,9 +1,11 @@
 //! `Warm`: the index a head links. Shared by reference (`&self`), `Send + Sync`.
 //!
 //! Two locks, taken in this order when both are held: `back` (redb's writer: the batch, held by
-//! the commit thread or by `sync`) and `front` (the clock, the overlay of uncommitted `ran`s, the
-//! queue). Callers of `warmest` and `ran` take only `front`, for microseconds; they never wait
-//! for redb's writer, a commit or an fsync.
+//! the commit thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero) and
+//! `front` (the clock, the overlay of uncommitted `ran`s, the queue, the read snapshot). With a
+//! commit thread, `warmest` and `ran` take only `front`, for microseconds; they never wait for
+//! redb's writer, a commit or an fsync (only for back-pressure, when the commit thread is far
+//! behind).
 
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

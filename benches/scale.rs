@@ -29,18 +29,11 @@ fn fill(path: &Path, entries: u64) -> Warm {
     let warm = Warm::builder().capacity(entries + entries / 4).open(path).expect("open");
     let ns = Namespace::new(MODEL).expect("namespace");
     for i in 0..(entries / u64::from(BLOCKS)) as u32 {
-        let p = Prefix::of(&warm, &ns, i);
+        let p = warm.prefix(&ns, &prompt(i)).expect("prefix");
         warm.ran_prefix(&p, &node_name(i as usize % 8)).expect("ran");
     }
     warm.sync().expect("sync");
     warm
-}
-
-struct Prefix;
-impl Prefix {
-    fn of(warm: &Warm, ns: &Namespace, i: u32) -> superfluid_warm::Prefix {
-        warm.prefix(ns, &prompt(i)).expect("prefix")
-    }
 }
 
 /// The same entries in the 0.1.7 design, saved.

@@ -1,9 +1,8 @@
 //! The upgrade from superfluid 0.1.7: its `warm.json` (`{"prefixes": [[hash, node, clock], …]}`)
 //! brought into the index under FNV keys, answered until they age out. The JSON file is only read.
 
-use std::path::Path;
-
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
 
 use redb::{Database, ReadableTable};
 use serde::Deserialize;

@@ -1,6 +1,6 @@
 //! The writer's state: the open batch (one redb write transaction), the in-memory copies of the
-//! cold records, and every change to the tables. Only the thread that holds it (the commit
-//! thread, or a caller in `sync`) writes to redb.
+//! cold records, and every change to the tables. Only the holder of the writer lock (see
+//! `warm.rs`) writes to redb.
 
 use std::collections::HashMap;
 
@@ -63,13 +63,11 @@ impl State {
     }
 
     /// Drops the batch and reads the committed cold records again (after a failed change).
-    /// The `ran`s of the dropped batch are returned, lost.
-    pub(crate) fn reload(&mut self, db: &Database) -> Result<Vec<Ran>> {
+    pub(crate) fn reload(&mut self, db: &Database) -> Result<()> {
         if let Some(txn) = self.txn.take() {
             // Rolls back; an abort that fails has nothing left to undo.
             let _ = txn.abort();
         }
-        let lost = std::mem::take(&mut self.applied);
         let read = db.begin_read().map_err(redb_err("reading the meta record"))?;
         let meta_table = read.open_table(META).map_err(redb_err("reading the meta record"))?;
         let bytes = meta_table
@@ -102,7 +100,7 @@ impl State {
             .map_err(redb_err("reading namespaces"))?
             .map(|item| item.map(|(k, v)| (k.value(), v.value())).map_err(redb_err("reading namespaces")))
             .collect::<Result<_>>()?;
-        Ok(lost)
+        Ok(())
     }
 
     /// The open batch, begun if there is none.
@@ -135,9 +133,8 @@ impl State {
     }
 
     /// Writes `rans` (oldest first; more than one only when no eviction is possible, see
-    /// [`State::fits`]) as one merge: each
-    /// key once, with its newest write, in key order, so each leaf page is visited once and a
-    /// block several of them wrote is written once. The result is what applying them one by one
+    /// [`State::fits`]) as one merge: each key once, with its newest write, in key order, so each
+    /// leaf page is visited once and a block several of them wrote is written once. The result is what applying them one by one
     /// gives, except that a key is listed only in the generation that still holds it.
     pub(crate) fn apply_merged(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
         let mut writes: Vec<(u128, u32, u32)> = Vec::with_capacity(rans.iter().map(|r| r.blocks.len()).sum());
@@ -314,12 +311,11 @@ impl State {
 
     /// Drops the batch after `error`, returning it with the `ran`s it lost.
     pub(crate) fn lose(&mut self, db: &Database, error: Error) -> Box<Lost> {
-        let mut rans = std::mem::take(&mut self.applied);
+        let rans = std::mem::take(&mut self.applied);
         match self.reload(db) {
-            Ok(more) => rans.extend(more),
-            Err(reload) => return Box::new(Lost { error: reload, rans }),
+            Ok(()) => Box::new(Lost { error, rans }),
+            Err(reload) => Box::new(Lost { error: reload, rans }),
         }
-        Box::new(Lost { error, rans })
     }
 
     fn commit_batch(&mut self, db: &Database, closing: bool) -> Result<()> {

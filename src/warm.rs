@@ -269,14 +269,8 @@ impl Warm {
         // batch then holds no `ran`, and a failure of it loses none.
         flush_locked(&self.inner, &mut back, Flush::Commit)?;
         let report = back.import(&self.inner.db, &file)?;
-        let result = back.commit(&self.inner.db, false);
-        let fresh = snapshot(&self.inner.db)?;
-        let mut front = self.front()?;
-        front.snapshot = fresh;
-        front.nodes.clone_from(&back.nodes.names);
-        front.published = published(&back);
-        front.clock = front.clock.max(back.meta.clock);
-        result.map(|_| report).map_err(|lost| lost.error)
+        flush_locked(&self.inner, &mut back, Flush::Commit)?;
+        Ok(report)
     }
 
     /// Counts and settings, as of every `ran` that returned (the queue is written into the batch
@@ -357,7 +351,7 @@ fn flush(inner: &Inner, how: Flush) -> Result<()> {
 
 /// [`flush`] with the writer already held.
 fn flush_locked(inner: &Inner, back: &mut State, how: Flush) -> Result<()> {
-    let (rans, due) = {
+    let (mut rans, due) = {
         let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
         let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
         let rans = front.take();
@@ -365,8 +359,7 @@ fn flush_locked(inner: &Inner, back: &mut State, how: Flush) -> Result<()> {
         (rans, due)
     };
     // Write the batch: merged when it cannot evict, else one `ran` at a time, stopping at the
-    // first error; on an error the batch and every `ran` not applied are lost together.
-    let mut rans = rans;
+    // first error; on an error the batch and every `ran` not applied go back to the queue.
     let (mut done, mut error) = (0, None);
     if rans.len() > 1 && back.fits(rans.iter().map(|r| r.blocks.len()).sum()) {
         match back.apply_merged(&inner.db, &rans) {
@@ -408,6 +401,8 @@ fn flush_locked(inner: &Inner, back: &mut State, how: Flush) -> Result<()> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     front.nodes.clone_from(&back.nodes.names);
     front.published = published(back);
+    // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
+    front.clock = front.clock.max(back.meta.clock);
     // What is replaced is dropped after the lock is released.
     let (result, _old_snapshot, _gone) = match outcome {
         Ok(Some(committed)) => {

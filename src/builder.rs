@@ -8,8 +8,9 @@ use redb::{ConcurrencyMode, Database, DatabaseError, StorageError};
 use crate::error::{Error, Result, redb_err};
 use crate::legacy;
 use crate::schema;
+use crate::seal;
 use crate::state::State;
-use crate::warm::Warm;
+use crate::warm::{OpenCheck, Warm};
 
 /// Entries (blocks) kept by default: 2^20, 64 Mi tokens of prefixes.
 pub const DEFAULT_CAPACITY: u64 = 1 << 20;
@@ -71,8 +72,11 @@ impl Builder {
         self
     }
 
-    /// Whether the writer verifies every page's checksum when it opens the file (default on:
-    /// a bit-flipped file is refused with [`Error::Corrupted`] instead of answering wrongly).
+    /// Whether the writer verifies the file when it opens it (default on: a bit-flipped file is
+    /// refused with [`Error::Corrupted`] instead of answering wrongly or panicking in redb). A file
+    /// whose seal (a digest of the whole file written beside it, `<file>.seal`, at its last clean
+    /// close) matches is verified by that digest; any other by redb, page by page. Off, neither
+    /// runs: only for storage that checksums itself.
     pub fn check_integrity_on_open(&mut self, check: bool) -> &mut Self {
         self.check_integrity = check;
         self
@@ -84,12 +88,9 @@ impl Builder {
         self
     }
 
-    fn redb(&self, mode: ConcurrencyMode) -> redb::Builder {
+    fn redb(&self, mode: ConcurrencyMode, check: bool) -> redb::Builder {
         let mut builder = redb::Builder::new();
-        builder
-            .set_cache_size(self.cache_bytes)
-            .set_concurrency_mode(mode)
-            .set_check_integrity_on_open(self.check_integrity);
+        builder.set_cache_size(self.cache_bytes).set_concurrency_mode(mode).set_check_integrity_on_open(check);
         builder
     }
 
@@ -116,8 +117,18 @@ impl Builder {
         let path = path.as_ref();
         self.validate()?;
         let legacy = self.import.as_deref().map(legacy::read).transpose()?;
-        let db = self.redb(ConcurrencyMode::SingleWriter).create(path).map_err(|e| open_error(path, e))?;
-        self.start(db, legacy)
+        let check = if !self.check_integrity {
+            OpenCheck::Skipped
+        } else if seal::matches(path) {
+            OpenCheck::Seal
+        } else {
+            OpenCheck::Pages
+        };
+        let db = self
+            .redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages)
+            .create(path)
+            .map_err(|e| open_error(path, e))?;
+        self.start(db, legacy, check, Some(path))
     }
 
     /// Opens the index on a custom redb storage backend (for fault injection and in-memory use),
@@ -128,14 +139,21 @@ impl Builder {
     pub fn open_with_backend(&self, backend: impl redb::StorageBackend) -> Result<Warm> {
         self.validate()?;
         let legacy = self.import.as_deref().map(legacy::read).transpose()?;
+        let check = if self.check_integrity { OpenCheck::Pages } else { OpenCheck::Skipped };
         let db = self
-            .redb(ConcurrencyMode::ExclusiveWriter)
+            .redb(ConcurrencyMode::ExclusiveWriter, self.check_integrity)
             .create_with_backend(backend)
             .map_err(|e| open_error(Path::new("<backend>"), e))?;
-        self.start(db, legacy)
+        self.start(db, legacy, check, None)
     }
 
-    fn start(&self, db: Database, legacy: Option<legacy::LegacyFile>) -> Result<Warm> {
+    fn start(
+        &self,
+        db: Database,
+        legacy: Option<legacy::LegacyFile>,
+        check: OpenCheck,
+        path: Option<&Path>,
+    ) -> Result<Warm> {
         schema::prepare(&db, self.capacity)?;
         let mut state = State::load(&db)?;
         if let Err(e) = state.evict(&db) {
@@ -146,7 +164,7 @@ impl Builder {
             state.import(&db, file)?;
             state.commit(&db, false).map_err(|lost| lost.error)?;
         }
-        Warm::start(db, state, self.sync_window)
+        Warm::start(db, state, self.sync_window, check, path.map(Path::to_path_buf))
     }
 }
 

@@ -269,10 +269,10 @@ fn dump(
     emit(out, &text)
 }
 
-/// A file no head is writing is checked page by page (on a copy) before it is shown, so that a
-/// corrupted file is reported rather than listed wrongly.
+/// A file no head is writing is verified (by its seal, or page by page on a copy) before it is
+/// shown, so that a corrupted file is reported rather than listed wrongly.
 fn verify_closed(snapshot: &Snapshot, path: &Path) -> Result<(), Error> {
-    if snapshot.writer().is_none() && !integrity_check_copy(path)? {
+    if snapshot.writer().is_none() && !superfluid_warm::verify_closed(path)? {
         return Err(Error::Corrupted { detail: "it fails redb's page checksums".into() });
     }
     Ok(())

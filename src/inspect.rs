@@ -12,6 +12,7 @@ use crate::codec;
 use crate::error::{Error, Result, redb_err};
 use crate::records::{Meta, NamespaceRecord, NodeRecord};
 use crate::schema;
+use crate::seal;
 use crate::state::count;
 use crate::tables::{Entry, GENERATIONS, LIVE, META, META_KEY, NAMESPACES, NODES, PREFIXES, stored};
 
@@ -344,6 +345,19 @@ impl Snapshot {
         }
         Ok(check)
     }
+}
+
+/// Whether the file at `path`, which no head is writing, is intact: by its seal when that matches
+/// (a digest of the whole file, see [`crate::Builder::check_integrity_on_open`]), otherwise by
+/// [`integrity_check_copy`]. Returns `Ok(false)` for a corrupted file.
+///
+/// # Errors
+/// As [`integrity_check_copy`].
+pub fn verify_closed(path: &Path) -> Result<bool> {
+    if seal::matches(path) {
+        return Ok(true);
+    }
+    integrity_check_copy(path)
 }
 
 /// Runs redb's full integrity check (every page checksum) on a copy of `path`, so that the file

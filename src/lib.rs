@@ -31,6 +31,7 @@ mod lookup;
 mod overlay;
 mod records;
 mod schema;
+mod seal;
 mod state;
 mod tables;
 mod warm;
@@ -43,8 +44,11 @@ pub use builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_CAPACITY, DEFAULT_SYNC_W
 pub use chain::{BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix};
 pub use compact::{Compacted, compact};
 pub use error::{Error, Result};
-pub use inspect::{Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy};
+pub use inspect::{
+    Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy, verify_closed,
+};
 pub use legacy::ImportReport;
 pub use records::SCHEMA_VERSION;
+pub use seal::seal_path;
 pub use state::MAX_NODE_BYTES;
-pub use warm::{Hit, Stats, Warm};
+pub use warm::{Hit, OpenCheck, Stats, Warm};

@@ -7,7 +7,8 @@
 //! redb's writer, a commit or an fsync (only for back-pressure, when the commit thread is far
 //! behind).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -20,6 +21,7 @@ use crate::error::{Error, Result, redb_err};
 use crate::front::{Front, MAX_BATCH_BLOCKS, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
 use crate::legacy::{self, ImportReport};
 use crate::lookup::{self, Owner};
+use crate::seal;
 use crate::state::{Lost, MAX_NODE_BYTES, State};
 use crate::tables::PREFIXES;
 
@@ -48,10 +50,25 @@ pub struct Stats {
     pub nodes: Vec<String>,
     /// Whether changes are waiting for a commit.
     pub pending: bool,
+    /// How the file was verified when it was opened.
+    pub open_check: OpenCheck,
 }
 
+/// How a file was verified when it was opened (see [`Builder::check_integrity_on_open`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OpenCheck {
+    /// Its seal matched: the file is, byte for byte, what this index left at a clean close.
+    Seal,
+    /// redb verified every page's checksum (no seal, or one that did not match; a new file).
+    Pages,
+    /// Not verified: the check was turned off.
+    Skipped,
+}
+
+/// Dropped in this order: the batch and the read snapshot, then redb (which closes the file),
+/// then the sealer (which seals the closed file).
 pub(crate) struct Inner {
-    pub db: Database,
     pub back: Mutex<State>,
     pub front: Mutex<Front>,
     /// Wakes the commit thread (work queued, or closing).
@@ -59,6 +76,25 @@ pub(crate) struct Inner {
     /// Wakes callers waiting for the queue to be taken.
     pub drained: Condvar,
     pub window: Duration,
+    pub check: OpenCheck,
+    pub db: Database,
+    pub sealer: Sealer,
+}
+
+/// Seals the file ([`seal::write`]) when dropped, after redb has closed it, if the close
+/// committed everything.
+pub(crate) struct Sealer {
+    path: Option<PathBuf>,
+    clean: AtomicBool,
+}
+
+impl Drop for Sealer {
+    fn drop(&mut self) {
+        if let (Some(path), true) = (&self.path, *self.clean.get_mut()) {
+            // Best effort: without a seal the next open verifies every page instead.
+            let _ = seal::write(path);
+        }
+    }
 }
 
 /// Which node last ran each prompt prefix, kept in a redb file.
@@ -98,15 +134,23 @@ impl Warm {
         Builder::new()
     }
 
-    pub(crate) fn start(db: Database, state: State, window: Duration) -> Result<Warm> {
+    pub(crate) fn start(
+        db: Database,
+        state: State,
+        window: Duration,
+        check: OpenCheck,
+        path: Option<PathBuf>,
+    ) -> Result<Warm> {
         let front = Front::new(state.meta.clock, state.nodes.names.clone(), published(&state), snapshot(&db)?);
         let inner = Arc::new(Inner {
-            db,
             back: Mutex::new(state),
             front: Mutex::new(front),
             wake: Condvar::new(),
             drained: Condvar::new(),
             window,
+            check,
+            db,
+            sealer: Sealer { path, clean: AtomicBool::new(false) },
         });
         let flusher = if window.is_zero() {
             None
@@ -288,6 +332,7 @@ impl Warm {
             clock: front.clock,
             nodes: front.nodes.clone(),
             pending: front.oldest_pending.is_some(),
+            open_check: self.inner.check,
         })
     }
 
@@ -308,7 +353,9 @@ impl Warm {
             // A flusher that panicked has nothing left to commit for us.
             let _ = handle.join();
         }
-        flush(&self.inner, Flush::Close)
+        flush(&self.inner, Flush::Close)?;
+        self.inner.sealer.clean.store(true, Ordering::Release);
+        Ok(())
     }
 }
 

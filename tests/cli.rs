@@ -101,8 +101,12 @@ fn corrupt_and_foreign_files_get_a_clear_error_never_a_panic() {
     let healthy = run(&["check", p]);
     assert_eq!(healthy.status.code(), Some(0), "{}", text(&healthy.stdout));
 
-    // Flip one byte inside the data pages (past redb's header region).
+    // Flip one byte inside the data pages (past redb's header region). The repair closed the file
+    // cleanly, so it has a seal: each flipped copy gets that seal and the file's time too, so
+    // only the seal's digest tells them apart.
     let mut bytes = std::fs::read(&path).expect("read");
+    let seal = std::fs::read(superfluid_warm::seal_path(&path)).expect("the repaired file is sealed");
+    let modified = std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime");
     let len = bytes.len();
     let mut flipped_detected = 0;
     // Sixteen places spread over the file: how much of it is live pages depends on how far the
@@ -112,13 +116,19 @@ fn corrupt_and_foreign_files_get_a_clear_error_never_a_panic() {
         copy[at] ^= 0x10;
         let bad = dir.path().join(format!("bad-{i}.redb"));
         std::fs::write(&bad, &copy).expect("write");
+        std::fs::File::options().write(true).open(&bad).and_then(|f| f.set_modified(modified)).expect("time");
+        std::fs::write(superfluid_warm::seal_path(&bad), &seal).expect("seal");
         let b = bad.to_str().expect("utf-8");
+        let mut flagged = false;
         for args in [vec!["check", b], vec!["dump", b], vec!["stats", b, "--json"]] {
             let out = run(&args);
             assert_ne!(out.status.code(), Some(101), "{args:?} panicked: {}", text(&out.stderr));
             assert!(!text(&out.stderr).contains("panicked"), "{args:?}: {}", text(&out.stderr));
             if args[0] == "check" {
-                flipped_detected += usize::from(out.status.code() == Some(2));
+                flagged = out.status.code() == Some(2);
+                flipped_detected += usize::from(flagged);
+            } else if flagged {
+                assert!(!out.status.success(), "{args:?} showed a file check found corrupted");
             }
         }
     }
@@ -205,6 +215,10 @@ fn compact_gives_space_back_and_keeps_every_entry() {
     assert_eq!(std::fs::metadata(&path).expect("file").len(), sizes[1]);
     assert!(dump(p) == before, "compaction changed the entries");
     assert!(run(&["check", p]).status.success());
+    // Verified and closed cleanly by the compaction: sealed, so the next open is the fast one.
+    let warm = superfluid_warm::Warm::open(&path).expect("open");
+    assert_eq!(warm.stats().expect("stats").open_check, superfluid_warm::OpenCheck::Seal);
+    warm.close().expect("close");
 
     let (mut child, _lines) = writer(&path, 3);
     let busy = run(&["compact", p]);

@@ -11,21 +11,22 @@ use std::time::{Duration, Instant};
 use common::backend::{Disk, crash_images};
 use common::{Conversations, Rng, bin, db_path, tempdir};
 use superfluid_warm::baseline::Baseline;
-use superfluid_warm::{Error, Hit, Snapshot, Warm, integrity_check_copy, trace};
+use superfluid_warm::{Error, Hit, OpenCheck, Snapshot, Warm, integrity_check_copy, trace};
 
-/// Opens (so recovers) the file as a head would, then checks every invariant read-only.
-fn recover_and_check(path: &Path) -> Result<u64, Error> {
-    let clock = {
+/// Opens (so recovers) the file as a head would, then checks every invariant read-only. Returns
+/// the clock and how the open verified the file.
+fn recover_and_check(path: &Path) -> Result<(u64, OpenCheck), Error> {
+    let (clock, opened) = {
         let warm = Warm::open(path)?;
-        let clock = warm.stats()?.clock;
+        let stats = warm.stats()?;
         warm.close()?;
-        clock
+        (stats.clock, stats.open_check)
     };
     let snapshot = Snapshot::open(path)?;
     let check = snapshot.check()?;
     assert!(check.problems.is_empty(), "invariants after recovery: {:?}", check.problems);
     assert!(integrity_check_copy(path)?, "redb integrity after recovery");
-    Ok(clock)
+    Ok((clock, opened))
 }
 
 /// The torture writer's prompts for a seed (as `src/cli.rs` makes them).
@@ -47,12 +48,14 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
     let path = db_path(&dir);
     let mut rng = Rng(0xdead);
     let kills = 200;
-    let (mut acked_total, mut last_clock, mut compared) = (0, 0, 0);
+    let (mut acked_total, mut last_clock, mut compared, mut sealed) = (0, 0, 0, 0);
     // The model of 0.1.7's semantics, fed exactly the rans that survived each round.
     let mut model = Baseline::in_memory(1 << 22);
     let started = Instant::now();
     for round in 0..kills {
         let seed = round as u64 + 1;
+        // As the last round's head closed it (and sealed it).
+        let closed = std::fs::read(&path).ok();
         let mut child = Command::new(bin())
             .args(["torture-writer", "--db", path.to_str().expect("utf-8"), "--capacity", "1048576"])
             .args(["--seed", &seed.to_string()])
@@ -75,7 +78,11 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
         std::thread::sleep(Duration::from_micros(rng.below(8000)));
         child.kill().expect("SIGKILL");
         child.wait().expect("reaped");
-        let clock = recover_and_check(&path)?;
+        let unchanged = closed.is_some() && std::fs::read(&path).ok() == closed;
+        let (clock, check) = recover_and_check(&path)?;
+        // The seal is trusted exactly when the writer was killed before it touched the file.
+        assert_eq!(check == OpenCheck::Seal, unchanged, "round {round}: opened by {check:?}");
+        sealed += usize::from(unchanged);
         assert!(clock >= last_clock, "round {round}: the clock went back from {last_clock} to {clock}");
         let survived = (clock - last_clock) as usize;
         let prompts = torture_prompts(seed, survived.max(1));
@@ -98,7 +105,7 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
         last_clock = clock;
     }
     println!(
-        "kill -9: {kills} kills, {acked_total} with an acknowledged durable ran checked, {compared} answers compared, final clock {last_clock}, {:.1} s",
+        "kill -9: {kills} kills, {acked_total} with an acknowledged durable ran checked, {compared} answers compared, {sealed} files the writer never touched opened by their seal, final clock {last_clock}, {:.1} s",
         started.elapsed().as_secs_f64()
     );
     assert!(acked_total > kills / 2);
@@ -141,7 +148,8 @@ fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result
             images += 1;
             let path = dir.path().join(format!("crash-{k}-{which}.redb"));
             std::fs::write(&path, &image).expect("write image");
-            let clock = recover_and_check(&path)?;
+            let (clock, check) = recover_and_check(&path)?;
+            assert_eq!(check, OpenCheck::Pages, "a crash image has no seal");
             assert!(clock >= durable_clock, "crash at op {k} ({which}): acknowledged clock {durable_clock} lost");
             assert!(clock as usize <= history.len());
             // Every ran up to the surviving clock is there, and none after it (atomic rans).

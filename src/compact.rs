@@ -42,9 +42,9 @@ pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
         .map_err(|e| open_error(path, e))?;
     {
         let txn = db.begin_write().map_err(redb_err("starting the compaction"))?;
-        let mut meta = schema::read_meta(&txn)?
+        let meta = schema::read_meta(&txn)?
             .ok_or_else(|| Error::UnknownFormat { detail: "an empty redb file, not an index".into() })?;
-        schema::check(&mut meta)?;
+        schema::check(&meta)?;
         txn.abort().map_err(redb_err("starting the compaction"))?;
     }
     while db.compact().map_err(redb_err("compacting"))? {}

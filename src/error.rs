@@ -31,6 +31,14 @@ pub enum Error {
         /// What was found.
         detail: String,
     },
+    /// A [`crate::Prefix`] hashed in another scheme than the index file's (made by
+    /// [`crate::Prefix::new`] or by another `Warm`): its keys could never match.
+    ForeignPrefix {
+        /// The prefix's hash scheme.
+        prefix: &'static str,
+        /// The file's.
+        file: &'static str,
+    },
     /// A 0.1.7 `warm.json` could not be read or parsed. The JSON file was not modified.
     LegacyJson {
         /// The JSON file.
@@ -122,6 +130,10 @@ impl fmt::Display for Error {
             Error::UnknownFormat { detail } => write!(
                 f,
                 "not an index this build can open ({detail}); check the path, or start a new index in another file"
+            ),
+            Error::ForeignPrefix { prefix, file } => write!(
+                f,
+                "this prefix was hashed with {prefix} but the index file uses {file}; make it with this index's `Warm::prefix`"
             ),
             Error::LegacyJson { path, detail } => write!(
                 f,

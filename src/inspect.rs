@@ -137,8 +137,8 @@ impl Snapshot {
             .get(META_KEY)
             .map_err(redb_err("reading the meta record"))?
             .ok_or_else(|| Error::UnknownFormat { detail: "no meta record".into() })?;
-        let mut meta: Meta = codec::decode("meta", bytes.value())?;
-        schema::check(&mut meta)?;
+        let meta: Meta = codec::decode("meta", bytes.value())?;
+        schema::check(&meta)?;
         let mut nodes = HashMap::new();
         for item in
             txn.open_table(NODES).map_err(redb_err("opening nodes"))?.iter().map_err(redb_err("reading nodes"))?

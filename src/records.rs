@@ -2,10 +2,12 @@
 
 use serde::{Deserialize, Serialize};
 
-/// Schema version this build writes. History: 1, the first redb format (pre-release builds only;
-/// refused, see `migrations/0002-segment-keys-and-generations`); 2, segment-local keys and
-/// generation lists. 0.1.7's JSON file is imported, not opened (`migrations/0001-from-0.1.7-json`).
-pub const SCHEMA_VERSION: u32 = 2;
+/// Schema version of the files this build creates. History: 1, the first redb format
+/// (pre-release builds only; refused, see `migrations/0002-segment-keys-and-generations`); 2
+/// (0.2.0), segment-local keys and generation lists; 3, the same tables with keys from the tree
+/// chain (`migrations/0003-tree-chain`; schema 2 files are still read and written as schema 2).
+/// 0.1.7's JSON file is imported, not opened (`migrations/0001-from-0.1.7-json`).
+pub const SCHEMA_VERSION: u32 = 3;
 
 /// The meta record: what the file is, and the counters that must survive a restart.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

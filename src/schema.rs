@@ -3,7 +3,7 @@
 
 use redb::{Database, ReadableTable, ReadableTableMetadata, TableHandle, WriteTransaction};
 
-use crate::chain::{BLOCK_TOKENS, HASH_SCHEME};
+use crate::chain::{BLOCK_TOKENS, Scheme};
 use crate::codec;
 use crate::error::{Error, Result, redb_err};
 use crate::records::{Meta, SCHEMA_VERSION};
@@ -32,31 +32,38 @@ pub(crate) fn read_meta(txn: &WriteTransaction) -> Result<Option<Meta>> {
     }
 }
 
-/// Checks `meta` is a format this build writes, upgrading an older schema it knows.
+/// Checks `meta` is a format this build writes, and returns the hash scheme of its keys.
+/// Schema 2 files (0.2.0) are read and written as they are, with their own chain: the tables are
+/// the same, only the keys are made differently (migrations/0003-tree-chain).
 ///
 /// # Errors
-/// [`Error::NewerSchema`] or [`Error::UnknownFormat`].
-pub(crate) fn check(meta: &mut Meta) -> Result<()> {
+/// [`Error::NewerSchema`], [`Error::RetiredSchema`] or [`Error::UnknownFormat`].
+pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     if meta.schema > SCHEMA_VERSION {
         return Err(Error::NewerSchema { found: meta.schema, supported: SCHEMA_VERSION });
     }
     if meta.schema == 0 {
         return Err(Error::UnknownFormat { detail: "schema version 0".into() });
     }
-    // Schema 1 (pre-release builds) keyed blocks by 16 bytes of their own hash; schema 2 keys
-    // need the hash of the segment's first block, which a stored key does not give back, so
-    // there is no upgrade step (migrations/0002-segment-keys-and-generations). A later schema
-    // adds its step here, one match arm per version, each taking the file one version up.
+    // Schema 1 (pre-release builds) keyed blocks by 16 bytes of their own hash; later keys need
+    // the hash of the segment's first block, which a stored key does not give back, so there is
+    // no upgrade step (migrations/0002-segment-keys-and-generations).
     if meta.schema == 1 {
         return Err(Error::RetiredSchema { found: 1 });
     }
-    if meta.hash_scheme != HASH_SCHEME {
-        return Err(Error::UnknownFormat { detail: format!("hash scheme {:?}", meta.hash_scheme) });
-    }
+    let scheme = match (meta.schema, Scheme::named(&meta.hash_scheme)) {
+        (2, Some(Scheme::KeyedChain)) => Scheme::KeyedChain,
+        (3, Some(Scheme::TreeChain)) => Scheme::TreeChain,
+        (schema, _) => {
+            return Err(Error::UnknownFormat {
+                detail: format!("schema {schema} with hash scheme {:?}", meta.hash_scheme),
+            });
+        }
+    };
     if meta.block_tokens as usize != BLOCK_TOKENS {
         return Err(Error::UnknownFormat { detail: format!("blocks of {} tokens", meta.block_tokens) });
     }
-    Ok(())
+    Ok(scheme)
 }
 
 /// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
@@ -65,8 +72,8 @@ pub(crate) fn check(meta: &mut Meta) -> Result<()> {
 pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<()> {
     let mut txn = db.begin_write().map_err(redb_err("starting the open"))?;
     let mut meta = match read_meta(&txn)? {
-        Some(mut meta) => {
-            check(&mut meta)?;
+        Some(meta) => {
+            check(&meta)?;
             if capacity.is_none_or(|c| c == meta.capacity) {
                 return txn.abort().map_err(redb_err("ending the open"));
             }

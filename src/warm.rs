@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use redb::{Database, ReadableDatabase};
 
 use crate::builder::Builder;
-use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, check_len, legacy_chain};
+use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
 use crate::error::{Error, Result, redb_err};
 use crate::front::{Front, MAX_BATCH_BLOCKS, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
 use crate::legacy::{self, ImportReport};
@@ -77,6 +77,8 @@ pub(crate) struct Inner {
     pub drained: Condvar,
     pub window: Duration,
     pub check: OpenCheck,
+    /// How the file's keys are made (from its meta record; fixed for its life).
+    pub scheme: Scheme,
     pub db: Database,
     pub sealer: Sealer,
 }
@@ -141,8 +143,11 @@ impl Warm {
         check: OpenCheck,
         path: Option<PathBuf>,
     ) -> Result<Warm> {
+        let scheme = Scheme::named(&state.meta.hash_scheme)
+            .ok_or_else(|| Error::UnknownFormat { detail: format!("hash scheme {:?}", state.meta.hash_scheme) })?;
         let front = Front::new(state.meta.clock, state.nodes.names.clone(), published(&state), snapshot(&db)?);
         let inner = Arc::new(Inner {
+            scheme,
             back: Mutex::new(state),
             front: Mutex::new(front),
             wake: Condvar::new(),
@@ -165,6 +170,14 @@ impl Warm {
         Ok(Warm { inner, flusher })
     }
 
+    /// A prefix must be hashed in this file's scheme: another scheme's keys would never match.
+    fn same_scheme(&self, prefix: &Prefix) -> Result<()> {
+        if prefix.scheme == self.inner.scheme || prefix.blocks.is_empty() {
+            return Ok(());
+        }
+        Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: self.inner.scheme.name() })
+    }
+
     fn front(&self) -> Result<MutexGuard<'_, Front>> {
         self.inner.front.lock().map_err(|_| Error::Poisoned)
     }
@@ -175,7 +188,7 @@ impl Warm {
     /// # Errors
     /// [`Error::Poisoned`] only.
     pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Result<Prefix> {
-        let mut prefix = Prefix::new(namespace, tokens);
+        let mut prefix = Prefix::in_scheme(self.inner.scheme, namespace, tokens);
         if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.front()?.published.legacy_entries > 0 {
             prefix.legacy = legacy_chain(namespace.model(), tokens);
         }
@@ -196,8 +209,10 @@ impl Warm {
     /// [`Warm::warmest`] for a prefix hashed by [`Warm::prefix`]: about log2(blocks) lookups.
     ///
     /// # Errors
+    /// [`Error::ForeignPrefix`] for a prefix hashed in another scheme than this file's;
     /// [`Error::Storage`] if the file cannot be read.
     pub fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        self.same_scheme(prefix)?;
         if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
             return Ok(None);
         }
@@ -241,6 +256,7 @@ impl Warm {
     /// As [`Warm::ran`].
     pub fn ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.same_scheme(prefix)?;
         if prefix.blocks.is_empty() {
             return Ok(());
         }

@@ -159,13 +159,17 @@ fn a_newer_or_unknown_format_is_refused_with_a_typed_error() -> Result<(), Error
     let warm = Warm::open(&path)?;
     warm.ran("m", &[3; 256], "a")?;
     warm.close()?;
-    set_schema(&path, 2, 3);
+    set_schema(&path, 3, 4);
     let err = Warm::open(&path).expect_err("a newer schema");
-    assert!(matches!(err, Error::NewerSchema { found: 3, supported: 2 }), "{err}");
+    assert!(matches!(err, Error::NewerSchema { found: 4, supported: 3 }), "{err}");
     assert!(err.to_string().contains("upgrade superfluid-warm"), "{err}");
     let err = superfluid_warm::Snapshot::open(&path).expect_err("readers refuse it too");
     assert!(matches!(err, Error::NewerSchema { .. }), "{err}");
-    set_schema(&path, 3, 2);
+    // Schema 2 names the 0.2.0 chain: a schema 2 record naming another is not a file we wrote.
+    set_schema(&path, 4, 2);
+    let err = Warm::open(&path).expect_err("schema 2 with the v3 chain");
+    assert!(matches!(err, Error::UnknownFormat { .. }), "{err}");
+    set_schema(&path, 2, 3);
     assert_eq!(Warm::open(&path)?.warmest("m", &[3; 256])?.map(|h| h.tokens), Some(256), "refusing changed nothing");
 
     // A redb file of another program, and a file that is not redb at all.
@@ -213,4 +217,76 @@ fn v1_prefixes(path: &Path) -> Vec<V1Entry> {
     let txn = db.begin_read().expect("read");
     let table = txn.open_table(V1).expect("the v1 table");
     table.iter().expect("iter").map(|e| e.map(|(k, v)| (k.value(), v.value())).expect("entry")).collect()
+}
+
+/// The prompts `migrations/0003-tree-chain/warm-v2.redb` was written with (see its NOTE.md):
+/// (tenant?, tokens, node), in order.
+fn v2_fixture_prompts() -> Vec<(bool, Vec<u32>, String)> {
+    let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake-conversation.jsonl");
+    let requests = superfluid_warm::trace::read(&trace).expect("the trace");
+    requests
+        .iter()
+        .take(40)
+        .enumerate()
+        .map(|(i, r)| {
+            let mut tokens = r.tokens();
+            tokens.truncate(64 * 20);
+            if i % 4 == 1 {
+                tokens.iter_mut().for_each(|t| *t %= 151_936);
+            }
+            (i % 5 == 2, tokens, format!("node-{}", i % 3))
+        })
+        .collect()
+}
+
+/// A schema 2 (0.2.0) file is opened and written as it is: its keys were made by the 0.2.0
+/// chain, which this build still computes for it. Every prompt answers as the 0.1.7 semantics
+/// say, a new `ran` is answered, and the file stays schema 2 across a reopen.
+#[test]
+fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/0003-tree-chain/warm-v2.redb");
+    let path = dir.path().join("warm-v2.redb");
+    std::fs::copy(&fixture, &path).expect("copy the fixture");
+    let prompts = v2_fixture_prompts();
+    let mut model = superfluid_warm::baseline::Baseline::in_memory(1 << 16);
+    let name = |tenant: bool| if tenant { "fixture-model/tenant-a" } else { "fixture-model" };
+    for (tenant, tokens, node) in &prompts {
+        model.ran(name(*tenant), tokens, node);
+    }
+    let shared = superfluid_warm::Namespace::new("fixture-model")?;
+    let tenant_a = superfluid_warm::Namespace::with_tenant("fixture-model", b"tenant-a")?;
+    let answers = |warm: &Warm, model: &superfluid_warm::baseline::Baseline| -> Result<usize, Error> {
+        let mut hits = 0;
+        for (tenant, tokens, _) in &prompts {
+            let prefix = warm.prefix(if *tenant { &tenant_a } else { &shared }, tokens)?;
+            let want =
+                model.warmest(name(*tenant), tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+            assert_eq!(warm.warmest_prefix(&prefix)?, want, "tenant {tenant}");
+            hits += usize::from(want.is_some());
+        }
+        Ok(hits)
+    };
+    {
+        let warm = Warm::open(&path)?;
+        assert_eq!(answers(&warm, &model)?, prompts.len(), "every prompt of the fixture answers");
+        // A new turn extends the first conversation on another node.
+        let mut next = prompts[0].1.clone();
+        next.extend((0..128u32).map(|t| t * 7 + 3));
+        warm.ran_prefix(&warm.prefix(&shared, &next)?, "node-new")?;
+        model.ran(name(false), &next, "node-new");
+        assert_eq!(warm.warmest("fixture-model", &next)?, Some(Hit { node: "node-new".into(), tokens: next.len() }));
+        // A prefix made outside this index, in the new files' scheme, is refused, not missed.
+        let foreign = superfluid_warm::Prefix::new(&shared, &next);
+        assert!(matches!(warm.warmest_prefix(&foreign), Err(Error::ForeignPrefix { .. })));
+        assert!(matches!(warm.ran_prefix(&foreign, "node-x"), Err(Error::ForeignPrefix { .. })));
+        warm.close()?;
+    }
+    let snapshot = superfluid_warm::Snapshot::open(&path)?;
+    let stats = snapshot.stats()?;
+    assert_eq!((stats.schema, stats.hash_scheme.as_str()), (2, "blake3-keyed-chain-seg16/v2"));
+    drop(snapshot);
+    let warm = Warm::open(&path)?;
+    assert_eq!(answers(&warm, &model)?, prompts.len());
+    Ok(())
 }

@@ -128,6 +128,8 @@ impl Builder {
             .redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages)
             .create(path)
             .map_err(|e| open_error(path, e))?;
+        // From here on the seal no longer describes the file: readers learn a head writes it.
+        seal::mark_open(path);
         self.start(db, legacy, check, Some(path))
     }
 

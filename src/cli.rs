@@ -223,7 +223,6 @@ fn dump(
     oldest_first: bool,
 ) -> Result<ExitCode, Error> {
     let snapshot = Snapshot::open(path)?;
-    verify_closed(&snapshot, path)?;
     // JSON lines stream out as they are read; the table needs every row for its widths.
     let mut rows: Vec<DumpEntry> = Vec::new();
     let mut shown = 0;
@@ -269,18 +268,8 @@ fn dump(
     emit(out, &text)
 }
 
-/// A file no head is writing is verified (by its seal, or page by page on a copy) before it is
-/// shown, so that a corrupted file is reported rather than listed wrongly.
-fn verify_closed(snapshot: &Snapshot, path: &Path) -> Result<(), Error> {
-    if snapshot.writer().is_none() && !superfluid_warm::verify_closed(path)? {
-        return Err(Error::Corrupted { detail: "it fails redb's page checksums".into() });
-    }
-    Ok(())
-}
-
 fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, Error> {
     let snapshot = Snapshot::open(path)?;
-    verify_closed(&snapshot, path)?;
     let s = snapshot.stats()?;
     if json {
         let per_node: serde_json::Map<String, serde_json::Value> =
@@ -328,33 +317,49 @@ fn check(out: &mut impl Write, path: &Path, json: bool, repair: bool) -> Result<
             let copy = recovered_copy(path)?;
             (Snapshot::open_even_if_crashed(&copy)?, Some(pid), Some(copy))
         }
+        // No head has it open and it fails verification: nothing of it is read.
+        Err(Error::Corrupted { detail }) => {
+            let text = format!("problem: {detail}\nredb integrity: CORRUPTED\nverdict: PROBLEMS FOUND");
+            let line = json!({"healthy": false, "entries": null, "clock_entries": null, "problems": [detail],
+                "integrity": false, "crashed_writer": false, "crashed_writer_pid": null});
+            emit(out, &if json { line.to_string() } else { text })?;
+            return Ok(ExitCode::from(UNHEALTHY));
+        }
         Err(e) => return Err(e),
     };
     let checked = copy.as_deref().unwrap_or(path);
-    let report = snapshot.check();
     // redb's own check writes (it repairs), so it runs on a copy, and only when no head is
-    // writing the file (a copy taken mid-commit would not be a state redb ever left).
+    // writing the file (a copy taken mid-commit would not be a state redb ever left). It runs
+    // first: the invariants walk every table, which redb may not survive on a corrupted file.
     let integrity = if snapshot.writer().is_none() || crashed.is_some() || copy.is_some() {
         integrity_check_copy(checked).map(Some)
     } else {
         Ok(None)
     };
+    let report = match integrity {
+        Ok(Some(false)) => None,
+        _ => Some(snapshot.check()),
+    };
     drop(snapshot);
     if let Some(copy) = &copy {
         let _ = std::fs::remove_file(copy);
     }
-    let (report, integrity) = (report?, integrity?);
-    let healthy = report.problems.is_empty() && integrity != Some(false);
+    let (report, integrity) = (report.transpose()?, integrity?);
+    let healthy = integrity != Some(false) && report.as_ref().is_some_and(|r| r.problems.is_empty());
     if json {
         let line = json!({
-            "healthy": healthy, "entries": report.entries, "clock_entries": report.clock_entries,
-            "problems": report.problems, "integrity": integrity, "crashed_writer": crashed.is_some(), "crashed_writer_pid": crashed.flatten(),
+            "healthy": healthy, "entries": report.as_ref().map(|r| r.entries),
+            "clock_entries": report.as_ref().map(|r| r.clock_entries),
+            "problems": report.as_ref().map_or(&[][..], |r| &r.problems[..]), "integrity": integrity,
+            "crashed_writer": crashed.is_some(), "crashed_writer_pid": crashed.flatten(),
         });
         emit(out, &line.to_string())?;
     } else {
-        let mut text =
-            format!("{} entries, {} listed live in their generation\n", report.entries, report.clock_entries);
-        for p in &report.problems {
+        let mut text = match &report {
+            Some(r) => format!("{} entries, {} listed live in their generation\n", r.entries, r.clock_entries),
+            None => "tables not walked: the file fails redb's page checksums\n".to_string(),
+        };
+        for p in report.iter().flat_map(|r| &r.problems) {
             text += &format!("problem: {p}\n");
         }
         text += match integrity {

@@ -12,7 +12,7 @@ use crate::codec;
 use crate::error::{Error, Result, redb_err};
 use crate::records::{Meta, NamespaceRecord, NodeRecord};
 use crate::schema;
-use crate::seal;
+use crate::seal::{self, Found};
 use crate::state::count;
 use crate::tables::{Entry, GENERATIONS, LIVE, META, META_KEY, NAMESPACES, NODES, PREFIXES, stored};
 
@@ -92,7 +92,8 @@ fn alive(pid: u32) -> bool {
 }
 
 impl Snapshot {
-    /// Opens `path` read-only at its last commit.
+    /// Opens `path` read-only at its last commit. A file no head has open is verified first, by
+    /// its seal or else by redb's full check on a copy (a read of the whole file).
     ///
     /// # Errors
     /// [`Error::CrashedWriter`] if the writer that had it open died without closing it (open it
@@ -118,6 +119,17 @@ impl Snapshot {
                 path: path.to_path_buf(),
                 source: std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here"),
             });
+        }
+        // A file no head is writing is verified before any of it is read (redb may not survive
+        // reading a corrupted file): by its seal, or by redb's check on a copy. A head's file is
+        // redb's own writes, verified when the head opened it.
+        let verified = match seal::found(path) {
+            Found::Sealed => true,
+            Found::Open(pid) if alive(pid) => true,
+            Found::Open(_) | Found::Unknown => check_copy(path)?,
+        };
+        if !verified {
+            return Err(Error::Corrupted { detail: "it fails redb's page checksums".into() });
         }
         let db: ReadOnlyDatabase = redb::Builder::new()
             .set_concurrency_mode(ConcurrencyMode::SingleWriter)
@@ -347,25 +359,21 @@ impl Snapshot {
     }
 }
 
-/// Whether the file at `path`, which no head is writing, is intact: by its seal when that matches
-/// (a digest of the whole file, see [`crate::Builder::check_integrity_on_open`]), otherwise by
-/// [`integrity_check_copy`]. Returns `Ok(false)` for a corrupted file.
-///
-/// # Errors
-/// As [`integrity_check_copy`].
-pub fn verify_closed(path: &Path) -> Result<bool> {
-    if seal::matches(path) {
-        return Ok(true);
-    }
-    integrity_check_copy(path)
-}
-
 /// Runs redb's full integrity check (every page checksum) on a copy of `path`, so that the file
 /// itself is never repaired or written. Returns `Ok(false)` for a corrupted file.
 ///
 /// # Errors
 /// [`Error::Io`] if the copy cannot be made; [`Error::Storage`].
 pub fn integrity_check_copy(path: &Path) -> Result<bool> {
+    match check_copy(path) {
+        Err(Error::UnknownFormat { .. }) => Ok(false),
+        verdict => verdict,
+    }
+}
+
+/// [`integrity_check_copy`], with a file redb does not recognise at all as
+/// [`Error::UnknownFormat`].
+fn check_copy(path: &Path) -> Result<bool> {
     let copy = std::env::temp_dir().join(format!("superfluid-warm-check-{}-{}.redb", std::process::id(), unique()));
     std::fs::copy(path, &copy).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
     let result = redb::Builder::new().set_check_integrity_on_open(true).open(&copy);
@@ -379,7 +387,7 @@ pub fn integrity_check_copy(path: &Path) -> Result<bool> {
         Err(redb::DatabaseError::Storage(redb::StorageError::Io(io)))
             if io.kind() == std::io::ErrorKind::InvalidData =>
         {
-            Ok(false)
+            Err(Error::UnknownFormat { detail: format!("{}: {io}", path.display()) })
         }
         Err(e) => Err(redb_err("checking integrity")(e)),
     };

@@ -44,9 +44,7 @@ pub use builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_CAPACITY, DEFAULT_SYNC_W
 pub use chain::{BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix};
 pub use compact::{Compacted, compact};
 pub use error::{Error, Result};
-pub use inspect::{
-    Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy, verify_closed,
-};
+pub use inspect::{Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy};
 pub use legacy::ImportReport;
 pub use records::SCHEMA_VERSION;
 pub use seal::seal_path;

@@ -1,5 +1,7 @@
 //! The seal: a blake3 digest of the whole file, written beside it (`<file>.seal`) after a clean
 //! close, so that the next open can trust the file without redb's page-by-page integrity check.
+//! While a head has the file open, the same side file names the head's process instead, so that
+//! readers know, without reading the index file, whether it is being written.
 //!
 //! Opening a file redb did not write (a flipped bit, a truncated copy) without that check can
 //! answer wrongly or panic inside redb, and the check reads every page through redb's cache (a
@@ -29,17 +31,41 @@ const MAX_THREADS: usize = 8;
 /// The seal format this build writes and reads.
 const SEAL_VERSION: u32 = 1;
 
-/// What a seal records of the file it was written for.
+/// The side file: a version, then what it says of the index file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct Seal {
+struct Record {
     /// [`SEAL_VERSION`].
     version: u32,
-    /// The file's length.
-    len: u64,
-    /// Its modification time, nanoseconds since the epoch (a quick refusal before hashing).
-    modified: u128,
-    /// [`digest`] of its bytes.
-    digest: [u8; 32],
+    state: State,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum State {
+    /// Closed cleanly: the file as its head left it.
+    Sealed {
+        /// The file's length.
+        len: u64,
+        /// Its modification time, nanoseconds since the epoch (a quick refusal before hashing).
+        modified: u128,
+        /// [`digest`] of its bytes.
+        digest: [u8; 32],
+    },
+    /// Open by the head whose process id this is (or was, if it crashed).
+    Open {
+        /// Its process id.
+        pid: u32,
+    },
+}
+
+/// What the side file of an index file tells a reader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Found {
+    /// Sealed, and the file is exactly what was sealed.
+    Sealed,
+    /// Marked open by this process id.
+    Open(u32),
+    /// Nothing to trust: no side file, an unreadable one, or a seal the file does not match.
+    Unknown,
 }
 
 /// Where the seal of the index file at `path` is kept: the same name with `.seal` appended.
@@ -51,24 +77,49 @@ pub fn seal_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Writes the seal of the file at `path`, which redb has just closed cleanly. Best effort: a
-/// seal that is not written costs the next open a full check.
-pub(crate) fn write(path: &Path) -> std::io::Result<()> {
-    let (len, modified) = stat(path)?;
-    let seal = Seal { version: SEAL_VERSION, len, modified, digest: digest(path, len)? };
-    let bytes = codec::encode("seal", &seal).map_err(std::io::Error::other)?;
+fn put(path: &Path, state: State) -> std::io::Result<()> {
+    let bytes = codec::encode("seal", &Record { version: SEAL_VERSION, state }).map_err(std::io::Error::other)?;
     std::fs::write(seal_path(path), bytes)
+}
+
+/// Writes the seal of the file at `path`, which redb has just closed cleanly. Best effort: a
+/// seal that is not written costs the next open a full check (and the side file is removed, so
+/// that it does not go on naming a head that is gone).
+pub(crate) fn write(path: &Path) -> std::io::Result<()> {
+    let sealed = stat(path).and_then(|(len, modified)| {
+        let digest = digest(path, len)?;
+        put(path, State::Sealed { len, modified, digest })
+    });
+    if sealed.is_err() {
+        let _ = std::fs::remove_file(seal_path(path));
+    }
+    sealed
+}
+
+/// Marks the file at `path` open by this process (a head opened it). Best effort: without the
+/// mark, readers verify the file before reading it, as they do a closed one.
+pub(crate) fn mark_open(path: &Path) {
+    let _ = put(path, State::Open { pid: std::process::id() });
+}
+
+/// What the side file of `path` says, the seal checked against the file.
+pub(crate) fn found(path: &Path) -> Found {
+    let Ok(bytes) = std::fs::read(seal_path(path)) else { return Found::Unknown };
+    let Ok(record) = codec::decode::<Record>("seal", &bytes) else { return Found::Unknown };
+    match record.state {
+        _ if record.version != SEAL_VERSION => Found::Unknown,
+        State::Open { pid } => Found::Open(pid),
+        State::Sealed { len, modified, digest: sealed } => {
+            let same = stat(path).ok() == Some((len, modified)) && digest(path, len).is_ok_and(|d| d == sealed);
+            if same { Found::Sealed } else { Found::Unknown }
+        }
+    }
 }
 
 /// Whether the file at `path` is exactly the file its seal was written for. Any doubt (no seal,
 /// an unreadable one, a different length or time, a different digest) is `false`.
 pub(crate) fn matches(path: &Path) -> bool {
-    let Ok(bytes) = std::fs::read(seal_path(path)) else { return false };
-    let Ok(seal) = codec::decode::<Seal>("seal", &bytes) else { return false };
-    if seal.version != SEAL_VERSION || stat(path).ok() != Some((seal.len, seal.modified)) {
-        return false;
-    }
-    digest(path, seal.len).is_ok_and(|d| d == seal.digest)
+    found(path) == Found::Sealed
 }
 
 fn stat(path: &Path) -> std::io::Result<(u64, u128)> {
@@ -182,5 +233,12 @@ mod tests {
         // A seal of a garbled or truncated record is refused, not trusted.
         std::fs::write(seal_path(&path), b"\x01\x02").expect("garble");
         assert!(!matches(&path));
+        assert_eq!(found(&path), Found::Unknown);
+        // Marked open: readers learn the head's process, and an open never trusts it as a seal.
+        mark_open(&path);
+        assert_eq!(found(&path), Found::Open(std::process::id()));
+        assert!(!matches(&path));
+        write(&path).expect("seal");
+        assert_eq!(found(&path), Found::Sealed);
     }
 }

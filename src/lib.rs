@@ -21,6 +21,7 @@
 
 mod builder;
 mod chain;
+mod checksum;
 mod codec;
 mod compact;
 mod error;

@@ -155,7 +155,8 @@ impl Warm {
             window,
             check,
             db,
-            sealer: Sealer { path, clean: AtomicBool::new(false) },
+            // Only a file verified at open may be sealed: a seal vouches for every byte.
+            sealer: Sealer { path: path.filter(|_| check != OpenCheck::Skipped), clean: AtomicBool::new(false) },
         });
         let flusher = if window.is_zero() {
             None

@@ -128,9 +128,11 @@ impl Builder {
             .redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages)
             .create(path)
             .map_err(|e| open_error(path, e))?;
-        // From here on the seal no longer describes the file: readers learn a head writes it.
+        let warm = self.start(db, legacy, check, Some(path))?;
+        // The seal no longer describes the file: readers learn a head writes it. Only now, so
+        // that a refused file (a newer schema, say) keeps its side file as it was.
         seal::mark_open(path);
-        self.start(db, legacy, check, Some(path))
+        Ok(warm)
     }
 
     /// Opens the index on a custom redb storage backend (for fault injection and in-memory use),

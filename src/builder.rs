@@ -158,7 +158,7 @@ impl Builder {
         check: OpenCheck,
         path: Option<&Path>,
     ) -> Result<Warm> {
-        schema::prepare(&db, self.capacity)?;
+        let scheme = schema::prepare(&db, self.capacity)?;
         let mut state = State::load(&db)?;
         if let Err(e) = state.evict(&db) {
             return Err(state.lose(&db, e).error);
@@ -168,7 +168,7 @@ impl Builder {
             state.import(&db, file)?;
             state.commit(&db, false).map_err(|lost| lost.error)?;
         }
-        Warm::start(db, state, self.sync_window, check, path.map(Path::to_path_buf))
+        Warm::start(db, state, self.sync_window, check, scheme, path.map(Path::to_path_buf))
     }
 }
 

@@ -68,20 +68,21 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
 
 /// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
 /// checks an old one and records `capacity` if one was given and differs. Otherwise an old file
-/// is only read (no commit: opening is cheap).
-pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<()> {
+/// is only read (no commit: opening is cheap). Returns the hash scheme of the file's keys.
+pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Scheme> {
     let mut txn = db.begin_write().map_err(redb_err("starting the open"))?;
-    let mut meta = match read_meta(&txn)? {
+    let (mut meta, scheme) = match read_meta(&txn)? {
         Some(meta) => {
-            check(&meta)?;
+            let scheme = check(&meta)?;
             if capacity.is_none_or(|c| c == meta.capacity) {
-                return txn.abort().map_err(redb_err("ending the open"));
+                txn.abort().map_err(redb_err("ending the open"))?;
+                return Ok(scheme);
             }
-            meta
+            (meta, scheme)
         }
         None => {
             for_each_table(&txn)?;
-            empty_meta()
+            (empty_meta(), Scheme::TreeChain)
         }
     };
     meta.capacity = capacity.unwrap_or(crate::builder::DEFAULT_CAPACITY);
@@ -90,7 +91,8 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<()> {
         .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
         .map_err(redb_err("writing the meta record"))?;
     txn.set_durability(redb::Durability::Immediate).map_err(redb_err("setting durability"))?;
-    txn.commit().map_err(redb_err("committing the open"))
+    txn.commit().map_err(redb_err("committing the open"))?;
+    Ok(scheme)
 }
 
 /// Opens (so creates) every table, so that readers find them all.

@@ -141,10 +141,9 @@ impl Warm {
         state: State,
         window: Duration,
         check: OpenCheck,
+        scheme: Scheme,
         path: Option<PathBuf>,
     ) -> Result<Warm> {
-        let scheme = Scheme::named(&state.meta.hash_scheme)
-            .ok_or_else(|| Error::UnknownFormat { detail: format!("hash scheme {:?}", state.meta.hash_scheme) })?;
         let front = Front::new(state.meta.clock, state.nodes.names.clone(), published(&state), snapshot(&db)?);
         let inner = Arc::new(Inner {
             scheme,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
 use superfluid_warm::replay::{self, Config, Policy, Report, Timing};
-use superfluid_warm::{DumpEntry, Error, Snapshot, Warm, hex, integrity_check_copy, recovered_copy, trace};
+use superfluid_warm::{Check, DumpEntry, Error, Snapshot, Warm, hex, integrity_check_copy, recovered_copy, trace};
 
 #[derive(Parser)]
 #[command(name = "superfluid-warm", version, about = "Which node last ran each prompt prefix: inspect, import, replay")]
@@ -318,20 +318,17 @@ fn check(out: &mut impl Write, path: &Path, json: bool, repair: bool) -> Result<
             (Snapshot::open_even_if_crashed(&copy)?, Some(pid), Some(copy))
         }
         // No head has it open and it fails verification: nothing of it is read.
-        Err(Error::Corrupted { detail }) => {
-            let text = format!("problem: {detail}\nredb integrity: CORRUPTED\nverdict: PROBLEMS FOUND");
-            let line = json!({"healthy": false, "entries": null, "clock_entries": null, "problems": [detail],
-                "integrity": false, "crashed_writer": false, "crashed_writer_pid": null});
-            emit(out, &if json { line.to_string() } else { text })?;
-            return Ok(ExitCode::from(UNHEALTHY));
-        }
+        Err(Error::Corrupted { .. }) => return report_check(out, json, None, Some(false), None),
         Err(e) => return Err(e),
     };
     let checked = copy.as_deref().unwrap_or(path);
     // redb's own check writes (it repairs), so it runs on a copy, and only when no head is
     // writing the file (a copy taken mid-commit would not be a state redb ever left). It runs
     // first: the invariants walk every table, which redb may not survive on a corrupted file.
-    let integrity = if snapshot.writer().is_none() || crashed.is_some() || copy.is_some() {
+    // Opening the snapshot may have run it already.
+    let integrity = if snapshot.pages_verified() {
+        Ok(Some(true))
+    } else if snapshot.writer().is_none() || crashed.is_some() || copy.is_some() {
         integrity_check_copy(checked).map(Some)
     } else {
         Ok(None)
@@ -345,17 +342,29 @@ fn check(out: &mut impl Write, path: &Path, json: bool, repair: bool) -> Result<
         let _ = std::fs::remove_file(copy);
     }
     let (report, integrity) = (report.transpose()?, integrity?);
-    let healthy = integrity != Some(false) && report.as_ref().is_some_and(|r| r.problems.is_empty());
+    report_check(out, json, report.as_ref(), integrity, crashed)
+}
+
+/// Prints what `check` found: the invariants (`None`: the tables were not walked), redb's
+/// integrity (`None`: not checked) and whether a crashed writer left the file.
+fn report_check(
+    out: &mut impl Write,
+    json: bool,
+    report: Option<&Check>,
+    integrity: Option<bool>,
+    crashed: Option<Option<u32>>,
+) -> Result<ExitCode, Error> {
+    let healthy = integrity != Some(false) && report.is_some_and(|r| r.problems.is_empty());
     if json {
         let line = json!({
-            "healthy": healthy, "entries": report.as_ref().map(|r| r.entries),
-            "clock_entries": report.as_ref().map(|r| r.clock_entries),
-            "problems": report.as_ref().map_or(&[][..], |r| &r.problems[..]), "integrity": integrity,
+            "healthy": healthy, "entries": report.map(|r| r.entries),
+            "clock_entries": report.map(|r| r.clock_entries),
+            "problems": report.map_or(&[][..], |r| &r.problems[..]), "integrity": integrity,
             "crashed_writer": crashed.is_some(), "crashed_writer_pid": crashed.flatten(),
         });
         emit(out, &line.to_string())?;
     } else {
-        let mut text = match &report {
+        let mut text = match report {
             Some(r) => format!("{} entries, {} listed live in their generation\n", r.entries, r.clock_entries),
             None => "tables not walked: the file fails redb's page checksums\n".to_string(),
         };

@@ -78,6 +78,8 @@ pub struct Snapshot {
     meta: Meta,
     nodes: HashMap<u32, String>,
     namespaces: HashMap<u32, NamespaceRecord>,
+    /// Whether opening it ran redb's full check (on a copy), and it passed.
+    pages_verified: bool,
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -123,10 +125,13 @@ impl Snapshot {
         // A file no head is writing is verified before any of it is read (redb may not survive
         // reading a corrupted file): by its seal, or by redb's check on a copy. A head's file is
         // redb's own writes, verified when the head opened it.
-        let verified = match seal::found(path) {
-            Found::Sealed => true,
-            Found::Open(pid) if alive(pid) => true,
-            Found::Open(_) | Found::Unknown => check_copy(path)?,
+        let (verified, pages_verified) = match seal::found(path) {
+            Found::Sealed => (true, false),
+            Found::Open(pid) if alive(pid) => (true, false),
+            Found::Open(_) | Found::Unknown => {
+                let passed = check_copy(path)?;
+                (passed, passed)
+            }
         };
         if !verified {
             return Err(Error::Corrupted { detail: "it fails redb's page checksums".into() });
@@ -166,7 +171,13 @@ impl Snapshot {
             namespaces.insert(id.value(), codec::decode("namespace", bytes.value())?);
         }
         drop(meta_table);
-        Ok(Snapshot { path: path.to_path_buf(), txn, meta, nodes, namespaces })
+        Ok(Snapshot { path: path.to_path_buf(), txn, meta, nodes, namespaces, pages_verified })
+    }
+
+    /// Whether opening it ran redb's full integrity check (on a copy of the file, which passed):
+    /// the file had no matching seal and no live head.
+    pub fn pages_verified(&self) -> bool {
+        self.pages_verified
     }
 
     /// Process id of the writer that has (or had, if it crashed) the file open.

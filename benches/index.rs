@@ -8,9 +8,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group};
-use superfluid_warm::baseline::{Baseline, MAX_0_1_7};
-use superfluid_warm::replay::node_name;
-use superfluid_warm::{Namespace, Warm, trace};
+use superfluid_warm::tools::baseline::{Baseline, MAX_0_1_7};
+use superfluid_warm::tools::replay::node_name;
+use superfluid_warm::tools::trace;
+use superfluid_warm::{Namespace, Warm};
 
 const MODEL: &str = "mooncake-conversation";
 

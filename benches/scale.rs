@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use superfluid_warm::baseline::Baseline;
-use superfluid_warm::replay::node_name;
+use superfluid_warm::tools::baseline::Baseline;
+use superfluid_warm::tools::replay::{Timing, node_name};
 use superfluid_warm::{Namespace, OpenCheck, Warm};
 
 const MODEL: &str = "bench";
@@ -66,14 +66,8 @@ fn rss() -> (f64, f64) {
     (field("VmRSS:"), field("VmHWM:"))
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort_unstable();
-    v[v.len() / 2]
-}
-
-fn pct(v: &mut [Duration], q: f64) -> Duration {
-    v.sort_unstable();
-    v[((v.len() - 1) as f64 * q).round() as usize]
+fn median(v: &[Duration]) -> Duration {
+    Timing::of(v).p50
 }
 
 fn ms(d: Duration) -> String {
@@ -108,7 +102,7 @@ fn open_and_durable(label: &str, entries: u64) {
         theirs.push(t.elapsed());
     }
     let their_bytes = (written() - before) / 5;
-    let (ours, theirs) = (median(ours), median(theirs));
+    let (ours, theirs) = (median(&ours), median(&theirs));
     println!(
         "{label}: durable point {} and {} KiB written vs 0.1.7 save {} and {} KiB: {:.1}x cheaper in time, {:.1}x in bytes",
         ms(ours),
@@ -123,7 +117,7 @@ fn open_and_durable(label: &str, entries: u64) {
     // Open only (the close, and the seal it writes, are not timed): what a restarted head waits.
     let open_with = |builder: &superfluid_warm::Builder, unseal: bool, expect: OpenCheck| {
         median(
-            (0..7)
+            &(0..7)
                 .map(|_| {
                     if unseal {
                         let _ = std::fs::remove_file(superfluid_warm::seal_path(&path));
@@ -135,14 +129,16 @@ fn open_and_durable(label: &str, entries: u64) {
                     warm.close().expect("close");
                     took
                 })
-                .collect(),
+                .collect::<Vec<_>>(),
         )
     };
     let sealed = open_with(&Warm::builder(), false, OpenCheck::Seal);
     let pages = open_with(&Warm::builder(), true, OpenCheck::Pages);
     let unchecked = open_with(Warm::builder().check_integrity_on_open(false), true, OpenCheck::Skipped);
     let load = median(
-        (0..3).map(|_| timed(|| drop(black_box(Baseline::kept_in(json.clone(), entries as usize + 1))))).collect(),
+        &(0..3)
+            .map(|_| timed(|| drop(black_box(Baseline::kept_in(json.clone(), entries as usize + 1)))))
+            .collect::<Vec<_>>(),
     );
     let ratio = |d: Duration| d.as_secs_f64() / load.as_secs_f64();
     println!(
@@ -233,7 +229,7 @@ fn answer_child(path: &Path, entries: u64) {
     let mut times = Vec::new();
     let mut hits = 0;
     for _ in 0..20_000 {
-        state = superfluid_warm::trace::splitmix64(state);
+        state = superfluid_warm::tools::trace::splitmix64(state);
         let i = (state % u64::from(n)) as u32;
         let p = warm.prefix(&ns, &prompt(i)).expect("prefix");
         let t = Instant::now();
@@ -244,8 +240,8 @@ fn answer_child(path: &Path, entries: u64) {
     println!(
         "10M: open {}; warmest of a {BLOCKS}-block prompt p50 {:.1} us p99 {:.1} us ({hits}/20000 hits); resident {now:.0} MiB (peak {peak:.0} MiB)",
         ms(open),
-        pct(&mut times, 0.5).as_secs_f64() * 1e6,
-        pct(&mut times, 0.99).as_secs_f64() * 1e6
+        Timing::of(&times).p50.as_secs_f64() * 1e6,
+        Timing::of(&times).p99.as_secs_f64() * 1e6
     );
 }
 
@@ -284,14 +280,14 @@ fn threads() {
         handles.into_iter().flat_map(|h| h.join().expect("thread")).collect()
     });
     let wall = t.elapsed();
-    let mut lat = latencies;
+    let lat = latencies;
     let rans = 4 * per_thread;
     println!(
         "4 threads: {rans} rans (incl. warmest) in {:.2} s = {:.0} rans/s with group commit; sync latency p50 {} p99 {}",
         wall.as_secs_f64(),
         f64::from(rans) / wall.as_secs_f64(),
-        ms(pct(&mut lat, 0.5)),
-        ms(pct(&mut lat, 0.99))
+        ms(Timing::of(&lat).p50),
+        ms(Timing::of(&lat).p99)
     );
     let t = Instant::now();
     for i in 0..400u32 {

@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand};
 use serde_json::json;
-use superfluid_warm::replay::{self, Config, Policy, Report, Timing};
-use superfluid_warm::{Check, DumpEntry, Error, Snapshot, Warm, hex, integrity_check_copy, recovered_copy, trace};
+use superfluid_warm::tools::replay::{self, Config, Policy, Report, Timing};
+use superfluid_warm::tools::trace::{self, TraceError};
+use superfluid_warm::{DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
 
 #[derive(Parser)]
 #[command(name = "superfluid-warm", version, about = "Which node last ran each prompt prefix: inspect, import, replay")]
@@ -20,22 +21,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Every entry, newest first; reads the file live while a head writes it.
-    Dump {
-        /// The index file.
-        path: PathBuf,
-        /// One JSON object a line.
-        #[arg(long)]
-        json: bool,
-        /// Only entries of this node.
-        #[arg(long)]
-        node: Option<String>,
-        /// At most this many entries.
-        #[arg(long)]
-        limit: Option<usize>,
-        /// Oldest first.
-        #[arg(long)]
-        oldest_first: bool,
-    },
+    Dump(DumpArgs),
     /// Entries, per-node counts, clock range, capacity used, file size, schema.
     Stats {
         /// The index file.
@@ -52,7 +38,7 @@ enum Command {
         /// As one JSON object.
         #[arg(long)]
         json: bool,
-        /// Recover a file left by a crashed head (opens it as a writer, which repairs it).
+        /// Recover a file left by a crashed head first (opens it as a head, which repairs it).
         #[arg(long)]
         repair: bool,
     },
@@ -65,70 +51,124 @@ enum Command {
     Import {
         /// The 0.1.7 file.
         old: PathBuf,
-        /// The index file (created if absent).
+        /// The index file (created if absent; a failed import into a new file leaves none).
         path: PathBuf,
     },
     /// Replays a conversation workload through the index and reports what routing found.
-    Replay {
-        /// A Mooncake JSONL trace; without it, a built-in synthetic conversation workload.
-        #[arg(long)]
-        trace: Option<PathBuf>,
-        /// Only the first N requests.
-        #[arg(long)]
-        requests: Option<usize>,
-        /// Nodes in the cluster.
-        #[arg(long, default_value_t = 8)]
-        nodes: usize,
-        /// Routing policy.
-        #[arg(long, value_enum, default_value_t = PolicyArg::Balanced)]
-        policy: PolicyArg,
-        /// Load window, in requests.
-        #[arg(long, default_value_t = 256)]
-        window: usize,
-        /// Share of the prompt the warm prefix must cover (balanced).
-        #[arg(long, default_value_t = 0.5)]
-        min_share: f64,
-        /// Tokens of load difference that count as imbalance (balanced).
-        #[arg(long, default_value_t = Config::default().balance_abs)]
-        balance_abs: u64,
-        /// Keep the index in this file (default: a temporary file, removed after).
-        #[arg(long)]
-        db: Option<PathBuf>,
-        /// Index capacity in blocks.
-        #[arg(long)]
-        capacity: Option<u64>,
-        /// Skip the 0.1.7 baseline.
-        #[arg(long)]
-        no_baseline: bool,
-        /// Map tokens into a vocabulary of this size (e.g. 151936), as a tokenizer's ids are.
-        #[arg(long)]
-        vocab: Option<u32>,
-        /// As one JSON object.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Test support: runs `ran`s in a loop, printing `durable N` after each sync returns.
-    #[command(hide = true)]
-    TortureWriter {
-        /// The index file.
-        #[arg(long)]
-        db: PathBuf,
-        /// Seed of the workload.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// Index capacity (small, to exercise eviction).
-        #[arg(long, default_value_t = 4096)]
-        capacity: u64,
-        /// Stop after this many rans (0: never).
-        #[arg(long, default_value_t = 0)]
-        rans: u64,
-    },
+    Replay(ReplayArgs),
 }
 
-#[derive(Clone, Copy, ValueEnum)]
-enum PolicyArg {
-    Balanced,
-    Warmest,
+#[derive(Args)]
+struct DumpArgs {
+    /// The index file.
+    path: PathBuf,
+    /// One JSON object a line.
+    #[arg(long)]
+    json: bool,
+    /// Only entries of this node.
+    #[arg(long)]
+    node: Option<String>,
+    /// At most this many entries.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Oldest first.
+    #[arg(long)]
+    oldest_first: bool,
+}
+
+#[derive(Args)]
+struct ReplayArgs {
+    /// A Mooncake JSONL trace; without it, a built-in synthetic conversation workload.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Only the first N requests.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Nodes in the cluster (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    nodes: u32,
+    /// Routing policy.
+    #[arg(long, value_enum, default_value_t = Policy::Balanced)]
+    policy: Policy,
+    /// Load window, in requests.
+    #[arg(long, default_value_t = Config::default().window)]
+    window: usize,
+    /// Share of the prompt the warm prefix must cover (balanced).
+    #[arg(long, default_value_t = Config::default().min_share)]
+    min_share: f64,
+    /// Tokens of load difference that count as imbalance (balanced).
+    #[arg(long, default_value_t = Config::default().balance_abs)]
+    balance_abs: u64,
+    /// Keep the index in this file (default: a temporary file, removed after).
+    #[arg(long)]
+    db: Option<PathBuf>,
+    /// Index capacity in blocks.
+    #[arg(long)]
+    capacity: Option<u64>,
+    /// Skip the 0.1.7 baseline.
+    #[arg(long)]
+    no_baseline: bool,
+    /// Map tokens into a vocabulary of this size (e.g. 151936), as a tokenizer's ids are.
+    #[arg(long)]
+    vocab: Option<u32>,
+    /// As one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+impl ReplayArgs {
+    fn config(&self) -> Config {
+        Config {
+            nodes: self.nodes as usize,
+            policy: self.policy,
+            window: self.window,
+            min_share: self.min_share,
+            balance_abs: self.balance_abs,
+            baseline: !self.no_baseline,
+            vocab: self.vocab,
+            ..Config::default()
+        }
+    }
+}
+
+/// What can stop a command: the index's errors, a trace's, or the output going away.
+#[derive(Debug)]
+enum CliError {
+    Index(Error),
+    Trace(TraceError),
+    Output(std::io::Error),
+    TempDir(std::io::Error),
+}
+
+impl From<Error> for CliError {
+    fn from(e: Error) -> Self {
+        CliError::Index(e)
+    }
+}
+
+impl From<TraceError> for CliError {
+    fn from(e: TraceError) -> Self {
+        CliError::Trace(e)
+    }
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CliError::Index(Error::AlreadyOpen { path }) => write!(
+                f,
+                "{} is open in a running head; stop it first, or read it live with `dump`, `stats` or `check`",
+                path.display()
+            ),
+            CliError::Index(e @ Error::CrashedWriter { .. }) => {
+                write!(f, "{e}: run `superfluid-warm check --repair` on it, or open it with the head")
+            }
+            CliError::Index(e) => write!(f, "{e}"),
+            CliError::Trace(e) => write!(f, "{e}"),
+            CliError::Output(e) => write!(f, "writing the output: {e}"),
+            CliError::TempDir(e) => write!(f, "cannot make a temporary directory for the index: {e}; pass --db PATH"),
+        }
+    }
 }
 
 /// Exit code of `check` when it finds a problem.
@@ -145,83 +185,73 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command) -> Result<ExitCode, Error> {
+fn run(command: Command) -> Result<ExitCode, CliError> {
     let out = &mut std::io::stdout().lock();
     match command {
-        Command::Dump { path, json, node, limit, oldest_first } => dump(out, &path, json, node, limit, oldest_first),
+        Command::Dump(args) => dump(out, &args),
         Command::Stats { path, json } => stats(out, &path, json),
-        Command::Check { path, json, repair } => check(out, &path, json, repair),
+        Command::Check { path, json, repair } => {
+            if repair {
+                Warm::open(&path)?.close()?;
+            }
+            report_check(out, json, &check_file(&path)?)
+        }
         Command::Compact { path } => {
             let done = superfluid_warm::compact(&path)?;
             emit(out, &format!("compacted {}: {} -> {} bytes", path.display(), done.bytes_before, done.bytes_after))
         }
-        Command::Import { old, path } => {
-            let warm = Warm::open(&path)?;
-            let report = warm.import_json(&old)?;
-            warm.close()?;
-            let line = if report.already_imported {
-                format!("{} was imported before: nothing to do", old.display())
-            } else {
-                format!(
-                    "imported {} of {} entries from {} ({} evicted to stay in capacity)",
-                    report.imported,
-                    report.in_file,
-                    old.display(),
-                    report.evicted
-                )
-            };
-            emit(out, &line)
-        }
-        Command::Replay {
-            trace,
-            requests,
-            nodes,
-            policy,
-            window,
-            min_share,
-            balance_abs,
-            db,
-            capacity,
-            no_baseline,
-            vocab,
-            json,
-        } => {
-            let config = Config {
-                nodes,
-                policy: match policy {
-                    PolicyArg::Balanced => Policy::Balanced,
-                    PolicyArg::Warmest => Policy::Warmest,
-                },
-                window,
-                min_share,
-                balance_abs,
-                baseline: !no_baseline,
-                vocab,
-                ..Config::default()
-            };
-            replay_cmd(out, trace.as_deref(), requests, &config, db, capacity, json)
-        }
-        Command::TortureWriter { db, seed, capacity, rans } => torture_writer(out, &db, seed, capacity, rans),
+        Command::Import { old, path } => import(out, &old, &path),
+        Command::Replay(args) => replay_cmd(out, &args),
     }
 }
 
-fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, Error> {
-    writeln!(out, "{text}").map_err(stdout_error)?;
+fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, CliError> {
+    writeln!(out, "{text}").map_err(CliError::Output)?;
     Ok(ExitCode::SUCCESS)
 }
 
-fn stdout_error(source: std::io::Error) -> Error {
-    Error::Io { path: "<stdout>".into(), source }
+/// Lower-case hex of a key.
+fn hex(key: &[u8]) -> String {
+    key.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn dump(
-    out: &mut impl Write,
-    path: &Path,
-    json: bool,
-    node: Option<String>,
-    limit: Option<usize>,
-    oldest_first: bool,
-) -> Result<ExitCode, Error> {
+fn import(out: &mut impl Write, old: &Path, path: &Path) -> Result<ExitCode, CliError> {
+    let existed = path.exists();
+    let imported = Warm::open(path).and_then(|warm| {
+        let report = warm.import_json(old);
+        // Closed either way; the import's error is the one that matters.
+        let closed = warm.close();
+        let report = report?;
+        closed.map(|()| report)
+    });
+    let report = match imported {
+        Ok(report) => report,
+        Err(e) => {
+            if !existed {
+                // A failed import into a new file leaves nothing behind.
+                let _ = std::fs::remove_file(path);
+                let _ = std::fs::remove_file(seal_path(path));
+            }
+            return Err(e.into());
+        }
+    };
+    let line = if report.already_imported {
+        format!("{} was imported before: nothing to do", old.display())
+    } else {
+        format!(
+            "imported {} of {} entries from {} ({} evicted to stay in capacity)",
+            report.imported,
+            report.in_file,
+            old.display(),
+            report.evicted
+        )
+    };
+    emit(out, &line)
+}
+
+fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
+    let DumpArgs { path, json, node, limit, oldest_first } = args;
+    let (json, oldest_first) = (*json, *oldest_first);
     let snapshot = Snapshot::open(path)?;
     // JSON lines stream out as they are read; the table needs every row for its widths.
     let mut rows: Vec<DumpEntry> = Vec::new();
@@ -248,7 +278,7 @@ fn dump(
         shown < limit
     })?;
     if let Some(err) = failed {
-        return Err(stdout_error(err));
+        return Err(CliError::Output(err));
     }
     if json {
         return Ok(ExitCode::SUCCESS);
@@ -268,7 +298,7 @@ fn dump(
     emit(out, &text)
 }
 
-fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, Error> {
+fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliError> {
     let snapshot = Snapshot::open(path)?;
     let s = snapshot.stats()?;
     if json {
@@ -303,64 +333,16 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, Erro
     emit(out, &text)
 }
 
-fn check(out: &mut impl Write, path: &Path, json: bool, repair: bool) -> Result<ExitCode, Error> {
-    if repair {
-        Warm::open(path)?.close()?;
-    }
-    // A file left by a crashed head is checked as the head would find it: on a recovered copy.
-    let (snapshot, crashed, copy) = match Snapshot::open_even_if_crashed(path) {
-        Ok(snapshot) => {
-            let crashed = snapshot.crashed_writer();
-            (snapshot, crashed.map(Some), None)
-        }
-        Err(Error::CrashedWriter { pid }) => {
-            let copy = recovered_copy(path)?;
-            (Snapshot::open_even_if_crashed(&copy)?, Some(pid), Some(copy))
-        }
-        // No head has it open and it fails verification: nothing of it is read.
-        Err(Error::Corrupted { .. }) => return report_check(out, json, None, Some(false), None),
-        Err(e) => return Err(e),
-    };
-    let checked = copy.as_deref().unwrap_or(path);
-    // redb's own check writes (it repairs), so it runs on a copy, and only when no head is
-    // writing the file (a copy taken mid-commit would not be a state redb ever left). It runs
-    // first: the invariants walk every table, which redb may not survive on a corrupted file.
-    // Opening the snapshot may have run it already.
-    let integrity = if snapshot.pages_verified() {
-        Ok(Some(true))
-    } else if snapshot.writer().is_none() || crashed.is_some() || copy.is_some() {
-        integrity_check_copy(checked).map(Some)
-    } else {
-        Ok(None)
-    };
-    let report = match integrity {
-        Ok(Some(false)) => None,
-        _ => Some(snapshot.check()),
-    };
-    drop(snapshot);
-    if let Some(copy) = &copy {
-        let _ = std::fs::remove_file(copy);
-    }
-    let (report, integrity) = (report.transpose()?, integrity?);
-    report_check(out, json, report.as_ref(), integrity, crashed)
-}
-
-/// Prints what `check` found: the invariants (`None`: the tables were not walked), redb's
-/// integrity (`None`: not checked) and whether a crashed writer left the file.
-fn report_check(
-    out: &mut impl Write,
-    json: bool,
-    report: Option<&Check>,
-    integrity: Option<bool>,
-    crashed: Option<Option<u32>>,
-) -> Result<ExitCode, Error> {
-    let healthy = integrity != Some(false) && report.is_some_and(|r| r.problems.is_empty());
+/// Prints what `check` found, and exits 0 when healthy, [`UNHEALTHY`] otherwise.
+fn report_check(out: &mut impl Write, json: bool, found: &FileCheck) -> Result<ExitCode, CliError> {
+    let healthy = found.healthy();
+    let report = found.invariants.as_ref();
     if json {
         let line = json!({
             "healthy": healthy, "entries": report.map(|r| r.entries),
             "clock_entries": report.map(|r| r.clock_entries),
-            "problems": report.map_or(&[][..], |r| &r.problems[..]), "integrity": integrity,
-            "crashed_writer": crashed.is_some(), "crashed_writer_pid": crashed.flatten(),
+            "problems": report.map_or(&[][..], |r| &r.problems[..]), "integrity": found.integrity,
+            "crashed_writer": found.crashed_writer.is_some(), "crashed_writer_pid": found.crashed_writer.flatten(),
         });
         emit(out, &line.to_string())?;
     } else {
@@ -371,12 +353,12 @@ fn report_check(
         for p in report.iter().flat_map(|r| &r.problems) {
             text += &format!("problem: {p}\n");
         }
-        text += match integrity {
+        text += match found.integrity {
             Some(true) => "redb integrity: ok\n",
             Some(false) => "redb integrity: CORRUPTED\n",
             None => "redb integrity: not checked (a head has the file open)\n",
         };
-        if crashed.is_some() {
+        if found.crashed_writer.is_some() {
             text += "left open by a writer that crashed (checked on a recovered copy): run `check --repair` or open it with the head\n";
         }
         text += if healthy { "verdict: healthy" } else { "verdict: PROBLEMS FOUND" };
@@ -385,32 +367,27 @@ fn report_check(
     Ok(if healthy { ExitCode::SUCCESS } else { ExitCode::from(UNHEALTHY) })
 }
 
-fn replay_cmd(
-    out: &mut impl Write,
-    trace_path: Option<&Path>,
-    requests: Option<usize>,
-    config: &Config,
-    db: Option<PathBuf>,
-    capacity: Option<u64>,
-    json: bool,
-) -> Result<ExitCode, Error> {
-    let (mut workload, source) = match trace_path {
+fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliError> {
+    let config = args.config();
+    let (mut workload, source) = match &args.trace {
         Some(p) => (trace::read(p)?, p.display().to_string()),
         None => {
             (trace::synthetic(3000, 120, 42), "built-in synthetic conversations (3000 requests, 120 sessions)".into())
         }
     };
-    if let Some(n) = requests {
+    if let Some(n) = args.requests {
         workload.truncate(n);
     }
-    let temporary = db.is_none();
-    let path =
-        db.unwrap_or_else(|| std::env::temp_dir().join(format!("superfluid-warm-replay-{}.redb", std::process::id())));
-    if temporary {
-        let _ = std::fs::remove_file(&path);
-    }
+    // Without --db, the index lives in a temporary directory, removed with it.
+    let (path, _temporary) = match &args.db {
+        Some(db) => (db.clone(), None),
+        None => {
+            let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+            (dir.path().join("replay.redb"), Some(dir))
+        }
+    };
     let mut builder = Warm::builder();
-    if let Some(c) = capacity {
+    if let Some(c) = args.capacity {
         builder.capacity(c);
     }
     let warm = builder.open(&path)?;
@@ -422,18 +399,15 @@ fn replay_cmd(
             indicatif::ProgressDrawTarget::hidden()
         },
     );
-    let report = replay::run(&warm, &workload, config, |i| bar.set_position(i as u64));
+    let report = replay::run(&warm, &workload, &config, |i| bar.set_position(i as u64));
     bar.finish_and_clear();
     let closed = warm.close();
-    if temporary {
-        let _ = std::fs::remove_file(&path);
-    }
     let report = report?;
     closed?;
-    let text = if json {
-        replay_json(&report, config, &source)
+    let text = if args.json {
+        replay_json(&report, &config, &source)
     } else {
-        replay_text(&report, config, &source, &path, temporary)
+        replay_text(&report, &config, &source, args.db.as_deref())
     };
     emit(out, &text)
 }
@@ -442,11 +416,8 @@ fn micros(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
-fn policy_name(p: Policy) -> &'static str {
-    match p {
-        Policy::Balanced => "balanced",
-        Policy::Warmest => "warmest",
-    }
+fn policy_name(p: Policy) -> String {
+    clap::ValueEnum::to_possible_value(&p).map_or_else(|| format!("{p:?}"), |v| v.get_name().to_string())
 }
 
 fn replay_json(r: &Report, c: &Config, source: &str) -> String {
@@ -462,7 +433,7 @@ fn replay_json(r: &Report, c: &Config, source: &str) -> String {
     .to_string()
 }
 
-fn replay_text(r: &Report, c: &Config, source: &str, path: &Path, temporary: bool) -> String {
+fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>) -> String {
     let mut t = format!("replay of {source}\n");
     t += &format!("policy {} over {} nodes (load window {} requests)\n", policy_name(c.policy), c.nodes, c.window);
     if let Some(vocab) = c.vocab {
@@ -506,36 +477,8 @@ fn replay_text(r: &Report, c: &Config, source: &str, path: &Path, temporary: boo
     }
     t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
     t += &format!("wall                {:.2} s", r.wall.as_secs_f64());
-    if !temporary {
+    if let Some(path) = kept {
         t += &format!("\nindex kept in {}", path.display());
     }
     t
-}
-
-fn torture_writer(out: &mut impl Write, db: &Path, seed: u64, capacity: u64, rans: u64) -> Result<ExitCode, Error> {
-    let warm = Warm::builder().capacity(capacity).sync_window(Duration::from_millis(2)).open(db)?;
-    let workload = trace::synthetic(TORTURE_CYCLE, 16, seed);
-    let mut i = 0u64;
-    while rans == 0 || i < rans {
-        let request = &workload[(i % TORTURE_CYCLE as u64) as usize];
-        warm.ran("torture", &torture_tokens(request), &replay::node_name(i as usize % 5))?;
-        if i.is_multiple_of(3) {
-            warm.sync()?;
-            writeln!(out, "durable {i} {}", warm.stats()?.clock).map_err(stdout_error)?;
-            out.flush().map_err(stdout_error)?;
-        }
-        i += 1;
-    }
-    warm.close()?;
-    Ok(ExitCode::SUCCESS)
-}
-
-/// Requests the torture writer cycles through (`trace::synthetic(TORTURE_CYCLE, 16, seed)`).
-const TORTURE_CYCLE: usize = 5000;
-
-/// The torture writer's prompt for a request: its first 24 blocks.
-fn torture_tokens(request: &trace::Request) -> Vec<u32> {
-    let mut tokens = request.tokens();
-    tokens.truncate(64 * 24);
-    tokens
 }

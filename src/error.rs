@@ -1,10 +1,15 @@
 //! The one error type of the library.
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
-/// Everything that can go wrong in `superfluid-warm`. Each message says what to do about it.
-#[derive(Debug)]
+use redb::{DatabaseError, StorageError};
+
+/// Everything that can go wrong in `superfluid-warm`. Each message says what to do about it,
+/// and the error underneath is its [`source`](std::error::Error::source). Cheap to clone (the
+/// sources are shared), so that a failure can be both reported and kept.
+#[derive(Clone, Debug)]
 #[non_exhaustive]
 pub enum Error {
     /// Another process (a head) has the index open for writing.
@@ -30,6 +35,8 @@ pub enum Error {
     UnknownFormat {
         /// What was found.
         detail: String,
+        /// What refused it underneath (redb, reading the file), if anything did.
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
     },
     /// A [`crate::Prefix`] hashed in another scheme than the index file's (made by
     /// [`crate::Prefix::new`] or by another `Warm`): its keys could never match.
@@ -45,6 +52,8 @@ pub enum Error {
         path: PathBuf,
         /// What is wrong with it.
         detail: String,
+        /// The parser's error, for a file that is not valid JSON of that shape.
+        source: Option<Arc<serde_json::Error>>,
     },
     /// A name (model, node or tenant) is empty or longer than its documented limit.
     InvalidName {
@@ -76,35 +85,33 @@ pub enum Error {
         /// What was being done.
         context: &'static str,
         /// The error redb reported.
-        source: redb::Error,
+        source: Arc<redb::Error>,
     },
     /// The commit thread's last commit failed and none has succeeded since: the call that reports
     /// it did nothing; the `ran`s before it are kept (answered) and retried, and what was
     /// committed before is intact.
     CommitFailed {
         /// The error of the failed commit.
-        detail: String,
+        source: Box<Error>,
     },
-    /// A line of a request trace is not valid.
-    Trace {
-        /// 1-based line number.
-        line: usize,
-        /// What is wrong with it.
-        detail: String,
+    /// The commit thread could not be started.
+    Thread {
+        /// The error of the operating system.
+        source: Arc<std::io::Error>,
     },
-    /// An I/O error outside redb (reading a JSON file, a file's size).
+    /// An I/O error outside redb (reading a JSON file, a file's size, a side file).
     Io {
         /// The file.
         path: PathBuf,
         /// The error.
-        source: std::io::Error,
+        source: Arc<std::io::Error>,
     },
     /// A cold record (meta, node, namespace) failed to encode or decode.
     Codec {
         /// Which record.
         record: &'static str,
-        /// What went wrong.
-        detail: String,
+        /// What went wrong (bincode's error, or trailing bytes).
+        source: Arc<dyn std::error::Error + Send + Sync>,
     },
     /// A thread using this index panicked while holding its lock; reopen the index.
     Poisoned,
@@ -115,7 +122,7 @@ impl fmt::Display for Error {
         match self {
             Error::AlreadyOpen { path } => write!(
                 f,
-                "{} is already open for writing by another head; stop it, or open the file read-only (dump, stats, check)",
+                "{} is already open for writing by another head; stop it, or read the file with a `Snapshot`",
                 path.display()
             ),
             Error::NewerSchema { found, supported } => write!(
@@ -127,7 +134,7 @@ impl fmt::Display for Error {
                 "the index has schema version {found}, written by a pre-release build and not upgradable; \
                  move it aside and start a new index (import the 0.1.7 warm.json again if it came from one)"
             ),
-            Error::UnknownFormat { detail } => write!(
+            Error::UnknownFormat { detail, .. } => write!(
                 f,
                 "not an index this build can open ({detail}); check the path, or start a new index in another file"
             ),
@@ -135,10 +142,11 @@ impl fmt::Display for Error {
                 f,
                 "this prefix was hashed with {prefix} but the index file uses {file}; make it with this index's `Warm::prefix`"
             ),
-            Error::LegacyJson { path, detail } => write!(
+            Error::LegacyJson { path, detail, source } => write!(
                 f,
-                "cannot import 0.1.7 file {}: {detail}; the file was left as it is, fix or remove it and retry",
-                path.display()
+                "cannot import 0.1.7 file {}: {detail}{}; the file was left as it is, fix or remove it and retry",
+                path.display(),
+                source.as_ref().map(|e| format!(" ({e})")).unwrap_or_default()
             ),
             Error::InvalidName { what, len, max } => {
                 if *len == 0 {
@@ -154,23 +162,26 @@ impl fmt::Display for Error {
             ),
             Error::CrashedWriter { pid } => write!(
                 f,
-                "the index was left open by a writer{} that is no longer running; open it with the head (or `superfluid-warm check --repair`) to recover it first",
+                "the index was left open by a writer{} that is no longer running; open it for writing (`Builder::open`) once to recover it",
                 pid.map(|p| format!(" (process {p})")).unwrap_or_default()
             ),
             Error::Storage { context, source } => write!(
                 f,
                 "storage failed while {context}: {source}; what was committed before is intact, retry or reopen the index"
             ),
-            Error::CommitFailed { detail } => write!(
+            Error::CommitFailed { source } => write!(
                 f,
-                "the last background commit failed ({detail}) and none has succeeded since; this call did nothing, the rans before it are kept and retried; check the disk, and reopen the index if it persists"
+                "the last background commit failed ({source}) and none has succeeded since; this call did nothing, the rans before it are kept and retried; check the disk, and reopen the index if it persists"
             ),
-            Error::Trace { line, detail } => {
-                write!(f, "trace line {line}: {detail}; each line must be a Mooncake request object")
+            Error::Thread { source } => {
+                write!(
+                    f,
+                    "cannot start the commit thread: {source}; free some threads or memory, or use a zero sync window"
+                )
             }
             Error::Io { path, source } => write!(f, "{}: {source}", path.display()),
-            Error::Codec { record, detail } => {
-                write!(f, "the {record} record cannot be read ({detail}); the file is damaged or from another program")
+            Error::Codec { record, source } => {
+                write!(f, "the {record} record cannot be read ({source}); the file is damaged or from another program")
             }
             Error::Poisoned => {
                 write!(f, "a thread panicked while holding the index lock; drop this handle and reopen the index")
@@ -179,11 +190,27 @@ impl fmt::Display for Error {
     }
 }
 
+impl Error {
+    /// [`Error::Io`] on the file at `path`.
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
+        Error::Io { path: path.into(), source: Arc::new(source) }
+    }
+
+    /// [`Error::UnknownFormat`] with nothing underneath.
+    pub(crate) fn unknown_format(detail: impl Into<String>) -> Error {
+        Error::UnknownFormat { detail: detail.into(), source: None }
+    }
+}
+
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Storage { source, .. } => Some(source),
-            Error::Io { source, .. } => Some(source),
+            Error::Storage { source, .. } => Some(source.as_ref()),
+            Error::Io { source, .. } | Error::Thread { source } => Some(source.as_ref()),
+            Error::CommitFailed { source } => Some(source.as_ref()),
+            Error::Codec { source, .. } => Some(source.as_ref()),
+            Error::UnknownFormat { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
+            Error::LegacyJson { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
             _ => None,
         }
     }
@@ -192,16 +219,29 @@ impl std::error::Error for Error {
 fn classify(context: &'static str, source: redb::Error) -> Error {
     match source {
         redb::Error::Corrupted(detail) => Error::Corrupted { detail },
-        redb::Error::UpgradeRequired(v) => {
-            Error::UnknownFormat { detail: format!("redb file format {v}, older than redb 4") }
-        }
-        source => Error::Storage { context, source },
+        redb::Error::UpgradeRequired(v) => Error::UnknownFormat {
+            detail: format!("redb file format {v}, older than redb 4"),
+            source: Some(Arc::new(redb::Error::UpgradeRequired(v))),
+        },
+        source => Error::Storage { context, source: Arc::new(source) },
     }
 }
 
 /// Turns any redb error into `Error`, sorting corruption from other storage failures.
 pub(crate) fn redb_err<E: Into<redb::Error>>(context: &'static str) -> impl Fn(E) -> Error {
     move |e| classify(context, e.into())
+}
+
+/// Sorts the errors of opening the file at `path` into what a user can act on.
+pub(crate) fn open_error(path: &Path, e: DatabaseError) -> Error {
+    match e {
+        DatabaseError::DatabaseAlreadyOpen => Error::AlreadyOpen { path: path.to_path_buf() },
+        DatabaseError::Storage(StorageError::Io(io)) if io.kind() == std::io::ErrorKind::InvalidData => {
+            Error::UnknownFormat { detail: format!("{}: not a redb file", path.display()), source: Some(Arc::new(io)) }
+        }
+        DatabaseError::Storage(StorageError::Io(io)) => Error::Io { path: path.to_path_buf(), source: Arc::new(io) },
+        e => redb_err("opening the index")(e),
+    }
 }
 
 /// The result type of this crate.

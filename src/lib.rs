@@ -17,37 +17,34 @@
 //! warm.ran("qwen-2.5-7b", &turn, "node-3")?;
 //! # Ok(()) }
 //! ```
+//!
+//! # Features
+//! - `cli` (default): the `superfluid-warm` binary, and `tools`.
+//! - `tools`: the 0.1.7 design, request traces and the replay, for the binary, the tests and
+//!   the benches. Hidden from these docs and outside semver: not for production use. A head
+//!   that links only the library sets `default-features = false`.
 #![deny(missing_docs, clippy::unwrap_used)]
 
-mod builder;
-mod chain;
-mod checksum;
-mod codec;
-mod compact;
 mod error;
-mod front;
-mod inspect;
-mod legacy;
-mod lookup;
-mod overlay;
-mod records;
-mod schema;
-mod seal;
-mod state;
-mod tables;
-mod warm;
+mod file;
+mod index;
+mod keys;
+mod store;
 
-pub mod baseline;
-pub mod replay;
-pub mod trace;
+#[cfg(feature = "tools")]
+#[doc(hidden)]
+pub mod tools;
 
-pub use builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_CAPACITY, DEFAULT_SYNC_WINDOW, MAX_CAPACITY};
-pub use chain::{BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix};
-pub use compact::{Compacted, compact};
 pub use error::{Error, Result};
-pub use inspect::{Check, DumpEntry, Snapshot, SnapshotStats, hex, integrity_check_copy, recovered_copy};
-pub use legacy::ImportReport;
-pub use records::SCHEMA_VERSION;
-pub use seal::seal_path;
-pub use state::MAX_NODE_BYTES;
-pub use warm::{Hit, OpenCheck, Stats, Warm};
+pub use file::check::{FileCheck, check_file};
+pub use file::compact::{Compacted, compact};
+pub use file::seal::seal_path;
+pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
+pub use file::verify::integrity_check_copy;
+pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
+pub use index::warm::{Hit, OpenCheck, Stats, Warm};
+pub use keys::{
+    BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix,
+};
+pub use store::import::ImportReport;
+pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, SCHEMA_VERSION};

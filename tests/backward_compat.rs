@@ -223,7 +223,7 @@ fn v1_prefixes(path: &Path) -> Vec<V1Entry> {
 /// (tenant?, tokens, node), in order.
 fn v2_fixture_prompts() -> Vec<(bool, Vec<u32>, String)> {
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake-conversation.jsonl");
-    let requests = superfluid_warm::trace::read(&trace).expect("the trace");
+    let requests = superfluid_warm::tools::trace::read(&trace).expect("the trace");
     requests
         .iter()
         .take(40)
@@ -249,14 +249,14 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
     let path = dir.path().join("warm-v2.redb");
     std::fs::copy(&fixture, &path).expect("copy the fixture");
     let prompts = v2_fixture_prompts();
-    let mut model = superfluid_warm::baseline::Baseline::in_memory(1 << 16);
+    let mut model = superfluid_warm::tools::baseline::Baseline::in_memory(1 << 16);
     let name = |tenant: bool| if tenant { "fixture-model/tenant-a" } else { "fixture-model" };
     for (tenant, tokens, node) in &prompts {
         model.ran(name(*tenant), tokens, node);
     }
     let shared = superfluid_warm::Namespace::new("fixture-model")?;
     let tenant_a = superfluid_warm::Namespace::with_tenant("fixture-model", b"tenant-a")?;
-    let answers = |warm: &Warm, model: &superfluid_warm::baseline::Baseline| -> Result<usize, Error> {
+    let answers = |warm: &Warm, model: &superfluid_warm::tools::baseline::Baseline| -> Result<usize, Error> {
         let mut hits = 0;
         for (tenant, tokens, _) in &prompts {
             let prefix = warm.prefix(if *tenant { &tenant_a } else { &shared }, tokens)?;

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{bin, db_path, tempdir};
+use common::{bin, db_path, tempdir, torture_writer};
 
 fn run(args: &[&str]) -> Output {
     Command::new(bin()).args(args).output().expect("the binary runs")
@@ -20,8 +20,8 @@ fn text(bytes: &[u8]) -> String {
 
 /// Starts a writer process and waits until it has made `n` syncs durable.
 fn writer(path: &Path, n: u64) -> (Child, BufReader<std::process::ChildStdout>) {
-    let mut child = Command::new(bin())
-        .args(["torture-writer", "--db", path.to_str().expect("utf-8 path"), "--capacity", "2048"])
+    let mut child = Command::new(torture_writer())
+        .args(["--db", path.to_str().expect("utf-8 path"), "--capacity", "2048"])
         .stdout(Stdio::piped())
         .spawn()
         .expect("writer starts");

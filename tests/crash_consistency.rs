@@ -9,9 +9,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::backend::{Disk, crash_images};
-use common::{Conversations, Rng, bin, db_path, tempdir};
-use superfluid_warm::baseline::Baseline;
-use superfluid_warm::{Error, Hit, OpenCheck, Snapshot, Warm, integrity_check_copy, trace};
+use common::{Conversations, Rng, db_path, tempdir, torture, torture_writer};
+use superfluid_warm::tools::baseline::Baseline;
+use superfluid_warm::{Error, Hit, OpenCheck, Snapshot, Warm, integrity_check_copy};
 
 /// Opens (so recovers) the file as a head would, then checks every invariant read-only. Returns
 /// the clock and how the open verified the file.
@@ -29,19 +29,6 @@ fn recover_and_check(path: &Path) -> Result<(u64, OpenCheck), Error> {
     Ok((clock, opened))
 }
 
-/// The torture writer's prompts for a seed (as `src/cli.rs` makes them).
-fn torture_prompts(seed: u64, count: usize) -> Vec<Vec<u32>> {
-    trace::synthetic(5000, 16, seed)
-        .iter()
-        .take(count)
-        .map(|r| {
-            let mut tokens = r.tokens();
-            tokens.truncate(64 * 24);
-            tokens
-        })
-        .collect()
-}
-
 #[test]
 fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
     let dir = tempdir();
@@ -56,8 +43,8 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
         let seed = round as u64 + 1;
         // As the last round's head closed it (and sealed it).
         let closed = std::fs::read(&path).ok();
-        let mut child = Command::new(bin())
-            .args(["torture-writer", "--db", path.to_str().expect("utf-8"), "--capacity", "1048576"])
+        let mut child = Command::new(torture_writer())
+            .args(["--db", path.to_str().expect("utf-8"), "--capacity", "1048576"])
             .args(["--seed", &seed.to_string()])
             .stdout(Stdio::piped())
             .spawn()
@@ -85,9 +72,10 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
         sealed += usize::from(unchanged);
         assert!(clock >= last_clock, "round {round}: the clock went back from {last_clock} to {clock}");
         let survived = (clock - last_clock) as usize;
-        let prompts = torture_prompts(seed, survived.max(1));
+        let mut prompts = torture::prompts(seed);
+        prompts.truncate(survived.max(1));
         for (i, tokens) in prompts.iter().enumerate().take(survived) {
-            model.ran("torture", tokens, &superfluid_warm::replay::node_name(i % 5));
+            model.ran("torture", tokens, &superfluid_warm::tools::replay::node_name(i % 5));
         }
         if let Some((i, acked_clock)) = last_acked {
             acked_total += 1;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Conversations, Rng, db_path, tempdir};
-use superfluid_warm::baseline::Baseline;
+use superfluid_warm::tools::baseline::Baseline;
 use superfluid_warm::{Error, Hit, Snapshot, Warm};
 
 fn as_hit(answer: Option<(&str, usize)>) -> Option<Hit> {
@@ -243,13 +243,13 @@ fn a_merged_batch_leaves_the_same_entries_as_one_ran_at_a_time() -> Result<(), E
         a.close()?;
         b.close()?;
     }
-    type Row = (String, String, u64, Option<usize>);
+    type Row = ([u8; 16], String, u64, Option<usize>);
     let entries = |path: &std::path::Path| -> Result<Vec<Row>, Error> {
         let snapshot = Snapshot::open(path)?;
         assert!(snapshot.check()?.problems.is_empty(), "{:?}", snapshot.check()?.problems);
         let mut out = Vec::new();
         snapshot.visit(false, |e| {
-            out.push((superfluid_warm::hex(&e.key), e.node, e.clock, e.tokens));
+            out.push((e.key, e.node, e.clock, e.tokens));
             true
         })?;
         out.sort();

@@ -1,12 +1,13 @@
 //! The replay's routing policy balances load without giving up much warmth.
 
-use superfluid_warm::replay::{self, Config, Policy};
-use superfluid_warm::{Error, Warm, trace};
+use superfluid_warm::tools::replay::{self, Config, Policy};
+use superfluid_warm::tools::trace;
+use superfluid_warm::{Error, Warm};
 
 #[test]
 fn balanced_keeps_load_within_2x_and_most_of_the_naive_warm_share() -> Result<(), Error> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/mooncake-conversation.jsonl");
-    let mut requests = trace::read(std::path::Path::new(path))?;
+    let mut requests = trace::read(std::path::Path::new(path)).expect("the shared trace");
     requests.truncate(2000);
     let dir = tempfile::tempdir().expect("tempdir");
     let share = |policy, name: &str| -> Result<replay::Report, Error> {

@@ -8,7 +8,7 @@ fn hit(node: &str, tokens: usize) -> Option<Hit> {
 
 #[test]
 fn the_longest_prefix_a_node_ran_wins_and_is_kept_across_a_restart() -> Result<(), Error> {
-    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e })?;
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e.into() })?;
     let path = dir.path().join("warm.redb");
     let turn1: Vec<u32> = (0..300).collect();
     let mut turn2 = turn1.clone();
@@ -30,7 +30,7 @@ fn the_longest_prefix_a_node_ran_wins_and_is_kept_across_a_restart() -> Result<(
 
 #[test]
 fn empty_and_short_prompts_are_none_and_bad_names_are_typed_errors() -> Result<(), Error> {
-    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e })?;
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e.into() })?;
     let warm = Warm::open(dir.path().join("w.redb"))?;
     assert_eq!(warm.warmest("m", &[])?, None);
     warm.ran("m", &[], "a")?;
@@ -48,7 +48,7 @@ fn empty_and_short_prompts_are_none_and_bad_names_are_typed_errors() -> Result<(
 
 #[test]
 fn tenants_never_share_a_prefix() -> Result<(), Error> {
-    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e })?;
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e.into() })?;
     let warm = Warm::open(dir.path().join("w.redb"))?;
     let tokens: Vec<u32> = (0..512).collect();
     let a = Namespace::with_tenant("m", b"tenant-a")?;

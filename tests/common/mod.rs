@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod backend;
+pub mod torture;
 
 use std::path::PathBuf;
 
@@ -10,11 +11,9 @@ pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next(&mut self) -> u64 {
+        let out = superfluid_warm::tools::trace::splitmix64(self.0);
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        out
     }
 
     pub fn below(&mut self, n: u64) -> u64 {
@@ -59,4 +58,14 @@ pub fn db_path(dir: &tempfile::TempDir) -> PathBuf {
 /// The built binary.
 pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_superfluid-warm"))
+}
+
+/// The torture writer (`tests/helpers/torture_writer.rs`), which `cargo test` builds as an
+/// example beside the test binaries: `target/<profile>/examples`.
+pub fn torture_writer() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>/deps");
+    let writer = profile.join("examples").join(format!("torture-writer{}", std::env::consts::EXE_SUFFIX));
+    assert!(writer.is_file(), "{} is missing: run the tests with `cargo test`, which builds it", writer.display());
+    writer
 }

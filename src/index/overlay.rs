@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::chain::BlockKey;
+use crate::keys::BlockKey;
 
 /// Hashes an overlay key as itself: it is already 8 bytes of a uniform hash, so there is nothing
 /// left to mix.
@@ -103,7 +103,7 @@ mod tests {
     use super::*;
 
     fn chain(seed: u8, n: usize) -> Vec<BlockKey> {
-        let ns = crate::chain::Namespace::new("m").ok();
+        let ns = crate::keys::Namespace::new("m").ok();
         let tokens: Vec<u32> = (0..n as u32 * 64).map(|t| t * 7 + u32::from(seed)).collect();
         ns.map(|ns| ns.chain(&tokens)).unwrap_or_default()
     }

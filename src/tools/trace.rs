@@ -1,9 +1,49 @@
 //! Request traces: the Mooncake JSONL format, its rule for turning a request into tokens, and a
 //! built-in synthetic multi-turn conversation workload in the same form.
 
+use std::path::{Path, PathBuf};
+
 use serde::Deserialize;
 
-use crate::error::{Error, Result};
+/// A trace that cannot be read.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TraceError {
+    /// The file cannot be read.
+    Io {
+        /// The trace file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// A line is not a Mooncake request.
+    Line {
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong with it.
+        detail: String,
+    },
+}
+
+impl std::fmt::Display for TraceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TraceError::Io { path, source } => write!(f, "cannot read trace {}: {source}", path.display()),
+            TraceError::Line { line, detail } => {
+                write!(f, "trace line {line}: {detail}; each line must be a Mooncake request object")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TraceError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TraceError::Io { source, .. } => Some(source),
+            TraceError::Line { .. } => None,
+        }
+    }
+}
 
 /// Tokens per Mooncake hash id.
 pub const TOKENS_PER_HASH_ID: usize = 512;
@@ -47,18 +87,18 @@ impl Request {
 /// Parses a Mooncake JSONL trace (blank lines are skipped).
 ///
 /// # Errors
-/// [`Error::Trace`] for a line that is not a request, or whose `hash_ids` do not cover its
+/// [`TraceError::Line`] for a line that is not a request, or whose `hash_ids` do not cover its
 /// `input_length`.
-pub fn parse(text: &str) -> Result<Vec<Request>> {
+pub fn parse(text: &str) -> Result<Vec<Request>, TraceError> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
         let request: Request =
-            serde_json::from_str(line).map_err(|e| Error::Trace { line: i + 1, detail: e.to_string() })?;
+            serde_json::from_str(line).map_err(|e| TraceError::Line { line: i + 1, detail: e.to_string() })?;
         if request.hash_ids.len() * TOKENS_PER_HASH_ID < request.input_length {
-            return Err(Error::Trace {
+            return Err(TraceError::Line {
                 line: i + 1,
                 detail: format!(
                     "{} hash ids cannot cover {} input tokens",
@@ -75,9 +115,9 @@ pub fn parse(text: &str) -> Result<Vec<Request>> {
 /// Reads and parses a trace file.
 ///
 /// # Errors
-/// [`Error::Io`] if it cannot be read; as [`parse`].
-pub fn read(path: &std::path::Path) -> Result<Vec<Request>> {
-    let text = std::fs::read_to_string(path).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+/// [`TraceError::Io`] if it cannot be read; as [`parse`].
+pub fn read(path: &Path) -> Result<Vec<Request>, TraceError> {
+    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.to_path_buf(), source })?;
     parse(&text)
 }
 

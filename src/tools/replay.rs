@@ -5,14 +5,13 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::baseline::{Baseline, MAX_0_1_7};
-use crate::chain::Namespace;
-use crate::error::Result;
-use crate::trace::Request;
-use crate::warm::Warm;
+use super::baseline::{Baseline, MAX_0_1_7};
+use super::trace::Request;
+use crate::{Error, Namespace, Result, Warm};
 
 /// How the head picks a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 pub enum Policy {
     /// Weigh warmth against load (the default, as cache-aware routers do).
     Balanced,
@@ -70,10 +69,19 @@ pub struct Timing {
 }
 
 impl Timing {
-    fn of(mut samples: Vec<Duration>) -> Timing {
-        samples.sort_unstable();
-        let at = |q: f64| samples.get(((samples.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or_default();
-        Timing { p50: at(0.5), p99: at(0.99), total: samples.iter().sum() }
+    /// The median, 99th percentile (an HDR histogram of nanoseconds, 3 significant digits) and
+    /// sum of `samples`.
+    pub fn of(samples: &[Duration]) -> Timing {
+        let total = samples.iter().sum();
+        // 3 significant digits is always a valid precision.
+        let Ok(mut histogram) = hdrhistogram::Histogram::<u64>::new(3) else {
+            return Timing { total, ..Timing::default() };
+        };
+        for d in samples {
+            histogram.saturating_record(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        }
+        let at = |q: f64| Duration::from_nanos(histogram.value_at_quantile(q));
+        Timing { p50: at(0.5), p99: at(0.99), total }
     }
 }
 
@@ -153,10 +161,13 @@ impl Load {
 /// Replays `requests` through `warm`, calling `progress` after each.
 ///
 /// # Errors
-/// Any error of the index.
+/// [`Error::InvalidConfig`] for a cluster of no nodes; any error of the index.
 pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: impl FnMut(usize)) -> Result<Report> {
     let started = Instant::now();
-    let nodes = config.nodes.max(1);
+    let nodes = config.nodes;
+    if nodes == 0 {
+        return Err(Error::InvalidConfig { detail: "a replay needs at least one node".into() });
+    }
     let names: Vec<String> = (0..nodes).map(node_name).collect();
     let namespace = Namespace::new(&config.model)?;
     let mut baseline = config.baseline.then(|| Baseline::in_memory(MAX_0_1_7));
@@ -204,8 +215,8 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     let t3 = Instant::now();
     warm.sync()?;
     report.final_sync = t3.elapsed();
-    report.index = Timing::of(ours);
-    report.baseline = baseline.map(|_| Timing::of(theirs));
+    report.index = Timing::of(&ours);
+    report.baseline = baseline.map(|_| Timing::of(&theirs));
     report.entries = warm.stats()?.entries;
     report.wall = started.elapsed();
     Ok(report)

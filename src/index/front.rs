@@ -6,11 +6,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::chain::{BlockKey, Namespace};
-use crate::overlay::{Map, Overlay};
+use super::overlay::{Map, Overlay};
+use crate::error::Error;
+use crate::store::writer::Ran;
 
 /// The prefix table as of the last commit, shared with the callers.
-pub(crate) type Snapshot = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
+pub(crate) type Committed = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
 
 /// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
 pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
@@ -18,16 +19,6 @@ pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
 /// Blocks in one batch above which it is committed without waiting for the window: bounds the
 /// dirty pages a write transaction holds in memory when the commit thread is saturated.
 pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
-
-/// One `ran`, as queued for the commit thread.
-pub(crate) struct Ran {
-    pub namespace: Namespace,
-    pub blocks: Arc<[BlockKey]>,
-    pub node: Arc<str>,
-    pub clock: u64,
-    /// When the caller made it (for the sync window).
-    pub at: Instant,
-}
 
 /// What the commit thread last told the callers about the file.
 #[derive(Clone, Copy, Default)]
@@ -45,7 +36,7 @@ pub(crate) struct Front {
     pub overlay: Overlay,
     /// The prefix table as of the last commit: replaced, with the overlay entries that commit
     /// made redundant removed, under this lock, so every `ran` is always in one or the other.
-    pub snapshot: Snapshot,
+    pub committed: Committed,
     /// `ran`s the commit thread has not taken yet, oldest first.
     pub queue: Vec<Ran>,
     pub queued_blocks: usize,
@@ -58,17 +49,17 @@ pub(crate) struct Front {
     name_ids: HashMap<String, u32>,
     pub published: Published,
     /// The error of the last commit, while none has succeeded since.
-    pub failed: Option<String>,
+    pub failed: Option<Error>,
     /// Set when the handle is closing: the commit thread stops.
     pub closing: bool,
 }
 
 impl Front {
-    pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, snapshot: Snapshot) -> Front {
+    pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, committed: Committed) -> Front {
         Front {
             clock,
             overlay: Overlay::default(),
-            snapshot,
+            committed,
             queue: Vec::new(),
             queued_blocks: 0,
             oldest_pending: None,
@@ -119,9 +110,9 @@ impl Front {
         self.oldest_pending = self.queue.first().map(|r| r.at);
     }
 
-    /// Forgets the `ran`s up to the newest of `rans`, now committed (or lost): every `ran` with
-    /// a clock up to it was taken with them. Returns the maps to drop outside the lock.
-    pub(crate) fn forget(&mut self, rans: &[Ran]) -> Vec<Map> {
+    /// Drops from the overlay the `ran`s up to the newest of `rans`, now committed: every `ran`
+    /// with a clock up to it was taken with them. Returns the maps to drop outside the lock.
+    pub(crate) fn drop_committed(&mut self, rans: &[Ran]) -> Vec<Map> {
         let gone = match rans.iter().map(|r| r.clock).max() {
             Some(newest) => self.overlay.forget_through(newest),
             None => Vec::new(),

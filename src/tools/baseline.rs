@@ -6,9 +6,8 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
-
-use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS};
+use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, fnv_chain};
+use crate::store::import::WarmJson;
 
 /// 0.1.7's capacity: prefixes remembered at most.
 pub const MAX_0_1_7: usize = 1 << 16;
@@ -23,25 +22,6 @@ pub struct Baseline {
     dirty: bool,
 }
 
-#[derive(Serialize, Deserialize)]
-struct Stored {
-    prefixes: Vec<(u64, String, u64)>,
-}
-
-/// 0.1.7's chain: FNV-1a 64 of the model, then of every whole block's token bytes.
-pub fn chain<'a>(model: &str, tokens: &'a [u32]) -> impl Iterator<Item = u64> + 'a {
-    let seed =
-        model.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3));
-    tokens.chunks_exact(BLOCK_TOKENS).scan(seed, |h, block| {
-        for t in block {
-            for b in t.to_le_bytes() {
-                *h = (*h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3);
-            }
-        }
-        Some(*h)
-    })
-}
-
 impl Baseline {
     /// An empty index holding at most `max` prefixes, kept nowhere.
     pub fn in_memory(max: usize) -> Baseline {
@@ -51,7 +31,7 @@ impl Baseline {
     /// 0.1.7's `kept_in`: read back from `path` when it is there (an unreadable file is ignored,
     /// as 0.1.7 did).
     pub fn kept_in(path: PathBuf, max: usize) -> Baseline {
-        let stored: Option<Stored> = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok());
+        let stored: Option<WarmJson> = std::fs::read(&path).ok().and_then(|b| serde_json::from_slice(&b).ok());
         let mut warm = Baseline { path: Some(path), max, ..Baseline::default() };
         for (hash, node, at) in stored.map(|s| s.prefixes).unwrap_or_default() {
             warm.clock = warm.clock.max(at);
@@ -63,7 +43,7 @@ impl Baseline {
     /// 0.1.7's `warmest`.
     pub fn warmest(&self, model: &str, tokens: &[u32]) -> Option<(&str, usize)> {
         let mut best = None;
-        for (n, hash) in chain(model, tokens).enumerate() {
+        for (n, hash) in fnv_chain(model, tokens).enumerate() {
             match self.by_prefix.get(&hash) {
                 Some((node, _)) => best = Some((node.as_str(), (n + 1) * BLOCK_TOKENS)),
                 None => break,
@@ -76,7 +56,7 @@ impl Baseline {
     pub fn ran(&mut self, model: &str, tokens: &[u32], node: &str) {
         self.clock += 1;
         let at = self.clock;
-        for hash in chain(model, tokens) {
+        for hash in fnv_chain(model, tokens) {
             self.by_prefix.insert(hash, (node.to_string(), at));
         }
         if self.by_prefix.len() > self.max {
@@ -96,7 +76,7 @@ impl Baseline {
             return 0;
         }
         let stored =
-            Stored { prefixes: self.by_prefix.iter().map(|(&h, (node, at))| (h, node.clone(), *at)).collect() };
+            WarmJson { prefixes: self.by_prefix.iter().map(|(&h, (node, at))| (h, node.clone(), *at)).collect() };
         let Ok(bytes) = serde_json::to_vec(&stored) else { return 0 };
         let tmp = path.with_extension("tmp");
         let n = bytes.len();

@@ -3,24 +3,22 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use redb::{ConcurrencyMode, Database, DatabaseError, StorageError};
+use redb::{ConcurrencyMode, Database};
 
-use crate::error::{Error, Result, redb_err};
-use crate::legacy;
-use crate::schema;
-use crate::seal;
-use crate::state::State;
-use crate::warm::{OpenCheck, Warm};
+use super::warm::{OpenCheck, Warm};
+use crate::error::{Error, Result, open_error};
+use crate::file::lock::HeadLock;
+use crate::file::seal;
+use crate::store::import::{LegacyFile, read_json};
+use crate::store::records::MAX_CAPACITY;
+use crate::store::schema;
+use crate::store::writer::Writer;
 
-/// Entries (blocks) kept by default: 2^20, 64 Mi tokens of prefixes.
-pub const DEFAULT_CAPACITY: u64 = 1 << 20;
 /// Page cache of the file by default.
 pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
-/// Longest a `ran` waits to be made durable by default. With a commit's ~4 ms of fsync on top,
-/// at most ~54 ms of `ran`s are lost on power loss.
+/// Longest a `ran` waits to be made durable by default: on power loss, the `ran`s of about this
+/// window plus one commit's write and fsync are lost.
 pub const DEFAULT_SYNC_WINDOW: Duration = Duration::from_millis(50);
-/// Most entries a file may be set to keep.
-pub const MAX_CAPACITY: u64 = 1 << 40;
 
 /// The settings of a [`Warm`]: `Warm::builder().capacity(1 << 16).open(path)`.
 #[derive(Clone, Debug)]
@@ -39,7 +37,7 @@ impl Default for Builder {
 }
 
 impl Builder {
-    /// The defaults: the file's capacity ([`DEFAULT_CAPACITY`] for a new file),
+    /// The defaults: the file's capacity ([`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY) for a new file),
     /// [`DEFAULT_CACHE_BYTES`], [`DEFAULT_SYNC_WINDOW`], integrity checked on open.
     pub fn new() -> Builder {
         Builder {
@@ -52,7 +50,7 @@ impl Builder {
     }
 
     /// Most entries (blocks) kept; past it the oldest eighth is evicted. 1 to [`MAX_CAPACITY`].
-    /// Unset, an existing file keeps the capacity it has and a new one gets [`DEFAULT_CAPACITY`];
+    /// Unset, an existing file keeps the capacity it has and a new one gets [`DEFAULT_CAPACITY`](crate::DEFAULT_CAPACITY);
     /// set, it is recorded in the file (a smaller one evicts on open).
     pub fn capacity(&mut self, blocks: u64) -> &mut Self {
         self.capacity = Some(blocks);
@@ -105,8 +103,9 @@ impl Builder {
     }
 
     /// Opens the index at `path`, creating it if absent, in redb's single-writer mode: read-only
-    /// processes (`superfluid-warm dump`) may read it meanwhile. A file left by a crash is
-    /// recovered to its last commit.
+    /// [`crate::Snapshot`]s may read it meanwhile. A file left by a crash is recovered to its
+    /// last commit. The head holds a lock on the side file (`<file>.seal`) while it has the file
+    /// open.
     ///
     /// # Errors
     /// [`Error::AlreadyOpen`] if another head has it open; [`Error::NewerSchema`] or
@@ -116,7 +115,8 @@ impl Builder {
     pub fn open(&self, path: impl AsRef<Path>) -> Result<Warm> {
         let path = path.as_ref();
         self.validate()?;
-        let legacy = self.import.as_deref().map(legacy::read).transpose()?;
+        let legacy = self.import.as_deref().map(read_json).transpose()?;
+        let lock = HeadLock::acquire(path)?;
         let check = if !self.check_integrity {
             OpenCheck::Skipped
         } else if seal::matches(path) {
@@ -128,10 +128,11 @@ impl Builder {
             .redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages)
             .create(path)
             .map_err(|e| open_error(path, e))?;
-        let warm = self.start(db, legacy, check, Some(path))?;
-        // The seal no longer describes the file: readers learn a head writes it. Only now, so
-        // that a refused file (a newer schema, say) keeps its side file as it was.
-        seal::mark_open(path);
+        // The seal no longer describes the file once it is written. Only marked now, so that a
+        // refused file (a newer schema, say) keeps its seal.
+        let side = lock.side_file().try_clone().map_err(|e| Error::io(seal::seal_path(path), e))?;
+        let warm = self.start(db, legacy, check, Some((lock, path.to_path_buf())))?;
+        seal::write_open(&side);
         Ok(warm)
     }
 
@@ -142,44 +143,34 @@ impl Builder {
     /// As [`Builder::open`].
     pub fn open_with_backend(&self, backend: impl redb::StorageBackend) -> Result<Warm> {
         self.validate()?;
-        let legacy = self.import.as_deref().map(legacy::read).transpose()?;
+        let legacy = self.import.as_deref().map(read_json).transpose()?;
         let check = if self.check_integrity { OpenCheck::Pages } else { OpenCheck::Skipped };
         let db = self
             .redb(ConcurrencyMode::ExclusiveWriter, self.check_integrity)
             .create_with_backend(backend)
-            .map_err(|e| open_error(Path::new("<backend>"), e))?;
+            .map_err(crate::error::redb_err("opening the index"))?;
         self.start(db, legacy, check, None)
     }
 
+    /// Prepares the opened file (schema, capacity, eviction to it, the import) and starts the
+    /// `Warm` on it.
     fn start(
         &self,
         db: Database,
-        legacy: Option<legacy::LegacyFile>,
+        legacy: Option<LegacyFile>,
         check: OpenCheck,
-        path: Option<&Path>,
+        lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
         let scheme = schema::prepare(&db, self.capacity)?;
-        let mut state = State::load(&db)?;
-        if let Err(e) = state.evict(&db) {
-            return Err(state.lose(&db, e).error);
+        let mut writer = Writer::load(&db)?;
+        if let Err(e) = writer.evict(&db) {
+            return Err(writer.roll_back(&db, e).error);
         }
-        state.commit(&db, false).map_err(|lost| lost.error)?;
+        writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
         if let Some(file) = &legacy {
-            state.import(&db, file)?;
-            state.commit(&db, false).map_err(|lost| lost.error)?;
+            writer.import(&db, file)?;
+            writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
         }
-        Warm::start(db, state, self.sync_window, check, scheme, path.map(Path::to_path_buf))
-    }
-}
-
-/// Sorts the errors of opening a file into what a user can act on.
-pub(crate) fn open_error(path: &Path, e: DatabaseError) -> Error {
-    match e {
-        DatabaseError::DatabaseAlreadyOpen => Error::AlreadyOpen { path: path.to_path_buf() },
-        DatabaseError::Storage(StorageError::Io(io)) if io.kind() == std::io::ErrorKind::InvalidData => {
-            Error::UnknownFormat { detail: format!("{}: {io}", path.display()) }
-        }
-        DatabaseError::Storage(StorageError::Io(io)) => Error::Io { path: path.to_path_buf(), source: io },
-        e => redb_err("opening the index")(e),
+        Warm::start(db, writer, self.sync_window, check, scheme, lock)
     }
 }

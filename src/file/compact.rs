@@ -5,10 +5,10 @@ use std::path::Path;
 
 use redb::ConcurrencyMode;
 
-use crate::builder::open_error;
-use crate::error::{Error, Result, redb_err};
-use crate::schema;
-use crate::seal;
+use super::lock::HeadLock;
+use super::seal;
+use crate::error::{Error, Result, open_error, redb_err};
+use crate::store::schema;
 
 /// What a compaction did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,7 +21,7 @@ pub struct Compacted {
 }
 
 fn size(path: &Path) -> Result<u64> {
-    std::fs::metadata(path).map(|m| m.len()).map_err(|source| Error::Io { path: path.to_path_buf(), source })
+    std::fs::metadata(path).map(|m| m.len()).map_err(|source| Error::io(path.to_path_buf(), source))
 }
 
 /// Compacts the index at `path`, which no head may have open. Its entries are unchanged; every
@@ -35,6 +35,8 @@ fn size(path: &Path) -> Result<u64> {
 pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
     let path = path.as_ref();
     let bytes_before = size(path)?;
+    // Compacting writes the file: it is this file's head meanwhile.
+    let lock = HeadLock::acquire(path)?;
     let mut db = redb::Builder::new()
         .set_concurrency_mode(ConcurrencyMode::SingleWriter)
         .set_check_integrity_on_open(true)
@@ -42,14 +44,14 @@ pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
         .map_err(|e| open_error(path, e))?;
     {
         let txn = db.begin_write().map_err(redb_err("starting the compaction"))?;
-        let meta = schema::read_meta(&txn)?
-            .ok_or_else(|| Error::UnknownFormat { detail: "an empty redb file, not an index".into() })?;
+        let meta =
+            schema::read_file_meta(&txn)?.ok_or_else(|| Error::unknown_format("an empty redb file, not an index"))?;
         schema::check(&meta)?;
         txn.abort().map_err(redb_err("starting the compaction"))?;
     }
     while db.compact().map_err(redb_err("compacting"))? {}
     db.close().map_err(redb_err("closing the compacted file"))?;
     // Verified on open and closed cleanly: the next open may trust it by its seal.
-    let _ = seal::write(path);
+    let _ = seal::write_sealed(lock.side_file(), path);
     Ok(Compacted { bytes_before, bytes_after: size(path)? })
 }

@@ -13,17 +13,17 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use redb::{Database, ReadableDatabase};
+use redb::Database;
 
-use crate::builder::Builder;
-use crate::chain::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
-use crate::error::{Error, Result, redb_err};
-use crate::front::{Front, MAX_BATCH_BLOCKS, MAX_QUEUED_BLOCKS, Published, Ran, Snapshot};
-use crate::legacy::{self, ImportReport};
-use crate::lookup::{self, Owner};
-use crate::seal;
-use crate::state::{Lost, MAX_NODE_BYTES, State};
-use crate::tables::PREFIXES;
+use super::builder::Builder;
+use super::commit::{Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, published};
+use super::front::{Front, MAX_QUEUED_BLOCKS};
+use super::lookup::{self, Owner};
+use crate::error::{Error, Result};
+use crate::file::lock::HeadLock;
+use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
+use crate::store::import::{ImportReport, read_json};
+use crate::store::writer::{Ran, Writer};
 
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,39 +66,6 @@ pub enum OpenCheck {
     Skipped,
 }
 
-/// Dropped in this order: the batch and the read snapshot, then redb (which closes the file),
-/// then the sealer (which seals the closed file).
-pub(crate) struct Inner {
-    pub back: Mutex<State>,
-    pub front: Mutex<Front>,
-    /// Wakes the commit thread (work queued, or closing).
-    pub wake: Condvar,
-    /// Wakes callers waiting for the queue to be taken.
-    pub drained: Condvar,
-    pub window: Duration,
-    pub check: OpenCheck,
-    /// How the file's keys are made (from its meta record; fixed for its life).
-    pub scheme: Scheme,
-    pub db: Database,
-    pub sealer: Sealer,
-}
-
-/// Seals the file ([`seal::write`]) when dropped, after redb has closed it, if the close
-/// committed everything.
-pub(crate) struct Sealer {
-    path: Option<PathBuf>,
-    clean: AtomicBool,
-}
-
-impl Drop for Sealer {
-    fn drop(&mut self) {
-        if let (Some(path), true) = (&self.path, *self.clean.get_mut()) {
-            // Best effort: without a seal the next open verifies every page instead.
-            let _ = seal::write(path);
-        }
-    }
-}
-
 /// Which node last ran each prompt prefix, kept in a redb file.
 ///
 /// ```no_run
@@ -136,18 +103,21 @@ impl Warm {
         Builder::new()
     }
 
+    /// Starts a `Warm` on a prepared file: the callers' side, and the commit thread unless the
+    /// window is zero. `lock` is the head's lock of the file at its path (none for a custom
+    /// backend).
     pub(crate) fn start(
         db: Database,
-        state: State,
+        writer: Writer,
         window: Duration,
         check: OpenCheck,
         scheme: Scheme,
-        path: Option<PathBuf>,
+        lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
-        let front = Front::new(state.meta.clock, state.nodes.names.clone(), published(&state), snapshot(&db)?);
+        let front = Front::new(writer.meta.clock, writer.nodes.names.clone(), published(&writer), committed(&db)?);
         let inner = Arc::new(Inner {
             scheme,
-            back: Mutex::new(state),
+            back: Mutex::new(writer),
             front: Mutex::new(front),
             wake: Condvar::new(),
             drained: Condvar::new(),
@@ -155,7 +125,7 @@ impl Warm {
             check,
             db,
             // Only a file verified at open may be sealed: a seal vouches for every byte.
-            sealer: Sealer { path: path.filter(|_| check != OpenCheck::Skipped), clean: AtomicBool::new(false) },
+            sealer: Sealer { lock, sealable: check != OpenCheck::Skipped, clean: AtomicBool::new(false) },
         });
         let flusher = if window.is_zero() {
             None
@@ -164,7 +134,7 @@ impl Warm {
             let handle = std::thread::Builder::new()
                 .name("superfluid-warm-commit".into())
                 .spawn(move || flush_loop(&for_thread))
-                .map_err(|source| Error::Io { path: "<commit thread>".into(), source })?;
+                .map_err(|source| Error::Thread { source: Arc::new(source) })?;
             Some(handle)
         };
         Ok(Warm { inner, flusher })
@@ -217,15 +187,16 @@ impl Warm {
             return Ok(None);
         }
         let front = self.front()?;
-        let found = lookup::search(&front, &prefix.blocks)?;
+        let probe = |key: &_| lookup::probe(&front, key);
+        let found = lookup::search(&prefix.blocks, probe)?;
         let found =
-            if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&front, &prefix.legacy)?) };
+            if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&prefix.legacy, probe)?) };
         Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|(owner, blocks)| Hit {
             node: match owner {
                 Owner::Pending(i) => {
                     front.pending_names.get(i as usize).map_or_else(|| format!("?{i}"), |n| n.to_string())
                 }
-                Owner::Stored(id) => front.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}")),
+                Owner::Committed(id) => front.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}")),
             },
             tokens: blocks * BLOCK_TOKENS,
         }))
@@ -278,8 +249,8 @@ impl Warm {
             // While commits fail, the queue is not added to (it would only grow): with a commit
             // thread at all, without one past the back-pressure bound (each `ran` retries).
             let full = self.flusher.is_some() || front.queued_blocks > MAX_QUEUED_BLOCKS;
-            if let Some(detail) = front.failed.as_ref().filter(|_| full) {
-                return Err(Error::CommitFailed { detail: detail.clone() });
+            if let Some(failed) = front.failed.as_ref().filter(|_| full) {
+                return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
             front.clock += 1;
             let (index, name) = front.name(node);
@@ -323,7 +294,7 @@ impl Warm {
     /// [`Error::Io`] or [`Error::LegacyJson`] for a file that cannot be read or parsed (the
     /// index is unchanged); [`Error::Storage`] if the commit fails.
     pub fn import_json(&self, path: impl AsRef<Path>) -> Result<ImportReport> {
-        let file = legacy::read(path.as_ref())?;
+        let file = read_json(path.as_ref())?;
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
         // Everything before is committed first, under the same hold of the writer: the import's
         // batch then holds no `ran`, and a failure of it loses none.
@@ -379,166 +350,5 @@ impl Drop for Warm {
     fn drop(&mut self) {
         // Best effort: a caller who needs to know uses `close`.
         let _ = self.shutdown();
-    }
-}
-
-/// A read of the prefix table as of the last commit.
-fn snapshot(db: &Database) -> Result<Snapshot> {
-    let read = db.begin_read().map_err(redb_err("starting a read"))?;
-    read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))
-}
-
-fn published(state: &State) -> Published {
-    Published { entries: state.meta.entries, legacy_entries: state.meta.legacy_entries, capacity: state.meta.capacity }
-}
-
-/// What a flush ends with.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Flush {
-    /// Write the queue into the batch; commit only if the oldest change is a window old or the
-    /// batch is full.
-    IfDue,
-    /// Write the queue and commit.
-    Commit,
-    /// Write the queue, commit, and mark the file closed.
-    Close,
-}
-
-/// Takes the queue, writes it into the batch and commits as `how` says, then tells the callers.
-/// On failure the batch is dropped and its `ran`s go back to the head of the queue (still in the
-/// overlay) to be retried; the error is returned and kept in `failed` until a commit succeeds.
-fn flush(inner: &Inner, how: Flush) -> Result<()> {
-    let mut back = inner.back.lock().map_err(|_| Error::Poisoned)?;
-    flush_locked(inner, &mut back, how)
-}
-
-/// [`flush`] with the writer already held.
-fn flush_locked(inner: &Inner, back: &mut State, how: Flush) -> Result<()> {
-    let (mut rans, due) = {
-        let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
-        let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
-        let rans = front.take();
-        inner.drained.notify_all();
-        (rans, due)
-    };
-    // Write the batch: merged when it cannot evict, else one `ran` at a time, stopping at the
-    // first error; on an error the batch and every `ran` not applied go back to the queue.
-    let (mut done, mut error) = (0, None);
-    if rans.len() > 1 && back.fits(rans.iter().map(|r| r.blocks.len()).sum()) {
-        match back.apply_merged(&inner.db, &rans) {
-            Ok(()) => done = rans.len(),
-            Err(e) => error = Some(e),
-        }
-    } else {
-        for ran in &rans {
-            match back.apply(&inner.db, ran) {
-                Ok(()) => done += 1,
-                Err(e) => {
-                    error = Some(e);
-                    break;
-                }
-            }
-        }
-    }
-    let not_applied = rans.split_off(done);
-    back.applied.extend(rans);
-    let failure = error.map(|e| {
-        let mut lost = back.lose(&inner.db, e);
-        lost.rans.extend(not_applied);
-        lost
-    });
-    let due = due || back.applied.iter().map(|r| r.blocks.len()).sum::<usize>() >= MAX_BATCH_BLOCKS;
-    let outcome = match failure {
-        Some(f) => Err(f),
-        None if matches!(how, Flush::Commit | Flush::Close) || due => {
-            back.commit(&inner.db, how == Flush::Close).map(Some)
-        }
-        None => Ok(None),
-    };
-    // Without a fresh snapshot (a read that failed), the committed `ran`s stay in the overlay
-    // and the old snapshot stays: the answers stay right, and the next commit forgets them.
-    let fresh = match &outcome {
-        Ok(Some(_)) => snapshot(&inner.db).ok(),
-        _ => None,
-    };
-    let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
-    front.nodes.clone_from(&back.nodes.names);
-    front.published = published(back);
-    // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
-    front.clock = front.clock.max(back.meta.clock);
-    // What is replaced is dropped after the lock is released.
-    let (result, _old_snapshot, _gone) = match outcome {
-        Ok(Some(committed)) => {
-            front.failed = None;
-            match fresh {
-                Some(fresh) => (Ok(()), Some(std::mem::replace(&mut front.snapshot, fresh)), front.forget(&committed)),
-                None => {
-                    front.oldest_pending = front.queue.first().map(|r| r.at);
-                    (Ok(()), None, Vec::new())
-                }
-            }
-        }
-        Ok(None) => (Ok(()), None, Vec::new()),
-        Err(lost) => {
-            let Lost { error, rans } = *lost;
-            front.failed = Some(error.to_string());
-            front.requeue(rans);
-            (Err(error), None, Vec::new())
-        }
-    };
-    drop(front);
-    inner.drained.notify_all();
-    result
-}
-
-/// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch
-/// once its oldest change is a window old.
-fn flush_loop(inner: &Inner) {
-    loop {
-        let how = {
-            let Ok(mut front) = inner.front.lock() else { return };
-            loop {
-                if front.closing {
-                    return;
-                }
-                if front.failed.is_some() {
-                    // Retry a failed commit a window later (or sooner, at a caller's sync); a
-                    // commit that succeeds, even of nothing, clears the failure.
-                    front = match inner.wake.wait_timeout(front, inner.window) {
-                        Ok((guard, _)) => guard,
-                        Err(_) => return,
-                    };
-                    if front.closing {
-                        return;
-                    }
-                    if front.failed.is_some() {
-                        break Flush::Commit;
-                    }
-                    continue;
-                }
-                if !front.queue.is_empty() {
-                    break Flush::IfDue;
-                }
-                let wait = match front.oldest_pending {
-                    None => None,
-                    Some(since) => match inner.window.checked_sub(since.elapsed()) {
-                        Some(left) if !left.is_zero() => Some(left),
-                        _ => break Flush::IfDue,
-                    },
-                };
-                front = match wait {
-                    None => match inner.wake.wait(front) {
-                        Ok(guard) => guard,
-                        Err(_) => return,
-                    },
-                    Some(d) => match inner.wake.wait_timeout(front, d) {
-                        Ok((guard, _)) => guard,
-                        Err(_) => return,
-                    },
-                };
-            }
-        };
-        // A failure is kept by `flush` (in `failed`) for the callers, and retried.
-        let _ = flush(inner, how);
     }
 }

@@ -2,17 +2,12 @@
 
 use redb::TableDefinition;
 
-use crate::chain::BlockKey;
+use crate::keys::BlockKey;
 
 /// Block key (its 16 bytes read as a big-endian `u128`, so the integer order is the byte order and
 /// a comparison is one instruction) → (node id, namespace id, depth in blocks, clock). 16-byte
 /// key, 20-byte value.
 pub(crate) const PREFIXES: TableDefinition<u128, (u32, u32, u32, u64)> = TableDefinition::new("prefixes/v2");
-
-/// The prefix table's key for a block key.
-pub(crate) fn stored(key: &BlockKey) -> u128 {
-    u128::from_be_bytes(*key)
-}
 /// Clock → the keys one `ran` (or one clock of an import) wrote, 16 bytes each, each once: the
 /// clock-ordered table eviction scans. A key listed here is live at this clock only while the
 /// prefix table still gives it this clock (later `ran`s leave stale listings, dropped on eviction).
@@ -20,21 +15,31 @@ pub(crate) const GENERATIONS: TableDefinition<u64, &[u8]> = TableDefinition::new
 /// Clock → how many keys of that generation are still live (never 0: the row goes with its last
 /// live key). Eviction sums these oldest first to find its cut.
 pub(crate) const LIVE: TableDefinition<u64, u32> = TableDefinition::new("live/v2");
-/// Node id → bincode [`crate::records::NodeRecord`].
+/// Node id → bincode [`super::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
 /// Node name → node id.
 pub(crate) const NODE_IDS: TableDefinition<&str, u32> = TableDefinition::new("node_ids/v1");
-/// Namespace id → bincode [`crate::records::NamespaceRecord`].
+/// Namespace id → bincode [`super::records::NamespaceRecord`].
 pub(crate) const NAMESPACES: TableDefinition<u32, &[u8]> = TableDefinition::new("namespaces/v1");
 /// Namespace public id (8 bytes) → namespace id.
 pub(crate) const NAMESPACE_IDS: TableDefinition<[u8; 8], u32> = TableDefinition::new("namespace_ids/v1");
-/// "meta" → bincode [`crate::records::Meta`].
+/// [`super::records::META_KEY`] → bincode [`super::records::Meta`].
 pub(crate) const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");
-/// The key of the meta record.
-pub(crate) const META_KEY: &str = "meta";
 
-/// The namespace id of entries imported from 0.1.7 (model unknown: FNV cannot be inverted).
-pub(crate) const LEGACY_NAMESPACE: u32 = 0;
+/// The prefix table's key for a block key.
+pub(crate) fn table_key(key: &BlockKey) -> u128 {
+    u128::from_be_bytes(*key)
+}
+
+/// The keys a generation row lists, in the order listed (a trailing partial key is ignored;
+/// `check` reports it).
+pub(crate) fn generation_keys(row: &[u8]) -> impl Iterator<Item = u128> + '_ {
+    row.chunks_exact(16).map(|k| {
+        let mut key = [0u8; 16];
+        key.copy_from_slice(k);
+        u128::from_be_bytes(key)
+    })
+}
 
 /// One entry of the prefix table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

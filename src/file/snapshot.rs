@@ -6,15 +6,16 @@ use std::path::{Path, PathBuf};
 
 use redb::{ConcurrencyMode, ReadOnlyDatabase, ReadTransaction, ReadableDatabase, ReadableTable};
 
-use crate::builder::open_error;
-use crate::chain::{BLOCK_TOKENS, BlockKey, is_legacy};
-use crate::codec;
-use crate::error::{Error, Result, redb_err};
-use crate::records::{Meta, NamespaceRecord, NodeRecord};
-use crate::schema;
-use crate::seal::{self, Found};
-use crate::state::count;
-use crate::tables::{Entry, GENERATIONS, LIVE, META, META_KEY, NAMESPACES, NODES, PREFIXES, stored};
+use super::lock;
+use super::seal;
+use super::verify::check_copy;
+use crate::error::{Error, Result, open_error, redb_err};
+use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
+use crate::store::codec;
+use crate::store::records::{Meta, NamespaceRecord, read_meta, read_nodes};
+use crate::store::schema;
+use crate::store::tables::{Entry, GENERATIONS, LIVE, META, NAMESPACES, NODES, PREFIXES, generation_keys};
+use crate::store::writer::count;
 
 /// One entry of the index, as `dump` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -59,7 +60,7 @@ pub struct SnapshotStats {
     pub writer: Option<u32>,
 }
 
-/// The verdict of `check`.
+/// The verdict on the invariants of a file's tables.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Check {
@@ -67,8 +68,19 @@ pub struct Check {
     pub entries: u64,
     /// Entries found live in the generation of their clock (equal to `entries` when healthy).
     pub clock_entries: u64,
-    /// Every invariant that does not hold (empty: all hold).
+    /// Every invariant that does not hold (empty: all hold), the first [`MAX_PROBLEMS`].
     pub problems: Vec<String>,
+}
+
+/// Most problems a [`Check`] lists.
+pub const MAX_PROBLEMS: usize = 20;
+
+impl Check {
+    fn note(&mut self, problem: String) {
+        if self.problems.len() < MAX_PROBLEMS {
+            self.problems.push(problem);
+        }
+    }
 }
 
 /// A read-only view of an index file.
@@ -76,10 +88,13 @@ pub struct Snapshot {
     path: PathBuf,
     txn: ReadTransaction,
     meta: Meta,
-    nodes: HashMap<u32, String>,
+    /// Node names by id.
+    nodes: Vec<String>,
     namespaces: HashMap<u32, NamespaceRecord>,
     /// Whether opening it ran redb's full check (on a copy), and it passed.
     pages_verified: bool,
+    /// Whether a live head had the file open when it was opened.
+    head_live: bool,
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -88,19 +103,20 @@ impl std::fmt::Debug for Snapshot {
     }
 }
 
-/// Whether process `pid` is running (Linux: `/proc`; elsewhere it is assumed to be).
-fn alive(pid: u32) -> bool {
-    if cfg!(target_os = "linux") { Path::new(&format!("/proc/{pid}")).exists() } else { true }
+fn hex(key: &[u8]) -> String {
+    crate::keys::hex(key)
 }
 
 impl Snapshot {
     /// Opens `path` read-only at its last commit. A file no head has open is verified first, by
-    /// its seal or else by redb's full check on a copy (a read of the whole file).
+    /// its seal or else by redb's full check on a copy (a read of the whole file); meanwhile no
+    /// head can open it.
     ///
     /// # Errors
     /// [`Error::CrashedWriter`] if the writer that had it open died without closing it (open it
-    /// with a head to recover it); [`Error::UnknownFormat`], [`Error::NewerSchema`],
-    /// [`Error::Corrupted`], [`Error::Io`] or [`Error::Storage`] otherwise.
+    /// for writing once to recover it); [`Error::UnknownFormat`], [`Error::NewerSchema`],
+    /// [`Error::RetiredSchema`], [`Error::Corrupted`], [`Error::Io`] or [`Error::Storage`]
+    /// otherwise.
     pub fn open(path: impl AsRef<Path>) -> Result<Snapshot> {
         let snapshot = Self::open_even_if_crashed(path)?;
         match snapshot.crashed_writer() {
@@ -110,32 +126,30 @@ impl Snapshot {
     }
 
     /// Opens `path` read-only at its last commit, also when the file names a writer that is gone
-    /// but redb found it clean (for `check`).
+    /// but redb found it clean (for checks).
     ///
     /// # Errors
     /// As [`Snapshot::open`]; [`Error::CrashedWriter`] only when redb refuses the file.
     pub fn open_even_if_crashed(path: impl AsRef<Path>) -> Result<Snapshot> {
         let path = path.as_ref();
         if !path.is_file() {
-            return Err(Error::Io {
-                path: path.to_path_buf(),
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here"),
-            });
+            return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here")));
         }
         // A file no head is writing is verified before any of it is read (redb may not survive
-        // reading a corrupted file): by its seal, or by redb's check on a copy. A head's file is
-        // redb's own writes, verified when the head opened it.
-        let (verified, pages_verified) = match seal::found(path) {
-            Found::Sealed => (true, false),
-            Found::Open(pid) if alive(pid) => (true, false),
-            Found::Open(_) | Found::Unknown => {
-                let passed = check_copy(path)?;
-                (passed, passed)
+        // reading a corrupted file): by its seal, or by redb's check on a copy; the guard keeps a
+        // head from opening it until it is open here. A head's file is redb's own writes,
+        // verified when the head opened it.
+        let closed = lock::no_head(path)?;
+        let (head_live, pages_verified) = match &closed {
+            None => (true, false),
+            Some(_) if seal::matches(path) => (false, false),
+            Some(_) => {
+                if !check_copy(path)? {
+                    return Err(Error::Corrupted { detail: "it fails redb's page checksums".into() });
+                }
+                (false, true)
             }
         };
-        if !verified {
-            return Err(Error::Corrupted { detail: "it fails redb's page checksums".into() });
-        }
         let db: ReadOnlyDatabase = redb::Builder::new()
             .set_concurrency_mode(ConcurrencyMode::SingleWriter)
             .set_cache_size(16 << 20)
@@ -147,31 +161,20 @@ impl Snapshot {
             })?;
         let txn = db.begin_read().map_err(redb_err("starting a read"))?;
         let meta_table = txn.open_table(META).map_err(|e| match e {
-            redb::TableError::TableDoesNotExist(_) => Error::UnknownFormat { detail: "no meta table".into() },
+            redb::TableError::TableDoesNotExist(_) => Error::unknown_format("no meta table"),
             e => redb_err("opening the meta table")(e),
         })?;
-        let bytes = meta_table
-            .get(META_KEY)
-            .map_err(redb_err("reading the meta record"))?
-            .ok_or_else(|| Error::UnknownFormat { detail: "no meta record".into() })?;
-        let meta: Meta = codec::decode("meta", bytes.value())?;
+        let meta = read_meta(&meta_table)?.ok_or_else(|| Error::unknown_format("no meta record"))?;
         schema::check(&meta)?;
-        let mut nodes = HashMap::new();
-        for item in
-            txn.open_table(NODES).map_err(redb_err("opening nodes"))?.iter().map_err(redb_err("reading nodes"))?
-        {
-            let (id, bytes) = item.map_err(redb_err("reading nodes"))?;
-            let record: NodeRecord = codec::decode("node", bytes.value())?;
-            nodes.insert(id.value(), record.name);
-        }
+        let nodes = read_nodes(&txn.open_table(NODES).map_err(redb_err("opening nodes"))?)?;
         let mut namespaces = HashMap::new();
         let table = txn.open_table(NAMESPACES).map_err(redb_err("opening namespaces"))?;
         for item in table.iter().map_err(redb_err("reading namespaces"))? {
             let (id, bytes) = item.map_err(redb_err("reading namespaces"))?;
             namespaces.insert(id.value(), codec::decode("namespace", bytes.value())?);
         }
-        drop(meta_table);
-        Ok(Snapshot { path: path.to_path_buf(), txn, meta, nodes, namespaces, pages_verified })
+        drop((meta_table, closed));
+        Ok(Snapshot { path: path.to_path_buf(), txn, meta, nodes, namespaces, pages_verified, head_live })
     }
 
     /// Whether opening it ran redb's full integrity check (on a copy of the file, which passed):
@@ -180,21 +183,31 @@ impl Snapshot {
         self.pages_verified
     }
 
+    /// Whether a live head had the file open when this snapshot was taken.
+    pub fn head_live(&self) -> bool {
+        self.head_live
+    }
+
     /// Process id of the writer that has (or had, if it crashed) the file open.
     pub fn writer(&self) -> Option<u32> {
         self.meta.writer.as_ref().map(|w| w.pid)
     }
 
-    /// The writer the file names, if that process is no longer running.
+    /// The writer the file names, if no head had it open when this snapshot was taken: it
+    /// ended without closing the file.
     pub fn crashed_writer(&self) -> Option<u32> {
-        self.writer().filter(|&pid| !alive(pid))
+        self.writer().filter(|_| !self.head_live)
+    }
+
+    fn node_name(&self, id: u32) -> String {
+        self.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}"))
     }
 
     fn describe(&self, key: BlockKey, entry: Entry) -> DumpEntry {
         let namespace = self.namespaces.get(&entry.namespace);
         DumpEntry {
             key,
-            node: self.nodes.get(&entry.node).cloned().unwrap_or_else(|| format!("#{}", entry.node)),
+            node: self.node_name(entry.node),
             clock: entry.clock,
             tokens: (!is_legacy(&key)).then_some(entry.depth as usize * BLOCK_TOKENS),
             model: namespace.map(|n| n.model.clone()),
@@ -216,15 +229,11 @@ impl Snapshot {
         for item in all {
             let (clock, keys) = item.map_err(redb_err("reading the generations"))?;
             let clock = clock.value();
-            for chunk in keys.value().chunks_exact(16) {
-                let mut key = [0u8; 16];
-                key.copy_from_slice(chunk);
-                let entry = primary
-                    .get(stored(&key))
-                    .map_err(redb_err("reading a prefix"))?
-                    .map(|g| Entry::from_tuple(g.value()));
+            for key in generation_keys(keys.value()) {
+                let entry =
+                    primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
                 if let Some(entry) = entry.filter(|e| e.clock == clock)
-                    && !visit(self.describe(key, entry))
+                    && !visit(self.describe(key.to_be_bytes(), entry))
                 {
                     return Ok(());
                 }
@@ -250,13 +259,9 @@ impl Snapshot {
         }
         let first = live.first().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
         let last = live.last().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
-        let mut per_node: Vec<(String, u64)> = per_node
-            .into_iter()
-            .map(|(id, n)| (self.nodes.get(&id).cloned().unwrap_or_else(|| format!("#{id}")), n))
-            .collect();
+        let mut per_node: Vec<(String, u64)> = per_node.into_iter().map(|(id, n)| (self.node_name(id), n)).collect();
         per_node.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        let file_bytes =
-            std::fs::metadata(&self.path).map_err(|source| Error::Io { path: self.path.clone(), source })?.len();
+        let file_bytes = std::fs::metadata(&self.path).map_err(|source| Error::io(self.path.clone(), source))?.len();
         Ok(SnapshotStats {
             entries,
             legacy_entries: legacy,
@@ -280,161 +285,92 @@ impl Snapshot {
     /// [`Error::Storage`] if the file cannot be read (a broken invariant is a `problem`, not an
     /// error).
     pub fn check(&self) -> Result<Check> {
-        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-        let generations = self.txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
-        let live = self.txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
         let mut check = Check::default();
+        let legacy = self.check_prefixes(&mut check)?;
+        self.check_generations(&mut check)?;
+        if check.entries != check.clock_entries {
+            check.note(format!(
+                "{} prefixes but {} listed live in their generation",
+                check.entries, check.clock_entries
+            ));
+        }
+        if self.meta.entries != check.entries || self.meta.legacy_entries != legacy {
+            check.note(format!(
+                "meta counts {} entries ({} from 0.1.7), the tables hold {} ({legacy})",
+                self.meta.entries, self.meta.legacy_entries, check.entries
+            ));
+        }
+        Ok(check)
+    }
+
+    /// Walks the prefix table: clocks under the high-water mark, node and namespace ids known.
+    /// Counts the entries into `check`; returns how many are 0.1.7's.
+    fn check_prefixes(&self, check: &mut Check) -> Result<u64> {
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
         let mut legacy = 0;
-        let note = |problems: &mut Vec<String>, p: String| {
-            if problems.len() < 20 {
-                problems.push(p);
-            }
-        };
         for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
             let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
             let (key, entry) = (key.value().to_be_bytes(), Entry::from_tuple(value.value()));
             check.entries += 1;
             legacy += u64::from(is_legacy(&key));
             if entry.clock > self.meta.clock {
-                note(
-                    &mut check.problems,
-                    format!("prefix {} has clock {} > high-water mark {}", hex(&key), entry.clock, self.meta.clock),
-                );
+                check.note(format!(
+                    "prefix {} has clock {} > high-water mark {}",
+                    hex(&key),
+                    entry.clock,
+                    self.meta.clock
+                ));
             }
-            if !self.nodes.contains_key(&entry.node) {
-                note(&mut check.problems, format!("prefix {} names unknown node id {}", hex(&key), entry.node));
+            if entry.node as usize >= self.nodes.len() {
+                check.note(format!("prefix {} names unknown node id {}", hex(&key), entry.node));
             }
             if !is_legacy(&key) && !self.namespaces.contains_key(&entry.namespace) {
-                note(
-                    &mut check.problems,
-                    format!("prefix {} names unknown namespace id {}", hex(&key), entry.namespace),
-                );
+                check.note(format!("prefix {} names unknown namespace id {}", hex(&key), entry.namespace));
             }
         }
-        // Each entry is counted at most once (a generation lists a key once, and an entry has one
-        // clock), so if the counts add up to the entries, every entry is listed in its generation.
+        if count(&primary)? != check.entries {
+            check.note("the prefix table's length disagrees with its entries".into());
+        }
+        Ok(legacy)
+    }
+
+    /// Walks the generations: each lists 16-byte keys, each once, and its live count is the
+    /// number of them that still have its clock. Each entry is counted at most once (a
+    /// generation lists a key once, and an entry has one clock), so if the counts add up to the
+    /// entries, every entry is listed in its generation.
+    fn check_generations(&self, check: &mut Check) -> Result<()> {
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let generations = self.txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
+        let live = self.txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
         let mut generation_count = 0u64;
         for item in generations.iter().map_err(redb_err("reading the generations"))? {
             let (clock, keys) = item.map_err(redb_err("reading the generations"))?;
             let (clock, keys) = (clock.value(), keys.value());
             generation_count += 1;
             if keys.len() % 16 != 0 {
-                note(&mut check.problems, format!("generation {clock} lists {} bytes, not 16 per key", keys.len()));
+                check.note(format!("generation {clock} lists {} bytes, not 16 per key", keys.len()));
             }
             let mut here = 0u32;
             let mut seen = std::collections::HashSet::new();
-            for chunk in keys.chunks_exact(16) {
-                let mut key = [0u8; 16];
-                key.copy_from_slice(chunk);
+            for key in generation_keys(keys) {
                 if !seen.insert(key) {
-                    note(&mut check.problems, format!("generation {clock} lists {} twice", hex(&key)));
+                    check.note(format!("generation {clock} lists {} twice", hex(&key.to_be_bytes())));
                     continue;
                 }
-                let entry = primary
-                    .get(stored(&key))
-                    .map_err(redb_err("reading a prefix"))?
-                    .map(|g| Entry::from_tuple(g.value()));
+                let entry =
+                    primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
                 here += u32::from(entry.is_some_and(|e| e.clock == clock));
             }
             let counted = live.get(clock).map_err(redb_err("reading the live counts"))?.map(|g| g.value());
             if counted != Some(here).filter(|&n| n > 0) {
-                note(
-                    &mut check.problems,
-                    format!("generation {clock} has {here} live keys but its count says {counted:?}"),
-                );
+                check.note(format!("generation {clock} has {here} live keys but its count says {counted:?}"));
             }
             check.clock_entries += u64::from(here);
         }
-        if count(&live)? != generation_count {
-            note(&mut check.problems, format!("{} live counts for {generation_count} generations", count(&live)?));
+        let counts = count(&live)?;
+        if counts != generation_count {
+            check.note(format!("{counts} live counts for {generation_count} generations"));
         }
-        if check.entries != check.clock_entries {
-            note(
-                &mut check.problems,
-                format!("{} prefixes but {} listed live in their generation", check.entries, check.clock_entries),
-            );
-        }
-        if count(&primary)? != check.entries {
-            note(&mut check.problems, "the prefix table's length disagrees with its entries".into());
-        }
-        if self.meta.entries != check.entries || self.meta.legacy_entries != legacy {
-            note(
-                &mut check.problems,
-                format!(
-                    "meta counts {} entries ({} from 0.1.7), the tables hold {} ({legacy})",
-                    self.meta.entries, self.meta.legacy_entries, check.entries
-                ),
-            );
-        }
-        Ok(check)
+        Ok(())
     }
-}
-
-/// Runs redb's full integrity check (every page checksum) on a copy of `path`, so that the file
-/// itself is never repaired or written. Returns `Ok(false)` for a corrupted file.
-///
-/// # Errors
-/// [`Error::Io`] if the copy cannot be made; [`Error::Storage`].
-pub fn integrity_check_copy(path: &Path) -> Result<bool> {
-    match check_copy(path) {
-        Err(Error::UnknownFormat { .. }) => Ok(false),
-        verdict => verdict,
-    }
-}
-
-/// [`integrity_check_copy`], with a file redb does not recognise at all as
-/// [`Error::UnknownFormat`].
-fn check_copy(path: &Path) -> Result<bool> {
-    let copy = std::env::temp_dir().join(format!("superfluid-warm-check-{}-{}.redb", std::process::id(), unique()));
-    std::fs::copy(path, &copy).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    let result = redb::Builder::new().set_check_integrity_on_open(true).open(&copy);
-    let verdict = match result {
-        Ok(mut db) => match db.check_integrity() {
-            Ok(ok) => Ok(ok),
-            Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(_))) => Ok(false),
-            Err(e) => Err(redb_err("checking integrity")(e)),
-        },
-        Err(redb::DatabaseError::Storage(redb::StorageError::Corrupted(_))) => Ok(false),
-        Err(redb::DatabaseError::Storage(redb::StorageError::Io(io)))
-            if io.kind() == std::io::ErrorKind::InvalidData =>
-        {
-            Err(Error::UnknownFormat { detail: format!("{}: {io}", path.display()) })
-        }
-        Err(e) => Err(redb_err("checking integrity")(e)),
-    };
-    let _ = std::fs::remove_file(&copy);
-    verdict
-}
-
-/// Copies `path` beside the temporary directory and recovers the copy as a writer would (redb's
-/// repair), so that a file left by a crashed head can be checked without touching it. Returns the
-/// copy's path; the caller removes it.
-///
-/// # Errors
-/// [`Error::Io`] if the copy cannot be made; [`Error::Corrupted`] or [`Error::Storage`] if it
-/// cannot be recovered.
-pub fn recovered_copy(path: &Path) -> Result<PathBuf> {
-    let copy = std::env::temp_dir().join(format!("superfluid-warm-recover-{}-{}.redb", std::process::id(), unique()));
-    std::fs::copy(path, &copy).map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
-    match redb::Builder::new().open(&copy) {
-        Ok(db) => {
-            drop(db);
-            Ok(copy)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_file(&copy);
-            Err(open_error(path, e))
-        }
-    }
-}
-
-fn unique() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
-}
-
-/// Lower-case hex of a key.
-pub fn hex(key: &[u8]) -> String {
-    key.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -1,4 +1,4 @@
-//! Prefix hashing: the chain of 64-token blocks, seeded by the model (and tenant).
+//! Prefix hashing: the chain of 64-token blocks, seeded by the namespace's key.
 //!
 //! A block's bytes are its 64 tokens as 3 bytes LE each when all are below 2^24 (every real
 //! vocabulary: 192 bytes), else as 4 bytes LE each (256 bytes); the two lengths never collide.
@@ -19,138 +19,39 @@
 //! 8 bytes, so they sit side by side in the B-tree and a `ran` touches a few leaf pages instead of
 //! one per block. A key names the model, the tenant and every token before it.
 
-use std::sync::Arc;
-
-use crate::error::{Error, Result};
-
 /// Tokens per block a prefix is matched in (as in 0.1.7).
 pub const BLOCK_TOKENS: usize = 64;
 /// A prefix shorter than this many blocks is not worth routing for (as in 0.1.7).
 pub const MIN_BLOCKS: usize = 2;
-/// Longest model name accepted, in bytes.
-pub const MAX_MODEL_BYTES: usize = 1024;
-/// Longest tenant salt accepted, in bytes.
-pub const MAX_TENANT_BYTES: usize = 1024;
 /// The hash scheme of files this build creates (schema 3), as its meta record names it.
 pub const HASH_SCHEME: &str = "blake3-tree-chain-seg16/v3";
-/// The hash scheme of schema 2 (0.2.0) files, still read and written.
-pub const HASH_SCHEME_V2: &str = "blake3-keyed-chain-seg16/v2";
+/// The hash scheme of schema 2 files, still read and written.
+pub(crate) const HASH_SCHEME_V2: &str = "blake3-keyed-chain-seg16/v2";
 /// Blocks per segment: the blocks of a segment share the first half of their keys.
-pub const SEGMENT_BLOCKS: usize = 16;
-
-const NS_CONTEXT: &str = "superfluid-warm 2026-12 prefix namespace v1";
+pub(crate) const SEGMENT_BLOCKS: usize = 16;
 
 /// A key of the prefix table: 16 bytes of a block's chained hash.
 pub type BlockKey = [u8; 16];
 
-/// Where a prefix lives: a model, and optionally a tenant whose prefixes nobody else shares.
-/// Cheap to clone.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Namespace {
-    inner: Arc<NamespaceInner>,
-}
-
-#[derive(PartialEq, Eq)]
-struct NamespaceInner {
-    model: String,
-    tenant: Option<Vec<u8>>,
-    key: [u8; 32],
-    id: [u8; 8],
-}
-
-impl std::fmt::Debug for Namespace {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Never the tenant salt or the key.
-        f.debug_struct("Namespace")
-            .field("model", &self.inner.model)
-            .field("tenant", &self.inner.tenant.is_some())
-            .field("id", &crate::inspect::hex(&self.inner.id))
-            .finish()
-    }
-}
-
-impl Namespace {
-    /// The namespace of a model shared by everyone.
-    ///
-    /// # Errors
-    /// [`Error::InvalidName`] if `model` is empty or over [`MAX_MODEL_BYTES`].
-    pub fn new(model: &str) -> Result<Namespace> {
-        Self::build(model, None)
-    }
-
-    /// The namespace of a model for one tenant: two tenants never share a prefix, even for the
-    /// same model and tokens.
-    ///
-    /// # Errors
-    /// [`Error::InvalidName`] if `model` or `tenant` is empty or over its limit.
-    pub fn with_tenant(model: &str, tenant: &[u8]) -> Result<Namespace> {
-        check_len("tenant", tenant.len(), MAX_TENANT_BYTES)?;
-        Self::build(model, Some(tenant))
-    }
-
-    fn build(model: &str, tenant: Option<&[u8]>) -> Result<Namespace> {
-        check_len("model", model.len(), MAX_MODEL_BYTES)?;
-        let mut material = Vec::with_capacity(16 + model.len() + tenant.map_or(0, <[u8]>::len));
-        material.extend_from_slice(&(model.len() as u64).to_le_bytes());
-        material.extend_from_slice(model.as_bytes());
-        match tenant {
-            Some(t) => {
-                material.push(1);
-                material.extend_from_slice(&(t.len() as u64).to_le_bytes());
-                material.extend_from_slice(t);
+/// The key of every whole block of `tokens`, in order, chained from `ns_key` in `scheme`.
+pub(crate) fn block_keys(scheme: Scheme, ns_key: &[u8; 32], tokens: &[u32]) -> Vec<BlockKey> {
+    let cvs = match scheme {
+        Scheme::KeyedChain => keyed_chain(ns_key, tokens),
+        Scheme::TreeChain => tree_chain(ns_key, tokens),
+    };
+    let mut segment = [0u8; 8];
+    cvs.iter()
+        .enumerate()
+        .map(|(i, cv)| {
+            if i % SEGMENT_BLOCKS == 0 {
+                segment.copy_from_slice(&cv[..8]);
             }
-            None => material.push(0),
-        }
-        let key = blake3::derive_key(NS_CONTEXT, &material);
-        let mut id = [0; 8];
-        id.copy_from_slice(&blake3::hash(&key).as_bytes()[..8]);
-        Ok(Namespace {
-            inner: Arc::new(NamespaceInner { model: model.to_string(), tenant: tenant.map(<[u8]>::to_vec), key, id }),
+            let mut out = [0u8; 16];
+            out[..8].copy_from_slice(&segment);
+            out[8..].copy_from_slice(&cv[..8]);
+            out
         })
-    }
-
-    /// The model name.
-    pub fn model(&self) -> &str {
-        &self.inner.model
-    }
-
-    /// Whether this namespace is a tenant's own.
-    pub fn has_tenant(&self) -> bool {
-        self.inner.tenant.is_some()
-    }
-
-    /// A short public id of this namespace (never the tenant salt): the first 8 bytes of a hash
-    /// of its key.
-    pub fn id(&self) -> [u8; 8] {
-        self.inner.id
-    }
-
-    /// The key of every whole block of `tokens`, in order, in the scheme of new files (v3).
-    pub fn chain(&self, tokens: &[u32]) -> Vec<BlockKey> {
-        self.chain_in(Scheme::TreeChain, tokens)
-    }
-
-    /// The key of every whole block of `tokens`, in order, in `scheme`.
-    pub(crate) fn chain_in(&self, scheme: Scheme, tokens: &[u32]) -> Vec<BlockKey> {
-        let key = &self.inner.key;
-        let cvs = match scheme {
-            Scheme::KeyedChain => keyed_chain(key, tokens),
-            Scheme::TreeChain => tree_chain(key, tokens),
-        };
-        let mut segment = [0u8; 8];
-        cvs.iter()
-            .enumerate()
-            .map(|(i, cv)| {
-                if i % SEGMENT_BLOCKS == 0 {
-                    segment.copy_from_slice(&cv[..8]);
-                }
-                let mut out = [0u8; 16];
-                out[..8].copy_from_slice(&segment);
-                out[8..].copy_from_slice(&cv[..8]);
-                out
-            })
-            .collect()
-    }
+        .collect()
 }
 
 /// How a file's keys are made from tokens (see the module docs).
@@ -276,78 +177,10 @@ fn hash_width<const N: usize>(
     }
 }
 
-/// Checks a name's length against its limit.
-pub(crate) fn check_len(what: &'static str, len: usize, max: usize) -> Result<()> {
-    if len == 0 || len > max {
-        return Err(Error::InvalidName { what, len, max });
-    }
-    Ok(())
-}
-
-/// The hashes of a prompt's whole blocks, computed once and used for both `warmest` and `ran`.
-#[derive(Clone, Debug)]
-pub struct Prefix {
-    pub(crate) namespace: Namespace,
-    /// The scheme `blocks` were hashed in (the file's).
-    pub(crate) scheme: Scheme,
-    pub(crate) blocks: Vec<BlockKey>,
-    /// The 0.1.7 FNV-1a chain, only while imported 0.1.7 entries remain.
-    pub(crate) legacy: Vec<BlockKey>,
-}
-
-impl Prefix {
-    /// The prefix of `tokens` in `namespace`, in the scheme of new files, without the 0.1.7
-    /// chain. Use [`crate::Warm::prefix`] to get one in the scheme of the index's file that also
-    /// matches entries imported from 0.1.7.
-    pub fn new(namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        Prefix::in_scheme(Scheme::TreeChain, namespace, tokens)
-    }
-
-    pub(crate) fn in_scheme(scheme: Scheme, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        Prefix { namespace: namespace.clone(), scheme, blocks: namespace.chain_in(scheme, tokens), legacy: Vec::new() }
-    }
-
-    /// Whole blocks in the prompt.
-    pub fn blocks(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// Tokens covered by whole blocks.
-    pub fn tokens(&self) -> usize {
-        self.blocks.len() * BLOCK_TOKENS
-    }
-
-    /// The namespace this prefix was hashed in.
-    pub fn namespace(&self) -> &Namespace {
-        &self.namespace
-    }
-}
-
-/// Tag that starts every key holding a 0.1.7 FNV-1a hash. A blake3 key starts with these 8 bytes
-/// with probability 2^-64.
-pub(crate) const LEGACY_TAG: [u8; 8] = *b"fnv1a64\0";
-
-/// The key a 0.1.7 `u64` hash is stored under.
-pub(crate) fn legacy_key(hash: u64) -> BlockKey {
-    let mut key = [0u8; 16];
-    key[..8].copy_from_slice(&LEGACY_TAG);
-    key[8..].copy_from_slice(&hash.to_be_bytes());
-    key
-}
-
-/// Whether a key holds a 0.1.7 hash.
-pub(crate) fn is_legacy(key: &BlockKey) -> bool {
-    key[..8] == LEGACY_TAG
-}
-
-/// The 0.1.7 chain (FNV-1a 64 over the model, then every token's LE bytes), as stored keys.
-pub(crate) fn legacy_chain(model: &str, tokens: &[u32]) -> Vec<BlockKey> {
-    crate::baseline::chain(model, tokens).map(legacy_key).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::keys::Namespace;
 
     const SCHEMES: [Scheme; 2] = [Scheme::KeyedChain, Scheme::TreeChain];
 
@@ -398,15 +231,21 @@ mod tests {
         use blake3::hazmat::{HasherExt, Mode, merge_subtrees_non_root};
         let ns = Namespace::with_tenant("model", b"tenant").map_err(|e| e.to_string());
         let Ok(ns) = ns else { panic!("namespace") };
-        let mut state = 0x1234_5678_9abc_def0u64;
+        // Pseudo-random ids of a 151,936-token vocabulary, from blake3's output stream.
+        let mut stream = blake3::Hasher::new().update(b"leaves").finalize_xof();
         let tokens: Vec<u32> = (0..64 * 37)
             .map(|i| {
-                state = crate::trace::splitmix64(state);
+                let mut word = [0u8; 4];
+                stream.fill(&mut word);
                 // Blocks 3, 10, 11 and 36 hold a token above 2^24: 4-byte blocks among 3-byte ones.
-                if [3, 10, 11, 36].contains(&(i / 64)) && i % 64 == 17 { 1 << 30 } else { (state % 151_936) as u32 }
+                if [3, 10, 11, 36].contains(&(i / 64)) && i % 64 == 17 {
+                    1 << 30
+                } else {
+                    u32::from_le_bytes(word) % 151_936
+                }
             })
             .collect();
-        let key = &ns.inner.key;
+        let key = ns.key();
         let mut buf = [0u8; 4 * BLOCK_TOKENS];
         let mut cv = *key;
         let mut want = Vec::new();

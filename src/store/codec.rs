@@ -1,6 +1,9 @@
-//! The one place bincode is used: cold records (meta, nodes, namespaces), never the hot path.
+//! The one place bincode is used: cold records (meta, nodes, namespaces, the seal), never the
+//! hot path.
 //!
 //! Encoding: bincode 2 `standard()` configuration (little endian, varint integers) over serde.
+
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -16,7 +19,7 @@ fn config() -> bincode::config::Configuration {
 /// # Errors
 /// [`Error::Codec`] if the record cannot be encoded.
 pub(crate) fn encode<T: Serialize>(record: &'static str, value: &T) -> Result<Vec<u8>> {
-    bincode::serde::encode_to_vec(value, config()).map_err(|e| Error::Codec { record, detail: e.to_string() })
+    bincode::serde::encode_to_vec(value, config()).map_err(|e| Error::Codec { record, source: Arc::new(e) })
 }
 
 /// Decodes a cold record; trailing bytes are an error.
@@ -24,10 +27,14 @@ pub(crate) fn encode<T: Serialize>(record: &'static str, value: &T) -> Result<Ve
 /// # Errors
 /// [`Error::Codec`] if the bytes are not a whole record of this type.
 pub(crate) fn decode<T: DeserializeOwned>(record: &'static str, bytes: &[u8]) -> Result<T> {
-    let (value, used) = bincode::serde::decode_from_slice(bytes, config())
-        .map_err(|e| Error::Codec { record, detail: e.to_string() })?;
+    let (value, used) =
+        bincode::serde::decode_from_slice(bytes, config()).map_err(|e| Error::Codec { record, source: Arc::new(e) })?;
     if used != bytes.len() {
-        return Err(Error::Codec { record, detail: format!("{} trailing bytes", bytes.len() - used) });
+        let trailing = format!("{} trailing bytes after the record", bytes.len() - used);
+        return Err(Error::Codec {
+            record,
+            source: Arc::from(Box::<dyn std::error::Error + Send + Sync>::from(trailing)),
+        });
     }
     Ok(value)
 }

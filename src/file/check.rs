@@ -1,0 +1,69 @@
+//! `check_file`: everything that can be checked of an index file, in an order that never reads
+//! a corrupted file through redb's tables and never writes the file.
+
+use std::path::Path;
+
+use super::snapshot::{Check, Snapshot};
+use super::verify::{integrity_check_copy, recovered_copy};
+use crate::error::{Error, Result};
+
+/// What [`check_file`] found.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FileCheck {
+    /// The invariants of the tables; `None` when the tables were not walked (the file fails
+    /// redb's page checksums).
+    pub invariants: Option<Check>,
+    /// redb's page checksums: `None` when not checked (a head has the file open, so a copy
+    /// would not be a state redb ever left).
+    pub integrity: Option<bool>,
+    /// `Some` when the file was left open by a head that ended without closing it (with its
+    /// process id where the file says), and was checked as a head would find it: on a recovered
+    /// copy.
+    pub crashed_writer: Option<Option<u32>>,
+}
+
+impl FileCheck {
+    /// Whether nothing is wrong: redb's integrity did not fail and every invariant holds.
+    pub fn healthy(&self) -> bool {
+        self.integrity != Some(false) && self.invariants.as_ref().is_some_and(|c| c.problems.is_empty())
+    }
+}
+
+/// Checks the index file at `path` without writing it: redb's integrity (on a copy, where no
+/// head has it open) and then, if that passed, the invariants ([`Snapshot::check`]). A file left
+/// by a crashed head is checked on a recovered copy.
+///
+/// # Errors
+/// [`Error::Io`], [`Error::UnknownFormat`], [`Error::NewerSchema`], [`Error::RetiredSchema`] or
+/// [`Error::Storage`]: the file could not be checked at all. A corrupted file is a verdict, not
+/// an error.
+pub fn check_file(path: impl AsRef<Path>) -> Result<FileCheck> {
+    let path = path.as_ref();
+    let (snapshot, crashed, copy) = match Snapshot::open_even_if_crashed(path) {
+        Ok(snapshot) => {
+            let crashed = snapshot.crashed_writer().map(Some);
+            (snapshot, crashed, None)
+        }
+        Err(Error::CrashedWriter { pid }) => {
+            let copy = recovered_copy(path)?;
+            (Snapshot::open_even_if_crashed(&copy)?, Some(pid), Some(copy))
+        }
+        // No head has it open and it fails verification: nothing of it is read.
+        Err(Error::Corrupted { .. }) => {
+            return Ok(FileCheck { invariants: None, integrity: Some(false), crashed_writer: None });
+        }
+        Err(e) => return Err(e),
+    };
+    // redb's check runs first: the invariants walk every table, which redb may not survive on a
+    // corrupted file. Opening the snapshot may have run it already.
+    let integrity = if snapshot.pages_verified() {
+        Some(true)
+    } else if !snapshot.head_live() || copy.is_some() {
+        Some(integrity_check_copy(copy.as_deref().unwrap_or(path))?)
+    } else {
+        None
+    };
+    let invariants = if integrity == Some(false) { None } else { Some(snapshot.check()?) };
+    Ok(FileCheck { invariants, integrity, crashed_writer: crashed })
+}

@@ -1,0 +1,193 @@
+//! The seal: a digest of the whole file, written into its side file (`<file>.seal`) at a clean
+//! close, so that the next open can trust the file without redb's page-by-page integrity check.
+//! While a head has the file open, the side file holds a mark instead (and the head's lock, see
+//! `lock.rs`).
+//!
+//! Opening a file redb did not write (a flipped bit, a truncated copy) without that check can
+//! answer wrongly or panic inside redb, and the check reads every page through redb's cache,
+//! then commits. Reading the file once and hashing it with XXH3-128 does the same job at about
+//! the speed of reading the file: if the digest matches, the bytes are exactly those redb left at
+//! a clean close, so redb's own fast open is safe. If the seal is missing, unreadable, of another
+//! version, or does not match (any write since, a crash, a flipped bit, a copy without its
+//! seal), the open falls back to the full check: the seal can only save time, never make an open
+//! trust a file it would not have trusted. It is not fsynced: a seal lost to power failure costs
+//! one full check.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::UNIX_EPOCH;
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::codec;
+
+/// The seal format this build writes and reads. Version 1 (a blake3 of per-chunk XXH64s) is
+/// not read: a file sealed by it opens with the full check once, and is sealed anew at close.
+const SEAL_VERSION: u32 = 2;
+/// Bytes read at once while hashing.
+const READ_BYTES: usize = 1 << 20;
+
+/// The side file: a version, then what it says of the index file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Record {
+    /// [`SEAL_VERSION`].
+    version: u32,
+    mark: Mark,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Mark {
+    /// Closed cleanly: the file as its head left it.
+    Sealed {
+        /// The file's length.
+        len: u64,
+        /// Its modification time, nanoseconds since the epoch (a quick refusal before hashing).
+        modified: u128,
+        /// XXH3-128 of its bytes.
+        digest: u128,
+    },
+    /// Open by the head whose process id this is (for people: whether it is alive is the lock's
+    /// business).
+    Open {
+        /// Its process id.
+        pid: u32,
+    },
+}
+
+/// Where the side file of the index file at `path` is kept: the same name with `.seal`
+/// appended. Copy it with the file (after the head has closed it) to keep the next open fast; a
+/// file without its seal opens as safely, verified page by page.
+pub fn seal_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".seal");
+    PathBuf::from(name)
+}
+
+/// Replaces the side file's contents (through the head's handle, which holds the lock).
+fn put(mut side: &File, mark: Mark) -> std::io::Result<()> {
+    let bytes = codec::encode("seal", &Record { version: SEAL_VERSION, mark }).map_err(std::io::Error::other)?;
+    side.set_len(0)?;
+    side.seek(SeekFrom::Start(0))?;
+    side.write_all(&bytes)
+}
+
+/// Seals the index file at `path`, which redb has just closed cleanly, into its side file.
+/// Best effort: a seal that is not written costs the next open a full check (the side file is
+/// emptied, so that it does not go on naming a head that is gone).
+pub(crate) fn write_sealed(side: &File, path: &Path) -> std::io::Result<()> {
+    let sealed =
+        stat(path).and_then(|(len, modified)| put(side, Mark::Sealed { len, modified, digest: digest(path, len)? }));
+    if sealed.is_err() {
+        let _ = side.set_len(0);
+    }
+    sealed
+}
+
+/// Marks the index file open by this process: the seal no longer describes it. Best effort: a
+/// reader trusts a seal only while no head holds the lock anyway.
+pub(crate) fn write_open(side: &File) {
+    let _ = put(side, Mark::Open { pid: std::process::id() });
+}
+
+/// Whether the index file at `path` is exactly the file its seal was written for. Any doubt (no
+/// seal, an unreadable one, another version, a different length, time or digest) is `false`.
+pub(crate) fn matches(path: &Path) -> bool {
+    let Ok(bytes) = std::fs::read(seal_path(path)) else { return false };
+    let Ok(record) = codec::decode::<Record>("seal", &bytes) else { return false };
+    match record.mark {
+        Mark::Sealed { len, modified, digest: sealed } if record.version == SEAL_VERSION => {
+            stat(path).ok() == Some((len, modified)) && digest(path, len).is_ok_and(|d| d == sealed)
+        }
+        _ => false,
+    }
+}
+
+fn stat(path: &Path) -> std::io::Result<(u64, u128)> {
+    let meta = std::fs::metadata(path)?;
+    let modified = meta.modified()?.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    Ok((meta.len(), modified))
+}
+
+/// XXH3-128 of the file's bytes; a file that is not `len` bytes long is an error.
+fn digest(path: &Path, len: u64) -> std::io::Result<u128> {
+    let mut file = File::open(path)?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; READ_BYTES];
+    let mut read = 0u64;
+    loop {
+        let n = file.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        read += n as u64;
+    }
+    if read != len {
+        return Err(std::io::Error::other(format!("{read} bytes where the seal says {len}")));
+    }
+    Ok(hasher.digest128())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file_of(dir: &Path, len: usize) -> PathBuf {
+        let path = dir.join("f");
+        let bytes: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4096) as u8).collect();
+        std::fs::write(&path, bytes).expect("write");
+        path
+    }
+
+    fn side(path: &Path) -> File {
+        File::options().read(true).write(true).create(true).truncate(false).open(seal_path(path)).expect("side file")
+    }
+
+    #[test]
+    fn a_seal_matches_its_file_and_nothing_else() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for len in [0, 1, READ_BYTES - 1, READ_BYTES, 3 * READ_BYTES + 17] {
+            let path = file_of(dir.path(), len);
+            assert!(!matches(&path), "no seal yet");
+            write_sealed(&side(&path), &path).expect("seal");
+            assert!(matches(&path), "sealed, {len} bytes");
+            if len > 0 {
+                // One flipped bit anywhere, the length and time put back: refused.
+                let mut bytes = std::fs::read(&path).expect("read");
+                let modified = std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime");
+                bytes[len / 2] ^= 0x10;
+                std::fs::write(&path, &bytes).expect("flip");
+                File::options().write(true).open(&path).and_then(|f| f.set_modified(modified)).expect("set time");
+                assert_eq!(stat(&path).expect("stat").0, len as u64);
+                assert!(!matches(&path), "a flipped bit at {} of {len}", len / 2);
+            }
+            std::fs::remove_file(seal_path(&path)).expect("unseal");
+            assert!(!matches(&path));
+        }
+    }
+
+    #[test]
+    fn a_mark_an_old_version_or_a_garbled_record_is_never_a_seal() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = file_of(dir.path(), 5000);
+        let side = side(&path);
+        write_sealed(&side, &path).expect("seal");
+        assert!(matches(&path));
+        assert!(digest(&path, 5001).is_err(), "a file shorter than its seal says");
+        write_open(&side);
+        assert!(!matches(&path), "marked open");
+        // The same seal, as a record of another version: refused (and so, one full check).
+        let (len, modified) = stat(&path).expect("stat");
+        let sealed = Mark::Sealed { len, modified, digest: digest(&path, len).expect("digest") };
+        for version in [1, SEAL_VERSION + 1] {
+            let bytes = codec::encode("seal", &Record { version, mark: sealed.clone() }).expect("encode");
+            std::fs::write(seal_path(&path), bytes).expect("write");
+            assert!(!matches(&path), "version {version}");
+        }
+        std::fs::write(seal_path(&path), b"\x02\x00\x01").expect("garble");
+        assert!(!matches(&path));
+        write_sealed(&side, &path).expect("seal");
+        assert!(matches(&path), "sealed anew");
+    }
+}

@@ -1,0 +1,240 @@
+//! The writer's side of a `Warm`: what both locks guard, and the commit thread. A flush takes
+//! the queue, writes it into the batch, commits it as asked, then tells the callers (a fresh
+//! view of the last commit, and the overlay maps it made redundant dropped).
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Condvar, Mutex};
+use std::time::Duration;
+
+use redb::{Database, ReadableDatabase};
+
+use super::front::{Committed, Front, MAX_BATCH_BLOCKS, Published};
+use super::warm::OpenCheck;
+use crate::error::{Error, Result, redb_err};
+use crate::file::lock::HeadLock;
+use crate::file::seal;
+use crate::keys::Scheme;
+use crate::store::tables::PREFIXES;
+use crate::store::writer::{Ran, RolledBack, Writer};
+
+/// Dropped in this order: the batch and the read view, then redb (which closes the file), then
+/// the sealer (which seals the closed file and lets go of its lock).
+pub(crate) struct Inner {
+    pub back: Mutex<Writer>,
+    pub front: Mutex<Front>,
+    /// Wakes the commit thread (work queued, or closing).
+    pub wake: Condvar,
+    /// Wakes callers waiting for the queue to be taken.
+    pub drained: Condvar,
+    pub window: Duration,
+    pub check: OpenCheck,
+    /// How the file's keys are made (from its meta record; fixed for its life).
+    pub scheme: Scheme,
+    pub db: Database,
+    pub sealer: Sealer,
+}
+
+/// Holds the head's lock of its file; when dropped, after redb has closed the file, seals it
+/// (if the close committed everything and the file was verified at open) and lets go.
+pub(crate) struct Sealer {
+    pub lock: Option<(HeadLock, PathBuf)>,
+    /// Whether the file may be sealed: only a file verified at open, closed with everything
+    /// committed (a seal vouches for every byte).
+    pub sealable: bool,
+    pub clean: AtomicBool,
+}
+
+impl Drop for Sealer {
+    fn drop(&mut self) {
+        if let (Some((lock, path)), true, true) = (&self.lock, self.sealable, *self.clean.get_mut()) {
+            // Best effort: without a seal the next open verifies every page instead.
+            let _ = seal::write_sealed(lock.side_file(), path);
+        }
+    }
+}
+
+/// A read of the prefix table as of the last commit.
+pub(crate) fn committed(db: &Database) -> Result<Committed> {
+    let read = db.begin_read().map_err(redb_err("starting a read"))?;
+    read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))
+}
+
+pub(crate) fn published(writer: &Writer) -> Published {
+    Published {
+        entries: writer.meta.entries,
+        legacy_entries: writer.meta.legacy_entries,
+        capacity: writer.meta.capacity,
+    }
+}
+
+/// What a flush ends with.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Flush {
+    /// Write the queue into the batch; commit only if the oldest change is a window old or the
+    /// batch is full.
+    IfDue,
+    /// Write the queue and commit.
+    Commit,
+    /// Write the queue, commit, and mark the file closed.
+    Close,
+}
+
+/// Takes the queue, writes it into the batch and commits as `how` says, then tells the callers.
+/// On failure the batch is rolled back and its `ran`s go back to the head of the queue (still in
+/// the overlay) to be retried; the error is returned and kept in `failed` until a commit
+/// succeeds.
+pub(crate) fn flush(inner: &Inner, how: Flush) -> Result<()> {
+    let mut back = inner.back.lock().map_err(|_| Error::Poisoned)?;
+    flush_locked(inner, &mut back, how)
+}
+
+/// [`flush`] with the writer already held.
+pub(crate) fn flush_locked(inner: &Inner, back: &mut Writer, how: Flush) -> Result<()> {
+    let (rans, due) = take_queue(inner)?;
+    let written = write_batch(inner, back, rans);
+    let due = due || back.applied.iter().map(|r| r.blocks.len()).sum::<usize>() >= MAX_BATCH_BLOCKS;
+    let outcome = match written {
+        Err(rolled_back) => Err(rolled_back),
+        Ok(()) if matches!(how, Flush::Commit | Flush::Close) || due => {
+            back.commit(&inner.db, how == Flush::Close).map(Some)
+        }
+        Ok(()) => Ok(None),
+    };
+    publish(inner, back, outcome)
+}
+
+/// Takes the queue from the callers, and whether its oldest change is a window old.
+fn take_queue(inner: &Inner) -> Result<(Vec<Ran>, bool)> {
+    let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
+    let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
+    let rans = front.take();
+    inner.drained.notify_all();
+    Ok((rans, due))
+}
+
+/// Writes `rans` into the batch: merged when they cannot evict, else one at a time, stopping at
+/// the first error. On an error the batch is rolled back and every `ran` it held or was to hold
+/// is returned with it.
+fn write_batch(inner: &Inner, back: &mut Writer, mut rans: Vec<Ran>) -> Result<(), Box<RolledBack>> {
+    let (mut done, mut error) = (0, None);
+    if rans.len() > 1 && back.fits(rans.iter().map(|r| r.blocks.len()).sum()) {
+        match back.apply_merged(&inner.db, &rans) {
+            Ok(()) => done = rans.len(),
+            Err(e) => error = Some(e),
+        }
+    } else {
+        for ran in &rans {
+            match back.apply(&inner.db, ran) {
+                Ok(()) => done += 1,
+                Err(e) => {
+                    error = Some(e);
+                    break;
+                }
+            }
+        }
+    }
+    let not_applied = rans.split_off(done);
+    back.applied.extend(rans);
+    match error {
+        None => Ok(()),
+        Some(e) => {
+            let mut rolled_back = back.roll_back(&inner.db, e);
+            rolled_back.rans.extend(not_applied);
+            Err(rolled_back)
+        }
+    }
+}
+
+/// Tells the callers what a flush did: the counts, and after a commit a fresh view of it with
+/// the overlay maps it made redundant dropped; after a failure, the `ran`s back in the queue.
+fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Ran>>, Box<RolledBack>>) -> Result<()> {
+    // Without a fresh view (a read that failed), the committed `ran`s stay in the overlay and
+    // the old view stays: the answers stay right, and the next commit drops them.
+    let fresh = match &outcome {
+        Ok(Some(_)) => committed(&inner.db).ok(),
+        _ => None,
+    };
+    let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
+    front.nodes.clone_from(&back.nodes.names);
+    front.published = published(back);
+    // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
+    front.clock = front.clock.max(back.meta.clock);
+    // What is replaced is dropped after the lock is released.
+    let (result, _old_view, _gone) = match outcome {
+        Ok(Some(committed)) => {
+            front.failed = None;
+            match fresh {
+                Some(fresh) => {
+                    let old = std::mem::replace(&mut front.committed, fresh);
+                    (Ok(()), Some(old), front.drop_committed(&committed))
+                }
+                None => {
+                    front.oldest_pending = front.queue.first().map(|r| r.at);
+                    (Ok(()), None, Vec::new())
+                }
+            }
+        }
+        Ok(None) => (Ok(()), None, Vec::new()),
+        Err(rolled_back) => {
+            let RolledBack { error, rans } = *rolled_back;
+            front.failed = Some(error.clone());
+            front.requeue(rans);
+            (Err(error), None, Vec::new())
+        }
+    };
+    drop(front);
+    inner.drained.notify_all();
+    result
+}
+/// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch
+/// once its oldest change is a window old.
+pub(crate) fn flush_loop(inner: &Inner) {
+    loop {
+        let how = {
+            let Ok(mut front) = inner.front.lock() else { return };
+            loop {
+                if front.closing {
+                    return;
+                }
+                if front.failed.is_some() {
+                    // Retry a failed commit a window later (or sooner, at a caller's sync); a
+                    // commit that succeeds, even of nothing, clears the failure.
+                    front = match inner.wake.wait_timeout(front, inner.window) {
+                        Ok((guard, _)) => guard,
+                        Err(_) => return,
+                    };
+                    if front.closing {
+                        return;
+                    }
+                    if front.failed.is_some() {
+                        break Flush::Commit;
+                    }
+                    continue;
+                }
+                if !front.queue.is_empty() {
+                    break Flush::IfDue;
+                }
+                let wait = match front.oldest_pending {
+                    None => None,
+                    Some(since) => match inner.window.checked_sub(since.elapsed()) {
+                        Some(left) if !left.is_zero() => Some(left),
+                        _ => break Flush::IfDue,
+                    },
+                };
+                front = match wait {
+                    None => match inner.wake.wait(front) {
+                        Ok(guard) => guard,
+                        Err(_) => return,
+                    },
+                    Some(d) => match inner.wake.wait_timeout(front, d) {
+                        Ok((guard, _)) => guard,
+                        Err(_) => return,
+                    },
+                };
+            }
+        };
+        // A failure is kept by `flush` (in `failed`) for the callers, and retried.
+        let _ = flush(inner, how);
+    }
+}

@@ -1,0 +1,128 @@
+//! `warmest`'s search: the longest remembered prefix of a chain, over the overlay of uncommitted
+//! `ran`s and the last commit.
+//!
+//! Every `ran` writes all the blocks of its prompt at one clock, and eviction removes whole clock
+//! ranges oldest first, so a block's ancestors are never older than it and never evicted before
+//! it: along a chain, the remembered blocks are always a prefix (ARCHITECTURE.md, invariant 3).
+//! The longest remembered prefix is therefore found by binary search, in about log2(blocks)
+//! reads instead of one per block. 0.1.7's imported entries promise no such thing, so their
+//! chain is walked block by block as 0.1.7 did.
+
+use super::front::Front;
+use crate::error::{Result, redb_err};
+use crate::keys::BlockKey;
+use crate::store::tables::{Entry, table_key};
+
+/// Who ran a block: a node index of the overlay, or a node id of the file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Owner {
+    Pending(u32),
+    Committed(u32),
+}
+
+/// The longest remembered prefix: who ran its last block, and its length in blocks.
+pub(crate) type Longest<T> = Option<(T, usize)>;
+
+/// Who ran `key`: the newest pending `ran`, else the last commit.
+pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<Owner>> {
+    if let Some(node) = front.overlay.get(key) {
+        return Ok(Some(Owner::Pending(node)));
+    }
+    let found = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
+    Ok(found.map(|g| Owner::Committed(Entry::from_tuple(g.value()).node)))
+}
+
+/// The longest prefix of `keys` that `probe` remembers, by binary search: only for a chain that
+/// is prefix-closed (every block before a remembered one is remembered).
+pub(crate) fn search<T, E>(
+    keys: &[BlockKey],
+    mut probe: impl FnMut(&BlockKey) -> Result<Option<T>, E>,
+) -> Result<Longest<T>, E> {
+    // Invariant: keys[..lo] are remembered (with `best` the owner of keys[lo - 1]); keys[hi..] are not.
+    let (mut lo, mut hi, mut best) = (0, keys.len(), None);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        match probe(&keys[mid - 1])? {
+            Some(owner) => {
+                lo = mid;
+                best = Some(owner);
+            }
+            None => hi = mid - 1,
+        }
+    }
+    Ok(best.map(|owner| (owner, lo)))
+}
+
+/// The longest prefix of `keys` that `probe` remembers, walking from the first block until one
+/// is missing.
+pub(crate) fn walk<T, E>(
+    keys: &[BlockKey],
+    mut probe: impl FnMut(&BlockKey) -> Result<Option<T>, E>,
+) -> Result<Longest<T>, E> {
+    let mut best = None;
+    for (i, key) in keys.iter().enumerate() {
+        match probe(key)? {
+            Some(owner) => best = Some((owner, i + 1)),
+            None => break,
+        }
+    }
+    Ok(best)
+}
+
+/// The longer of the two; the first wins a tie.
+pub(crate) fn longer<T>(new: Longest<T>, old: Longest<T>) -> Longest<T> {
+    match (new, old) {
+        (Some(n), Some(o)) if o.1 > n.1 => Some(o),
+        (None, o) => o,
+        (n, _) => n,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::convert::Infallible;
+
+    use super::*;
+
+    fn keys(n: u8) -> Vec<BlockKey> {
+        (0..n).map(|i| [i; 16]).collect()
+    }
+
+    /// A remembered prefix of every length (0 to all) of chains of every length up to 40: the
+    /// search finds it, its owner is the last remembered block's, and it probes about log2 keys.
+    #[test]
+    fn search_finds_the_remembered_prefix_of_every_length_in_log_probes() {
+        for n in 0..40u8 {
+            let chain = keys(n);
+            for remembered in 0..=n as usize {
+                let owners: HashMap<BlockKey, usize> =
+                    chain[..remembered].iter().zip(0..).map(|(k, i)| (*k, i)).collect();
+                let mut probes = 0;
+                let found = search(&chain, |k| {
+                    probes += 1;
+                    Ok::<_, Infallible>(owners.get(k).copied())
+                });
+                let want = remembered.checked_sub(1).map(|last| (last, remembered));
+                assert_eq!(found, Ok(want), "{remembered} of {n}");
+                assert!(probes <= (usize::from(n) + 1).ilog2() as usize + 1, "{probes} probes for {n} keys");
+                let walked = walk(&chain, |k| Ok::<_, Infallible>(owners.get(k).copied()));
+                assert_eq!(walked, Ok(want), "the walk agrees");
+            }
+        }
+    }
+
+    #[test]
+    fn the_walk_stops_at_the_first_gap_and_the_longer_wins() {
+        let chain = keys(6);
+        // Blocks 0, 1 and 3 remembered: 0.1.7's entries need not be prefix-closed.
+        let held = |k: &BlockKey| Ok::<_, Infallible>([0, 1, 3].contains(&k[0]).then_some(k[0]));
+        assert_eq!(walk(&chain, held), Ok(Some((1, 2))));
+        let failing = |_: &BlockKey| Err::<Option<u8>, &str>("disk");
+        assert_eq!(search(&chain, failing), Err("disk"), "a failed probe is the search's error");
+        assert_eq!(longer(Some(('a', 3)), Some(('b', 3))), Some(('a', 3)), "a tie goes to the first");
+        assert_eq!(longer(Some(('a', 2)), Some(('b', 3))), Some(('b', 3)));
+        assert_eq!(longer(None, Some(('b', 3))), Some(('b', 3)));
+        assert_eq!(longer(Some(('a', 2)), None), Some(('a', 2)));
+    }
+}

@@ -1,0 +1,9 @@
+//! The index layer: `Warm` and its `Builder`, the caller's side (clock, overlay, queue, lookup)
+//! and the commit thread. Depends on `file`, `store` and `keys`.
+
+pub(crate) mod builder;
+pub(crate) mod commit;
+pub(crate) mod front;
+pub(crate) mod lookup;
+pub(crate) mod overlay;
+pub(crate) mod warm;

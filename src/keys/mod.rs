@@ -1,0 +1,23 @@
+//! The keys layer: namespaces, the block chains that turn tokens into keys, and 0.1.7's keys.
+//! Depends on nothing in the crate but `error`.
+
+mod chain;
+mod legacy;
+mod namespace;
+mod prefix;
+
+#[cfg(test)]
+pub(crate) use chain::HASH_SCHEME_V2;
+pub(crate) use chain::Scheme;
+pub use chain::{BLOCK_TOKENS, BlockKey, HASH_SCHEME, MIN_BLOCKS};
+#[cfg(feature = "tools")]
+pub(crate) use legacy::fnv_chain;
+pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};
+pub(crate) use namespace::check_len;
+pub use namespace::{MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, Namespace};
+pub use prefix::Prefix;
+
+/// Lower-case hex of some bytes (a key, an id), for messages and `Debug`.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

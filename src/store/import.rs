@@ -1,0 +1,109 @@
+//! The upgrade from superfluid 0.1.7: its `warm.json` (`{"prefixes": [[hash, node, clock], …]}`)
+//! brought into the index under FNV keys, answered until they age out. The JSON file is only read.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use redb::Database;
+use serde::{Deserialize, Serialize};
+
+use super::records::Import;
+use super::writer::Writer;
+use crate::error::{Error, Result};
+use crate::keys::{MAX_NODE_BYTES, legacy_key};
+
+/// 0.1.7's `warm.json`: every prefix as (FNV hash, node, clock).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WarmJson {
+    pub prefixes: Vec<(u64, String, u64)>,
+}
+
+/// What an import did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ImportReport {
+    /// Entries in the file.
+    pub in_file: u64,
+    /// Entries written (an entry already there with a newer clock is kept).
+    pub imported: u64,
+    /// True when this very file (same bytes) was imported before: nothing was done.
+    pub already_imported: bool,
+    /// Entries evicted to stay within capacity afterwards.
+    pub evicted: u64,
+}
+
+/// A parsed 0.1.7 file.
+pub(crate) struct LegacyFile {
+    /// (hash, node, clock), each hash once, oldest first.
+    entries: Vec<(u64, String, u64)>,
+    source: [u8; 32],
+}
+
+/// Reads and checks a 0.1.7 `warm.json`.
+///
+/// # Errors
+/// [`Error::Io`] if it cannot be read, [`Error::LegacyJson`] if it is not a valid 0.1.7 file.
+pub(crate) fn read_json(path: &Path) -> Result<LegacyFile> {
+    let bytes = std::fs::read(path).map_err(|source| Error::io(path.to_path_buf(), source))?;
+    let stored: WarmJson = serde_json::from_slice(&bytes).map_err(|e| Error::LegacyJson {
+        path: path.to_path_buf(),
+        detail: "not a 0.1.7 warm.json".into(),
+        source: Some(Arc::new(e)),
+    })?;
+    if let Some((_, node, _)) =
+        stored.prefixes.iter().find(|(_, node, _)| node.is_empty() || node.len() > MAX_NODE_BYTES)
+    {
+        return Err(Error::LegacyJson {
+            path: path.to_path_buf(),
+            detail: format!("a node name of {} bytes (1 to {MAX_NODE_BYTES} allowed)", node.len()),
+            source: None,
+        });
+    }
+    // A hash listed twice (0.1.7 never wrote one) keeps its newest clock.
+    let mut newest: HashMap<u64, (String, u64)> = HashMap::with_capacity(stored.prefixes.len());
+    for (hash, node, at) in stored.prefixes {
+        match newest.get(&hash) {
+            Some((_, seen)) if *seen >= at => {}
+            _ => {
+                newest.insert(hash, (node, at));
+            }
+        }
+    }
+    let mut entries: Vec<(u64, String, u64)> = newest.into_iter().map(|(h, (n, at))| (h, n, at)).collect();
+    entries.sort_unstable_by_key(|&(h, _, at)| (at, h));
+    Ok(LegacyFile { entries, source: *blake3::hash(&bytes).as_bytes() })
+}
+
+impl Writer {
+    /// Writes a parsed 0.1.7 file into the batch (the caller commits it). On error the batch
+    /// is rolled back.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`], [`Error::Corrupted`] or [`Error::Storage`].
+    pub(crate) fn import(&mut self, db: &Database, file: &LegacyFile) -> Result<ImportReport> {
+        let mut report =
+            ImportReport { in_file: file.entries.len() as u64, imported: 0, already_imported: false, evicted: 0 };
+        if self.meta.imports.iter().any(|i| i.source == file.source) {
+            report.already_imported = true;
+            return Ok(report);
+        }
+        match self.import_in_batch(db, file, &mut report) {
+            Ok(()) => Ok(report),
+            Err(e) => Err(self.roll_back(db, e).error),
+        }
+    }
+
+    fn import_in_batch(&mut self, db: &Database, file: &LegacyFile, report: &mut ImportReport) -> Result<()> {
+        let mut entries = Vec::with_capacity(file.entries.len());
+        for (hash, node, at) in &file.entries {
+            entries.push((legacy_key(*hash), self.intern_node(db, node)?, *at));
+        }
+        let (_, written) = self.apply_legacy(db, &entries)?;
+        report.imported = written;
+        self.meta.imports.push(Import { source: file.source, entries: written });
+        report.evicted = self.evict(db)?;
+        Ok(())
+    }
+}

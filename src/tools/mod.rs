@@ -1,0 +1,8 @@
+//! What the CLI, the tests and the benches run around the index: the faithful 0.1.7 design (the
+//! model the index is compared with), request traces and the replay. Built with the `tools`
+//! feature (on with `cli`); hidden from the docs and outside semver: not for production use.
+//! Uses the library's public API, and the 0.1.7 formats from `keys` and `store`.
+
+pub mod baseline;
+pub mod replay;
+pub mod trace;

@@ -1,0 +1,41 @@
+//! A head that writes until it is killed, for the crash and CLI tests (built by `cargo test` as
+//! an example; not part of the package): `torture-writer --db PATH [--seed N] [--capacity N]
+//! [--rans N]` runs `ran`s of the shared torture workload, and after every third one `sync`s and
+//! prints `durable I CLOCK`: ran `I` (0-based) and every one before it are durable.
+
+use std::io::Write;
+use std::time::Duration;
+
+use superfluid_warm::Warm;
+use superfluid_warm::tools::replay::node_name;
+
+#[path = "../common/torture.rs"]
+mod torture;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().collect();
+    let db = arg(&args, "--db").ok_or("--db PATH is required")?;
+    let seed: u64 = arg(&args, "--seed").map_or(Ok(1), |s| s.parse())?;
+    let capacity: u64 = arg(&args, "--capacity").map_or(Ok(4096), |s| s.parse())?;
+    let rans: u64 = arg(&args, "--rans").map_or(Ok(0), |s| s.parse())?;
+    let warm = Warm::builder().capacity(capacity).sync_window(Duration::from_millis(2)).open(db)?;
+    let prompts = torture::prompts(seed);
+    let mut out = std::io::stdout().lock();
+    let mut i = 0u64;
+    while rans == 0 || i < rans {
+        let prompt = &prompts[(i % torture::CYCLE as u64) as usize];
+        warm.ran("torture", prompt, &node_name(i as usize % 5))?;
+        if i.is_multiple_of(3) {
+            warm.sync()?;
+            writeln!(out, "durable {i} {}", warm.stats()?.clock)?;
+            out.flush()?;
+        }
+        i += 1;
+    }
+    warm.close()?;
+    Ok(())
+}

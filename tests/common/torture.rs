@@ -6,15 +6,18 @@ use superfluid_warm::tools::trace;
 /// Requests the writer cycles through.
 pub const CYCLE: usize = 5000;
 
+/// Tokens of each prompt the writer runs (24 blocks).
+pub const PROMPT_TOKENS: usize = 64 * 24;
+
 /// The writer's prompts for `seed`, in the order it runs them: the first 24 blocks of each
 /// request of `trace::synthetic(CYCLE, 16, seed)`.
 pub fn prompts(seed: u64) -> Vec<Vec<u32>> {
     trace::synthetic(CYCLE, 16, seed)
         .iter()
         .map(|r| {
-            let mut tokens = r.tokens();
-            tokens.truncate(64 * 24);
-            tokens
+            // Only the prefix is made: the whole prompts are ~30,000 tokens each.
+            let short = trace::Request { input_length: r.input_length.min(PROMPT_TOKENS), ..r.clone() };
+            short.tokens()
         })
         .collect()
 }

@@ -170,6 +170,18 @@ fn import_from_the_command_line_then_dump_shows_the_old_entries() {
     let out = run(&["import", bad.to_str().expect("utf-8"), p]);
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("cannot import"), "{}", text(&out.stderr));
+    assert_eq!(json_lines(&run(&["dump", p, "--json"])).len(), rows.len(), "the file it had is kept whole");
+    // Into a path that did not exist, a failed import leaves nothing behind.
+    let fresh = dir.path().join("fresh.redb");
+    let out = run(&["import", bad.to_str().expect("utf-8"), fresh.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!fresh.exists(), "no new file");
+    assert!(!superfluid_warm::seal_path(&fresh).exists(), "no side file");
+    assert_eq!(
+        std::fs::read_dir(dir.path()).expect("list").count(),
+        3,
+        "warm.redb, its seal and bad.json, nothing new"
+    );
 }
 
 #[test]
@@ -185,6 +197,9 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(a["warm_tokens"].as_u64().is_some_and(|w| w > 0), "{a}");
     assert_eq!(a["warm_tokens"], b["warm_tokens"]);
     assert_eq!(a["load"], b["load"]);
+    let none = run(&["replay", "--requests", "10", "--nodes", "0"]);
+    assert_eq!(none.status.code(), Some(2), "a usage error");
+    assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));
     let default = run(&["replay", "--requests", "300"]);
     assert!(default.status.success(), "{}", text(&default.stderr));
     for needle in ["routed warm", "load per node", "index time/request", "ratio (ours/0.1.7)"] {

@@ -155,3 +155,55 @@ fn a_sealed_file_with_a_flipped_bit_is_not_trusted() -> Result<(), Error> {
     assert_eq!(answers(&warm)?, expected);
     Ok(())
 }
+
+/// The seal record of 0.3.0 (seal version 1: a blake3 of per-chunk XXH64s), encoded as that
+/// build wrote it: bincode 2 `standard()` over serde.
+#[derive(serde::Serialize)]
+struct SealV1 {
+    version: u32,
+    state: SealV1State,
+}
+
+#[derive(serde::Serialize)]
+enum SealV1State {
+    Sealed { len: u64, modified: u128, digest: [u8; 32] },
+}
+
+#[test]
+fn a_seal_of_the_previous_format_costs_one_full_check_and_is_written_anew() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let mut rng = Rng(11);
+    let mut conversations = Conversations::new(6);
+    let mut prompts = Vec::new();
+    let warm = Warm::open(&path)?;
+    for i in 0..40 {
+        let (m, p) = conversations.turn(&mut rng);
+        warm.ran(m, &p, ["a", "b"][i % 2])?;
+        prompts.push((m, p));
+    }
+    let expected: Vec<Option<Hit>> = prompts.iter().map(|(m, p)| warm.warmest(m, p)).collect::<Result<_, _>>()?;
+    warm.close()?;
+    // The side file as 0.3.0 left it for this very file (its length and time; its digest is of
+    // the old scheme, which this build does not compute).
+    let meta = std::fs::metadata(&path).expect("stat");
+    let modified = meta.modified().expect("mtime").duration_since(std::time::UNIX_EPOCH).expect("after 1970");
+    let old = SealV1 {
+        version: 1,
+        state: SealV1State::Sealed { len: meta.len(), modified: modified.as_nanos(), digest: [0x5a; 32] },
+    };
+    let bytes = bincode::serde::encode_to_vec(&old, bincode::config::standard()).expect("encode");
+    std::fs::write(seal_path(&path), &bytes).expect("write the old seal");
+    for (open, want) in [(1, OpenCheck::Pages), (2, OpenCheck::Seal)] {
+        let warm = Warm::open(&path)?;
+        assert_eq!(warm.stats()?.open_check, want, "open {open}");
+        let got: Vec<Option<Hit>> = prompts.iter().map(|(m, p)| warm.warmest(m, p)).collect::<Result<_, _>>()?;
+        assert_eq!(got, expected, "open {open} answers as before");
+        warm.close()?;
+        if open == 1 {
+            assert_ne!(std::fs::read(seal_path(&path)).expect("seal"), bytes, "sealed anew at close");
+        }
+    }
+    assert!(expected.iter().filter(|a| a.is_some()).count() > 20);
+    Ok(())
+}

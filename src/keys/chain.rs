@@ -11,7 +11,7 @@
 //!   parent node of `(cv[i-1], leaf[i])` in the same mode (`hazmat::merge_subtrees_non_root`).
 //!   The leaves do not depend on each other, so they are hashed 16 at a time in SIMD lanes; only
 //!   the one-compression parent step is sequential.
-//! - **v2** ([`HASH_SCHEME_V2`], schema 2, 0.2.0): `cv[i] = blake3::keyed_hash(cv[i-1], bytes)`,
+//! - **v2** ([`HASH_SCHEME_V2`], schema 2): `cv[i] = blake3::keyed_hash(cv[i-1], bytes)`,
 //!   every compression sequential. Kept for the files that use it.
 //!
 //! Either way the key of block `i` is `cv[s][..8] ‖ cv[i][..8]`, with `s` the first block of its

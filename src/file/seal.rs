@@ -6,7 +6,7 @@
 //! Opening a file redb did not write (a flipped bit, a truncated copy) without that check can
 //! answer wrongly or panic inside redb, and the check reads every page through redb's cache,
 //! then commits. Reading the file once and hashing it with XXH3-128 does the same job at about
-//! the speed of reading the file: if the digest matches, the bytes are exactly those redb left at
+//! the speed of reading the file (on every core): if the digest matches, the bytes are exactly those redb left at
 //! a clean close, so redb's own fast open is safe. If the seal is missing, unreadable, of another
 //! version, or does not match (any write since, a crash, a flipped bit, a copy without its
 //! seal), the open falls back to the full check: the seal can only save time, never make an open
@@ -14,7 +14,7 @@
 //! one full check.
 
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom, Write};
+use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
@@ -25,8 +25,8 @@ use crate::store::codec;
 /// The seal format this build writes and reads. Version 1 (a blake3 of per-chunk XXH64s) is
 /// not read: a file sealed by it opens with the full check once, and is sealed anew at close.
 const SEAL_VERSION: u32 = 2;
-/// Bytes read at once while hashing.
-const READ_BYTES: usize = 1 << 20;
+/// Bytes of the file hashed on their own (and read at once).
+const PIECE_BYTES: usize = 1 << 20;
 
 /// The side file: a version, then what it says of the index file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -109,24 +109,75 @@ fn stat(path: &Path) -> std::io::Result<(u64, u128)> {
     Ok((meta.len(), modified))
 }
 
-/// XXH3-128 of the file's bytes; a file that is not `len` bytes long is an error.
+/// The seal's digest of the file's bytes: XXH3-128 over `len` (u64 LE) followed by the
+/// XXH3-128 (u128 LE) of each [`PIECE_BYTES`] piece in order. The pieces are hashed on every
+/// core, each thread reading its own with positioned reads; the digest depends only on the
+/// bytes, never on the thread count. A file that is not `len` bytes long is an error.
 fn digest(path: &Path, len: u64) -> std::io::Result<u128> {
-    let mut file = File::open(path)?;
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
-    let mut buf = vec![0u8; READ_BYTES];
-    let mut read = 0u64;
-    loop {
-        let n = file.read(&mut buf)?;
-        if n == 0 {
-            break;
+    digest_on(path, len, std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// [`digest`] with at most `threads` threads.
+fn digest_on(path: &Path, len: u64, threads: usize) -> std::io::Result<u128> {
+    let file = File::open(path)?;
+    let actual = file.metadata()?.len();
+    if actual != len {
+        return Err(std::io::Error::other(format!("{actual} bytes where the seal says {len}")));
+    }
+    let pieces = usize::try_from(len.div_ceil(PIECE_BYTES as u64)).map_err(std::io::Error::other)?;
+    let threads = threads.clamp(1, pieces.max(1));
+    let mut hashes = vec![0u128; pieces];
+    std::thread::scope(|scope| -> std::io::Result<()> {
+        let file = &file;
+        let workers: Vec<_> = (0..threads)
+            .map(|t| {
+                scope.spawn(move || -> std::io::Result<Vec<(usize, u128)>> {
+                    let mut buf = vec![0u8; PIECE_BYTES];
+                    let mut out = Vec::new();
+                    for piece in (t..pieces).step_by(threads) {
+                        let at = piece as u64 * PIECE_BYTES as u64;
+                        let n = usize::try_from((len - at).min(PIECE_BYTES as u64)).map_err(std::io::Error::other)?;
+                        read_exact_at(file, &mut buf[..n], at)?;
+                        out.push((piece, xxhash_rust::xxh3::xxh3_128(&buf[..n])));
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+        for worker in workers {
+            let done = worker.join().map_err(|_| std::io::Error::other("a seal hashing thread panicked"))??;
+            for (piece, hash) in done {
+                hashes[piece] = hash;
+            }
         }
-        hasher.update(&buf[..n]);
-        read += n as u64;
+        Ok(())
+    })?;
+    let mut joined = Vec::with_capacity(8 + 16 * pieces);
+    joined.extend_from_slice(&len.to_le_bytes());
+    for hash in hashes {
+        joined.extend_from_slice(&hash.to_le_bytes());
     }
-    if read != len {
-        return Err(std::io::Error::other(format!("{read} bytes where the seal says {len}")));
+    Ok(xxhash_rust::xxh3::xxh3_128(&joined))
+}
+
+/// Fills `buf` from `file` at offset `at`, without moving a shared cursor.
+fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(file, buf, at)
     }
-    Ok(hasher.digest128())
+    #[cfg(windows)]
+    {
+        let mut done = 0;
+        while done < buf.len() {
+            let n = std::os::windows::fs::FileExt::seek_read(file, &mut buf[done..], at + done as u64)?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -147,7 +198,7 @@ mod tests {
     #[test]
     fn a_seal_matches_its_file_and_nothing_else() {
         let dir = tempfile::tempdir().expect("tempdir");
-        for len in [0, 1, READ_BYTES - 1, READ_BYTES, 3 * READ_BYTES + 17] {
+        for len in [0, 1, PIECE_BYTES - 1, PIECE_BYTES, 3 * PIECE_BYTES + 17] {
             let path = file_of(dir.path(), len);
             assert!(!matches(&path), "no seal yet");
             write_sealed(&side(&path), &path).expect("seal");
@@ -165,6 +216,24 @@ mod tests {
             std::fs::remove_file(seal_path(&path)).expect("unseal");
             assert!(!matches(&path));
         }
+    }
+
+    #[test]
+    fn the_digest_is_of_the_bytes_whatever_the_thread_count() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = file_of(dir.path(), 5 * PIECE_BYTES + 3);
+        let len = stat(&path).expect("stat").0;
+        let one = digest_on(&path, len, 1).expect("digest");
+        for threads in [2, 3, 8] {
+            assert_eq!(digest_on(&path, len, threads).expect("digest"), one, "{threads} threads");
+        }
+        // The definition: XXH3-128 of the length and each piece's XXH3-128.
+        let bytes = std::fs::read(&path).expect("read");
+        let mut joined = len.to_le_bytes().to_vec();
+        for piece in bytes.chunks(PIECE_BYTES) {
+            joined.extend_from_slice(&xxhash_rust::xxh3::xxh3_128(piece).to_le_bytes());
+        }
+        assert_eq!(one, xxhash_rust::xxh3::xxh3_128(&joined));
     }
 
     #[test]

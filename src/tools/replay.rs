@@ -73,8 +73,9 @@ impl Timing {
     /// sum of `samples`.
     pub fn of(samples: &[Duration]) -> Timing {
         let total = samples.iter().sum();
-        // 3 significant digits is always a valid precision.
-        let Ok(mut histogram) = hdrhistogram::Histogram::<u64>::new(3) else {
+        // Up to an hour, to 3 significant digits: always valid bounds. (A histogram made by
+        // `new` would only grow on `record`, and `saturating_record` would clip every sample.)
+        let Ok(mut histogram) = hdrhistogram::Histogram::<u64>::new_with_max(MAX_SAMPLE_NANOS, 3) else {
             return Timing { total, ..Timing::default() };
         };
         for d in samples {
@@ -84,6 +85,9 @@ impl Timing {
         Timing { p50: at(0.5), p99: at(0.99), total }
     }
 }
+
+/// The longest sample [`Timing::of`] tells apart: an hour; longer ones count as an hour.
+const MAX_SAMPLE_NANOS: u64 = 3_600_000_000_000;
 
 /// What a replay found.
 #[derive(Clone, Debug, Default)]
@@ -220,4 +224,27 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     report.entries = warm.stats()?.entries;
     report.wall = started.elapsed();
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_gives_the_percentiles_of_its_samples_to_three_digits() {
+        // 1 µs, 2 µs, ..., 1000 µs, then one sample of two hours.
+        let mut samples: Vec<Duration> = (1..=1000).map(Duration::from_micros).collect();
+        samples.push(Duration::from_secs(7200));
+        let t = Timing::of(&samples);
+        let close = |got: Duration, want: Duration| {
+            let (g, w) = (got.as_secs_f64(), want.as_secs_f64());
+            assert!((g - w).abs() <= w * 2e-3, "{got:?} is not {want:?} to 3 digits");
+        };
+        close(t.p50, Duration::from_micros(501));
+        close(t.p99, Duration::from_micros(991));
+        assert_eq!(t.total, Duration::from_secs(7200) + Duration::from_micros(500_500));
+        let long = Timing::of(&[Duration::from_secs(7200)]);
+        close(long.p50, Duration::from_nanos(MAX_SAMPLE_NANOS));
+        assert_eq!(Timing::of(&[]).total, Duration::ZERO);
+    }
 }

@@ -290,3 +290,61 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
     assert_eq!(answers(&warm, &model)?, prompts.len());
     Ok(())
 }
+
+/// An import into an open index, then `ran`s past capacity with the default group commit and no
+/// `sync`: 0.1.7, loading the same file and making the same `ran`s, evicts the imported entries
+/// and the new ones in the same order, and every answer (the fixture's queries, the new prompts)
+/// is the same at every step.
+#[test]
+fn after_an_import_evictions_keep_0_1_7s_order_between_old_and_new_entries() -> Result<(), Error> {
+    use superfluid_warm::tools::baseline::Baseline;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let capacity = 320;
+    let warm = Warm::builder().capacity(capacity).open(dir.path().join("warm.redb"))?;
+    let report = warm.import_json(fixture())?;
+    assert_eq!(report.imported, 240);
+    let copy = dir.path().join("warm.json");
+    std::fs::copy(fixture(), &copy).expect("copy the fixture");
+    let mut model = Baseline::kept_in(copy, capacity as usize);
+    let queries = queries();
+    let answer = |model: &Baseline, m: &str, tokens: &[u32]| {
+        model.warmest(m, tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens })
+    };
+    let mut prompts: Vec<Vec<u32>> = Vec::new();
+    let (mut compared, mut legacy_warm_at_end) = (0, 0);
+    for i in 0..240u32 {
+        // Twelve conversations of growing turns, 2 to 14 blocks, in tokens the fixture's
+        // prompts never used (0.1.7 would share its keys with them; the index keys them anew).
+        let conv = i % 12;
+        let len = 64 * (2 + (i / 12) % 13) + i % 64;
+        let tokens: Vec<u32> = (0..len).map(|t| 7_000_000 + conv * 100_000 + t).collect();
+        let node = format!("node-{}", i % 5);
+        model.ran("qwen-2.5-7b", &tokens, &node);
+        warm.ran("qwen-2.5-7b", &tokens, &node)?;
+        prompts.push(tokens);
+        if i % 20 == 19 {
+            for q in &queries {
+                assert_eq!(warm.warmest(&q.model, &q.tokens)?, answer(&model, &q.model, &q.tokens), "after ran {i}");
+                compared += 1;
+            }
+            for p in prompts.iter().rev().take(24) {
+                assert_eq!(warm.warmest("qwen-2.5-7b", p)?, answer(&model, "qwen-2.5-7b", p), "after ran {i}");
+                compared += 1;
+            }
+        }
+    }
+    for q in &queries {
+        legacy_warm_at_end += usize::from(answer(&model, &q.model, &q.tokens).is_some());
+    }
+    let stats = warm.stats()?;
+    println!(
+        "{compared} answers compared; {} entries ({} imported) as 0.1.7 holds {}; {legacy_warm_at_end} fixture queries still warm",
+        stats.entries,
+        stats.legacy_entries,
+        model.len()
+    );
+    assert_eq!(stats.entries, model.len() as u64);
+    assert!(stats.legacy_entries < 240, "some imported entries were evicted");
+    assert!(legacy_warm_at_end > 0, "and some are still answered");
+    Ok(())
+}

@@ -59,3 +59,46 @@ fn tenants_never_share_a_prefix() -> Result<(), Error> {
     assert_eq!(warm.warmest("m", &tokens)?, None, "the shared namespace is not a tenant's");
     Ok(())
 }
+
+/// With the default group commit and no `sync` between requests, every answer over the whole
+/// shared conversation trace is 0.1.7's, evictions included: eviction is decided as each `ran`
+/// returns, whatever the commit thread has written yet. Then the same file, reopened, answers
+/// as the model still.
+#[test]
+fn back_to_back_over_the_whole_trace_every_answer_is_0_1_7s() -> Result<(), Error> {
+    use superfluid_warm::tools::{baseline::Baseline, trace};
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/mooncake-conversation.jsonl");
+    let requests = trace::read(std::path::Path::new(path)).expect("the shared trace");
+    let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e.into() })?;
+    let capacity = 1 << 16;
+    let warm = Warm::builder().capacity(capacity).open(dir.path().join("warm.redb"))?;
+    let mut model = Baseline::in_memory(capacity as usize);
+    let (mut warm_answers, mut last) = (0, None);
+    for (i, request) in requests.iter().enumerate() {
+        let tokens = request.tokens();
+        let want = model.warmest("m", &tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+        let got = warm.warmest("m", &tokens)?;
+        assert_eq!(got, want, "request {i} of {}", requests.len());
+        // The naive rule: the warm node, else round robin over 8.
+        let node = want.as_ref().map_or_else(|| format!("node-{}", i % 8), |h| h.node.clone());
+        warm_answers += usize::from(want.is_some());
+        model.ran("m", &tokens, &node);
+        warm.ran("m", &tokens, &node)?;
+        last = Some(tokens);
+    }
+    let entries = warm.stats()?.entries;
+    println!(
+        "{} requests, {warm_answers} warm answers, all equal; {entries} entries, 0.1.7 holds {}",
+        requests.len(),
+        model.len()
+    );
+    assert_eq!(entries, model.len() as u64, "the file holds what 0.1.7 holds");
+    assert!(warm_answers > requests.len() / 4);
+    warm.close()?;
+    let warm = Warm::open(dir.path().join("warm.redb"))?;
+    for tokens in requests.iter().rev().take(200).map(|r| r.tokens()).chain(last) {
+        let want = model.warmest("m", &tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+        assert_eq!(warm.warmest("m", &tokens)?, want, "after a reopen");
+    }
+    Ok(())
+}

@@ -10,12 +10,13 @@ use std::time::Duration;
 use redb::{Database, ReadableDatabase};
 
 use super::front::{Committed, Front, MAX_BATCH_BLOCKS, Published};
+use super::horizon::Horizon;
 use super::warm::OpenCheck;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
 use crate::file::seal;
 use crate::keys::Scheme;
-use crate::store::tables::PREFIXES;
+use crate::store::tables::{LIVE, PREFIXES};
 use crate::store::writer::{Ran, RolledBack, Writer};
 
 /// Dropped in this order: the batch and the read view, then redb (which closes the file), then
@@ -58,6 +59,13 @@ impl Drop for Sealer {
 pub(crate) fn committed(db: &Database) -> Result<Committed> {
     let read = db.begin_read().map_err(redb_err("starting a read"))?;
     read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))
+}
+
+/// The callers' horizon of the file as committed (nothing may be pending in `writer`'s batch).
+pub(crate) fn horizon(db: &Database, writer: &Writer) -> Result<Horizon> {
+    let read = db.begin_read().map_err(redb_err("starting a read"))?;
+    let live = read.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
+    Horizon::load(&live, writer.meta.entries, writer.meta.capacity)
 }
 
 pub(crate) fn published(writer: &Writer) -> Published {
@@ -113,34 +121,20 @@ fn take_queue(inner: &Inner) -> Result<(Vec<Ran>, bool)> {
     Ok((rans, due))
 }
 
-/// Writes `rans` into the batch: merged when they cannot evict, else one at a time, stopping at
-/// the first error. On an error the batch is rolled back and every `ran` it held or was to hold
-/// is returned with it.
-fn write_batch(inner: &Inner, back: &mut Writer, mut rans: Vec<Ran>) -> Result<(), Box<RolledBack>> {
-    let (mut done, mut error) = (0, None);
-    if rans.len() > 1 && back.fits(rans.iter().map(|r| r.blocks.len()).sum()) {
-        match back.apply_merged(&inner.db, &rans) {
-            Ok(()) => done = rans.len(),
-            Err(e) => error = Some(e),
-        }
-    } else {
-        for ran in &rans {
-            match back.apply(&inner.db, ran) {
-                Ok(()) => done += 1,
-                Err(e) => {
-                    error = Some(e);
-                    break;
-                }
-            }
-        }
+/// Writes `rans` into the batch, merged, with the evictions their floors carry. On an error the
+/// batch is rolled back and every `ran` it held or was to hold is returned with it.
+fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Ran>) -> Result<(), Box<RolledBack>> {
+    if rans.is_empty() {
+        return Ok(());
     }
-    let not_applied = rans.split_off(done);
-    back.applied.extend(rans);
-    match error {
-        None => Ok(()),
-        Some(e) => {
+    match back.apply(&inner.db, &rans) {
+        Ok(()) => {
+            back.applied.extend(rans);
+            Ok(())
+        }
+        Err(e) => {
             let mut rolled_back = back.roll_back(&inner.db, e);
-            rolled_back.rans.extend(not_applied);
+            rolled_back.rans.extend(rans);
             Err(rolled_back)
         }
     }

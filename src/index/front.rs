@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::horizon::Horizon;
 use super::overlay::{Map, Overlay};
 use crate::error::Error;
 use crate::store::writer::Ran;
@@ -48,6 +49,10 @@ pub(crate) struct Front {
     pub pending_names: Vec<Arc<str>>,
     name_ids: HashMap<String, u32>,
     pub published: Published,
+    /// What is live by 0.1.7's eviction rule, as of the last `ran` that returned.
+    pub horizon: Horizon,
+    /// Set while an import rewrites the file's counts: `ran`s wait for it.
+    pub importing: bool,
     /// The error of the last commit, while none has succeeded since.
     pub failed: Option<Error>,
     /// Set when the handle is closing: the commit thread stops.
@@ -55,7 +60,13 @@ pub(crate) struct Front {
 }
 
 impl Front {
-    pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, committed: Committed) -> Front {
+    pub(crate) fn new(
+        clock: u64,
+        nodes: Vec<String>,
+        published: Published,
+        committed: Committed,
+        horizon: Horizon,
+    ) -> Front {
         Front {
             clock,
             overlay: Overlay::default(),
@@ -67,6 +78,8 @@ impl Front {
             pending_names: Vec::new(),
             name_ids: HashMap::new(),
             published,
+            horizon,
+            importing: false,
             failed: None,
             closing: false,
         }

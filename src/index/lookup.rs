@@ -23,13 +23,47 @@ pub(crate) enum Owner {
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
 
-/// Who ran `key`: the newest pending `ran`, else the last commit.
-pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<Owner>> {
-    if let Some(node) = front.overlay.get(key) {
-        return Ok(Some(Owner::Pending(node)));
+/// Who ran `key`, and when: the newest pending `ran`, else the last commit; nothing if that is
+/// at or below the callers' eviction floor (evicted, whether the commit thread has removed it
+/// yet or not).
+pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(Owner, u64)>> {
+    let found = match front.overlay.get(key) {
+        Some((node, clock)) => Some((Owner::Pending(node), clock)),
+        None => {
+            let entry = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
+            entry.map(|g| Entry::from_tuple(g.value())).map(|e| (Owner::Committed(e.node), e.clock))
+        }
+    };
+    Ok(found.filter(|&(_, clock)| front.horizon.holds(clock)))
+}
+
+/// The remembered prefix of a prefix-closed chain as runs of equal clocks, `(clock, blocks)`
+/// from the first block on. Clocks never increase along a chain (a `ran` writes every block
+/// before the ones it writes), so each run is found by a binary search for its end: a few
+/// probes a run, not one a block.
+pub(crate) fn clock_runs<E>(
+    keys: &[BlockKey],
+    mut clock_of: impl FnMut(&BlockKey) -> Result<Option<u64>, E>,
+) -> Result<Vec<(u64, u64)>, E> {
+    let Some((_, len)) = search(keys, &mut clock_of)? else { return Ok(Vec::new()) };
+    let mut runs = Vec::new();
+    let mut start = 0;
+    while start < len {
+        let Some(clock) = clock_of(&keys[start])? else { break };
+        // keys[start..=lo] have `clock`; keys[hi + 1..len] have an older one.
+        let (mut lo, mut hi) = (start, len - 1);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if clock_of(&keys[mid])? == Some(clock) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        runs.push((clock, (lo + 1 - start) as u64));
+        start = lo + 1;
     }
-    let found = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
-    Ok(found.map(|g| Owner::Committed(Entry::from_tuple(g.value()).node)))
+    Ok(runs)
 }
 
 /// The longest prefix of `keys` that `probe` remembers, by binary search: only for a chain that
@@ -124,5 +158,36 @@ mod tests {
         assert_eq!(longer(Some(('a', 2)), Some(('b', 3))), Some(('b', 3)));
         assert_eq!(longer(None, Some(('b', 3))), Some(('b', 3)));
         assert_eq!(longer(Some(('a', 2)), None), Some(('a', 2)));
+    }
+
+    /// Chains whose clocks never increase, in runs of every shape: the runs are found whole, in
+    /// a few probes each.
+    #[test]
+    fn clock_runs_splits_a_chain_at_every_change_of_clock() {
+        let chain = keys(40);
+        for shape in [vec![], vec![(9, 40)], vec![(9, 3), (5, 30)], vec![(9, 1), (8, 1), (7, 1), (2, 20)]] {
+            for remembered in [0, 1, 5, 17, 40] {
+                let mut clocks = Vec::new();
+                for &(clock, n) in &shape {
+                    clocks.extend(std::iter::repeat_n(clock, n));
+                }
+                clocks.truncate(remembered);
+                let by_key: HashMap<BlockKey, u64> = chain.iter().copied().zip(clocks.iter().copied()).collect();
+                let mut probes = 0;
+                let runs = clock_runs(&chain, |k| {
+                    probes += 1;
+                    Ok::<_, Infallible>(by_key.get(k).copied())
+                });
+                let mut want: Vec<(u64, u64)> = Vec::new();
+                for &c in &clocks {
+                    match want.last_mut() {
+                        Some((last, n)) if *last == c => *n += 1,
+                        _ => want.push((c, 1)),
+                    }
+                }
+                assert_eq!(runs, Ok(want.clone()), "{shape:?}, {remembered} remembered");
+                assert!(probes <= 7 * (want.len() + 1), "{probes} probes for {} runs", want.len());
+            }
+        }
     }
 }

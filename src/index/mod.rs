@@ -4,6 +4,7 @@
 pub(crate) mod builder;
 pub(crate) mod commit;
 pub(crate) mod front;
+pub(crate) mod horizon;
 pub(crate) mod lookup;
 pub(crate) mod overlay;
 pub(crate) mod warm;

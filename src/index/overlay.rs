@@ -1,6 +1,6 @@
 //! The overlay: every `ran` not yet committed, answerable by block key. One small entry per
 //! block: the last 8 bytes of its key (already a uniform hash of everything up to it) → the index
-//! of the node that wrote it. Entries live in one map per batch: `ran`s go into the open map;
+//! of the node that wrote it and the clock of that `ran`. Entries live in one map per batch: `ran`s go into the open map;
 //! when the commit thread takes the queue, the open map is sealed with it; when that batch is
 //! committed (or lost), its map is dropped whole. So inserts go to a small map, and forgetting a
 //! batch costs nothing per block.
@@ -30,9 +30,9 @@ impl std::hash::Hasher for KeyHasher {
     }
 }
 
-/// One batch's entries: block key tail → node index. A different key with the same 8-byte tail
+/// One batch's entries: block key tail → (node index, clock). A different key with the same 8-byte tail
 /// would be taken for it: at a million pending blocks, a chance of about 2^-44.
-pub(crate) type Map = HashMap<u64, u32, std::hash::BuildHasherDefault<KeyHasher>>;
+pub(crate) type Map = HashMap<u64, (u32, u64), std::hash::BuildHasherDefault<KeyHasher>>;
 
 /// The `ran`s not yet committed.
 #[derive(Default)]
@@ -55,7 +55,7 @@ impl Overlay {
     pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32) {
         self.open.reserve(blocks.len());
         for key in blocks {
-            self.open.insert(tail(key), node);
+            self.open.insert(tail(key), (node, clock));
         }
         self.open_clock = clock;
         self.open_blocks += blocks.len();
@@ -70,12 +70,12 @@ impl Overlay {
         }
     }
 
-    /// The node index of the newest pending `ran` that wrote `key` (at any depth: a key names
-    /// its depth).
-    pub(crate) fn get(&self, key: &BlockKey) -> Option<u32> {
+    /// The node index and clock of the newest pending `ran` that wrote `key` (at any depth: a
+    /// key names its depth).
+    pub(crate) fn get(&self, key: &BlockKey) -> Option<(u32, u64)> {
         let t = tail(key);
-        if let Some(&node) = self.open.get(&t) {
-            return Some(node);
+        if let Some(&found) = self.open.get(&t) {
+            return Some(found);
         }
         self.sealed.iter().rev().find_map(|(_, _, map)| map.get(&t).copied())
     }
@@ -115,14 +115,14 @@ mod tests {
         overlay.push(1, &a, 0);
         overlay.seal();
         overlay.push(2, &a[..20], 1);
-        assert_eq!(overlay.get(&a[5]), Some(1), "the open batch is newer than the sealed one");
-        assert_eq!(overlay.get(&a[30]), Some(0));
+        assert_eq!(overlay.get(&a[5]), Some((1, 2)), "the open batch is newer than the sealed one");
+        assert_eq!(overlay.get(&a[30]), Some((0, 1)));
         assert_eq!(overlay.get(&chain(2, 1)[0]), None);
         assert_eq!(overlay.blocks(), 60);
         assert!(overlay.forget_through(0).is_empty(), "batch 1 is not committed yet");
         assert_eq!(overlay.forget_through(1).len(), 1);
         assert_eq!(overlay.get(&a[30]), None, "a's own blocks went with its batch");
-        assert_eq!(overlay.get(&a[5]), Some(1), "the open batch stays");
+        assert_eq!(overlay.get(&a[5]), Some((1, 2)), "the open batch stays");
         assert!(overlay.forget_through(2).is_empty(), "an open batch is never forgotten");
         overlay.seal();
         assert_eq!(overlay.forget_through(2).len(), 1);

@@ -16,13 +16,13 @@ use std::time::{Duration, Instant};
 use redb::Database;
 
 use super::builder::Builder;
-use super::commit::{Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, published};
+use super::commit::{Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, horizon, published};
 use super::front::{Front, MAX_QUEUED_BLOCKS};
 use super::lookup::{self, Owner};
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
-use crate::store::import::{ImportReport, read_json};
+use crate::store::import::{ImportReport, LegacyFile, read_json};
 use crate::store::writer::{Ran, Writer};
 
 /// The node that ran the longest remembered prefix of a prompt.
@@ -114,7 +114,13 @@ impl Warm {
         scheme: Scheme,
         lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
-        let front = Front::new(writer.meta.clock, writer.nodes.names.clone(), published(&writer), committed(&db)?);
+        let front = Front::new(
+            writer.meta.clock,
+            writer.nodes.names.clone(),
+            published(&writer),
+            committed(&db)?,
+            horizon(&db, &writer)?,
+        );
         let inner = Arc::new(Inner {
             scheme,
             back: Mutex::new(writer),
@@ -191,7 +197,7 @@ impl Warm {
         let found = lookup::search(&prefix.blocks, probe)?;
         let found =
             if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&prefix.legacy, probe)?) };
-        Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|(owner, blocks)| Hit {
+        Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|((owner, _), blocks)| Hit {
             node: match owner {
                 Owner::Pending(i) => {
                     front.pending_names.get(i as usize).map_or_else(|| format!("?{i}"), |n| n.to_string())
@@ -239,10 +245,12 @@ impl Warm {
         };
         {
             let mut front = self.front()?;
-            // Back-pressure: the commit thread is behind (queue) or a commit is (overlay).
-            while (front.queued_blocks > MAX_QUEUED_BLOCKS || front.overlay.blocks() > 4 * MAX_QUEUED_BLOCKS)
-                && self.flusher.is_some()
-                && front.failed.is_none()
+            // Back-pressure: the commit thread is behind (queue) or a commit is (overlay). And
+            // an import in progress (with a commit thread; without one, it holds the writer).
+            while front.importing
+                || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.overlay.blocks() > 4 * MAX_QUEUED_BLOCKS)
+                    && self.flusher.is_some()
+                    && front.failed.is_none()
             {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
@@ -252,13 +260,21 @@ impl Warm {
             if let Some(failed) = front.failed.as_ref().filter(|_| full) {
                 return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
+            // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
+            // chain, in runs of equal clocks) and the floor after it.
+            let runs = lookup::clock_runs(&prefix.blocks, |k| {
+                lookup::probe(&front, k).map(|found| found.map(|(_, clock)| clock))
+            })?;
             front.clock += 1;
+            let clock = front.clock;
+            let floor = front.horizon.ran(clock, prefix.blocks.len() as u64, &runs);
             let (index, name) = front.name(node);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
                 blocks: prefix.blocks.as_slice().into(),
                 node: name,
-                clock: front.clock,
+                clock,
+                floor,
                 at: Instant::now(),
             };
             let was_idle = front.oldest_pending.is_none();
@@ -296,11 +312,26 @@ impl Warm {
     pub fn import_json(&self, path: impl AsRef<Path>) -> Result<ImportReport> {
         let file = read_json(path.as_ref())?;
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
+        // `ran`s wait until the callers' horizon has been read again from the imported file.
+        self.front()?.importing = true;
+        let imported = self.import_locked(&mut back, &file);
+        let mut front = self.front()?;
+        front.importing = false;
+        if imported.is_ok() {
+            front.horizon = horizon(&self.inner.db, &back)?;
+        }
+        drop(front);
+        self.inner.drained.notify_all();
+        imported
+    }
+
+    /// The import, with the writer held and the callers' `ran`s waiting.
+    fn import_locked(&self, back: &mut Writer, file: &LegacyFile) -> Result<ImportReport> {
         // Everything before is committed first, under the same hold of the writer: the import's
         // batch then holds no `ran`, and a failure of it loses none.
-        flush_locked(&self.inner, &mut back, Flush::Commit)?;
-        let report = back.import(&self.inner.db, &file)?;
-        flush_locked(&self.inner, &mut back, Flush::Commit)?;
+        flush_locked(&self.inner, back, Flush::Commit)?;
+        let report = back.import(&self.inner.db, file)?;
+        flush_locked(&self.inner, back, Flush::Commit)?;
         Ok(report)
     }
 

@@ -24,6 +24,9 @@ pub(crate) struct Ran {
     pub blocks: Arc<[BlockKey]>,
     pub node: Arc<str>,
     pub clock: u64,
+    /// Every entry with a clock up to this one is evicted once this `ran` is applied (the
+    /// callers decide eviction, by 0.1.7's rule, as each `ran` returns: `index/horizon.rs`).
+    pub floor: u64,
     /// When the caller made it (for the sync window).
     pub at: Instant,
 }
@@ -54,6 +57,9 @@ pub(crate) struct Writer {
     pub applied: Vec<Ran>,
     /// Whether the committed meta record names a writer (this one, or one that crashed).
     marked: bool,
+    /// The newest floor applied in the batch (0 after a reload: applying a floor twice removes
+    /// nothing the second time).
+    floor: u64,
 }
 
 /// One write to the prefix table.
@@ -86,6 +92,7 @@ impl Writer {
             namespaces: HashMap::new(),
             applied: Vec::new(),
             marked: false,
+            floor: 0,
         };
         writer.reload(db)?;
         Ok(writer)
@@ -105,6 +112,7 @@ impl Writer {
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?;
         self.meta = meta.ok_or_else(|| Error::unknown_format("no meta record"))?;
         self.marked = self.meta.writer.is_some();
+        self.floor = 0;
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
         if let Some((last, _)) = generations.last().map_err(redb_err("reading the generations"))? {
@@ -135,26 +143,28 @@ impl Writer {
         self.txn.is_some()
     }
 
-    /// Writes one `ran` into the batch, then evicts if over capacity. On error the caller rolls
-    /// the whole batch back ([`Writer::roll_back`]), so no `ran` is ever half there.
-    pub(crate) fn apply(&mut self, db: &Database, ran: &Ran) -> Result<()> {
-        self.apply_merged(db, std::slice::from_ref(ran))?;
-        self.evict(db)?;
+    /// Writes `rans` (oldest first) into the batch, then evicts through the newest floor they
+    /// carry. The same as applying them one by one, each followed by its own eviction: a later
+    /// write has a clock past every earlier floor, so evicting "every entry up to the floor"
+    /// commutes with it. On error the caller rolls the whole batch back
+    /// ([`Writer::roll_back`]), so no `ran` is ever half there.
+    pub(crate) fn apply(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
+        self.apply_merged(db, rans)?;
+        let floor = rans.iter().map(|r| r.floor).max().unwrap_or(0);
+        if floor > self.floor {
+            let (n, legacy) = remove_through(self.batch(db)?, floor)?;
+            self.meta.entries = self.meta.entries.saturating_sub(n);
+            self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
+            self.floor = floor;
+        }
         Ok(())
     }
 
-    /// Whether `blocks` more can be written without any eviction, so that a batch of `ran`s may
-    /// be merged ([`Writer::apply_merged`]) with exactly the result of applying them one by one.
-    pub(crate) fn fits(&self, blocks: usize) -> bool {
-        self.meta.entries.saturating_add(blocks as u64) <= self.meta.capacity
-    }
-
-    /// Writes `rans` (oldest first; more than one only when no eviction is possible, see
-    /// [`Writer::fits`]) as one merge: each key once, with its newest write, in key order, so
+    /// Writes `rans` (oldest first) as one merge: each key once, with its newest write, in key order, so
     /// each leaf page is visited once and a block several of them wrote is written once. The
     /// result is what applying them one by one gives, except that a key is listed only in the
     /// generation that still holds it.
-    pub(crate) fn apply_merged(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
+    fn apply_merged(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
         let mut ids = Vec::with_capacity(rans.len());
         for ran in rans {
             ids.push((self.intern_node(db, &ran.node)?, self.intern_namespace(db, &ran.namespace)?));

@@ -1,0 +1,151 @@
+//! The horizon: 0.1.7's eviction rule, decided on the caller's side as each `ran` returns, so
+//! that answers never depend on how far the commit thread has got.
+//!
+//! 0.1.7 evicts, whenever it holds more than `capacity` entries after a `ran`, every entry whose
+//! clock is at most the clock of the `capacity / 8`-th oldest. Each cut is newer than the one
+//! before (everything up to it is gone), so what has been evicted is always "every entry with a
+//! clock up to `floor`". The horizon keeps the floor and, per clock, how many live entries have
+//! it; `warmest` treats anything at or below the floor as absent, wherever it still is (overlay,
+//! last commit), and each queued `ran` carries the floor for the commit thread to apply.
+
+use std::collections::BTreeMap;
+
+use redb::ReadableTable;
+
+use crate::error::{Error, Result, redb_err};
+
+/// The callers' view of what is live.
+#[derive(Debug, Default)]
+pub(crate) struct Horizon {
+    /// Every entry with a clock up to this one is evicted.
+    pub floor: u64,
+    /// Live entries per clock (no zero counts), oldest first.
+    live: BTreeMap<u64, u64>,
+    /// Live entries in all.
+    pub entries: u64,
+    pub capacity: u64,
+}
+
+impl Horizon {
+    /// The horizon of a file as committed (its live counts), with nothing evicted beyond it.
+    ///
+    /// # Errors
+    /// [`Error::Storage`]; [`Error::Corrupted`] if the live counts do not add up to `entries`.
+    pub(crate) fn load(live: &impl ReadableTable<u64, u32>, entries: u64, capacity: u64) -> Result<Horizon> {
+        let mut counts = BTreeMap::new();
+        let mut sum = 0u64;
+        for item in live.iter().map_err(redb_err("reading the live counts"))? {
+            let (clock, count) = item.map_err(redb_err("reading the live counts"))?;
+            counts.insert(clock.value(), u64::from(count.value()));
+            sum += u64::from(count.value());
+        }
+        if sum != entries {
+            return Err(Error::Corrupted {
+                detail: format!("the live counts add up to {sum} entries, the meta record counts {entries}"),
+            });
+        }
+        Ok(Horizon { floor: 0, live: counts, entries, capacity })
+    }
+
+    /// Whether an entry of `clock` is live.
+    pub(crate) fn holds(&self, clock: u64) -> bool {
+        clock > self.floor
+    }
+
+    /// Counts a `ran` at `clock` that writes `blocks` blocks, of which the first ones were live
+    /// with the clocks `runs` gives (`(clock, blocks)`, each run of equal clocks once), then
+    /// applies 0.1.7's rule. Returns the floor after it.
+    pub(crate) fn ran(&mut self, clock: u64, blocks: u64, runs: &[(u64, u64)]) -> u64 {
+        let mut kept = 0;
+        for &(old, n) in runs {
+            if let Some(count) = self.live.get_mut(&old) {
+                let n = n.min(*count);
+                *count -= n;
+                kept += n;
+                if *count == 0 {
+                    self.live.remove(&old);
+                }
+            }
+        }
+        *self.live.entry(clock).or_default() += blocks;
+        self.entries = self.entries - kept + blocks;
+        while self.entries > self.capacity {
+            let skip = self.capacity / 8;
+            let mut seen = 0;
+            let Some(cut) = self.live.iter().find_map(|(&c, &n)| {
+                seen += n;
+                (seen > skip).then_some(c)
+            }) else {
+                break;
+            };
+            let rest = self.live.split_off(&(cut + 1));
+            let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
+            self.entries -= gone;
+            self.floor = cut;
+        }
+        self.floor
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+
+    /// 0.1.7's map of key → clock, and its rule, for chains of keys 0..n of a "conversation".
+    #[derive(Default)]
+    struct Model {
+        by_key: HashMap<(u64, u64), u64>,
+        clock: u64,
+    }
+
+    impl Model {
+        fn ran(&mut self, conv: u64, blocks: u64, max: usize) {
+            self.clock += 1;
+            for b in 0..blocks {
+                self.by_key.insert((conv, b), self.clock);
+            }
+            if self.by_key.len() > max {
+                let mut ages: Vec<u64> = self.by_key.values().copied().collect();
+                ages.sort_unstable();
+                let cut = ages[max / 8];
+                self.by_key.retain(|_, at| *at > cut);
+            }
+        }
+    }
+
+    #[test]
+    fn it_evicts_exactly_what_0_1_7_evicts() {
+        let capacity = 500;
+        let mut model = Model::default();
+        let mut horizon = Horizon { capacity, ..Horizon::default() };
+        let mut state = 7u64;
+        let (mut evictions, mut last_floor) = (0, 0);
+        for _ in 0..3000 {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            state = (state ^ (state >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let conv = state % 40;
+            let blocks = 1 + (state >> 8) % 60;
+            // The live prefix of this chain and its runs of equal clocks, as `ran` finds them.
+            let mut runs: Vec<(u64, u64)> = Vec::new();
+            for b in 0..blocks {
+                match model.by_key.get(&(conv, b)) {
+                    Some(&c) => match runs.last_mut() {
+                        Some((last, n)) if *last == c => *n += 1,
+                        _ => runs.push((c, 1)),
+                    },
+                    None => break,
+                }
+            }
+            model.ran(conv, blocks, capacity as usize);
+            let floor = horizon.ran(model.clock, blocks, &runs);
+            assert_eq!(horizon.entries, model.by_key.len() as u64, "at clock {}", model.clock);
+            assert!(model.by_key.values().all(|&c| horizon.holds(c)));
+            assert!(floor >= last_floor);
+            evictions += usize::from(floor > last_floor);
+            last_floor = floor;
+        }
+        assert!(evictions > 20, "{evictions} evictions");
+    }
+}

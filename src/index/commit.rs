@@ -61,11 +61,22 @@ pub(crate) fn committed(db: &Database) -> Result<Committed> {
     read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))
 }
 
-/// The callers' horizon of the file as committed (nothing may be pending in `writer`'s batch).
-pub(crate) fn horizon(db: &Database, writer: &Writer) -> Result<Horizon> {
+/// The callers' horizon of the file as last committed, whose meta `published` gives (nothing
+/// may be pending: no `ran` since, nothing in the batch).
+pub(crate) fn horizon(db: &Database, published: Published) -> Result<Horizon> {
     let read = db.begin_read().map_err(redb_err("starting a read"))?;
     let live = read.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-    Horizon::load(&live, writer.meta.entries, writer.meta.capacity)
+    Horizon::load(&live, published.entries, published.capacity)
+}
+
+/// Reads the callers' horizon if it has not been read since the open: before the first `ran`
+/// (by it, or earlier by the commit thread), so that opening a file never waits for it.
+pub(crate) fn ensure_horizon<'a>(db: &Database, front: &'a mut Front) -> Result<&'a mut Horizon> {
+    let horizon = match front.horizon.take() {
+        Some(h) => h,
+        None => horizon(db, front.published)?,
+    };
+    Ok(front.horizon.insert(horizon))
 }
 
 pub(crate) fn published(writer: &Writer) -> Published {
@@ -184,6 +195,11 @@ fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Ran>>, Box<R
 /// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch
 /// once its oldest change is a window old.
 pub(crate) fn flush_loop(inner: &Inner) {
+    // Read the horizon now, while the head is likely still starting up; a failure is met
+    // again, and reported, by the first `ran`.
+    if let Ok(mut front) = inner.front.lock() {
+        let _ = ensure_horizon(&inner.db, &mut front);
+    }
     loop {
         let how = {
             let Ok(mut front) = inner.front.lock() else { return };

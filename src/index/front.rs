@@ -49,8 +49,9 @@ pub(crate) struct Front {
     pub pending_names: Vec<Arc<str>>,
     name_ids: HashMap<String, u32>,
     pub published: Published,
-    /// What is live by 0.1.7's eviction rule, as of the last `ran` that returned.
-    pub horizon: Horizon,
+    /// What is live by 0.1.7's eviction rule, as of the last `ran` that returned; read from the
+    /// file before the first `ran` (until then the file's entries are exactly what is live).
+    pub horizon: Option<Horizon>,
     /// Set while an import rewrites the file's counts: `ran`s wait for it.
     pub importing: bool,
     /// The error of the last commit, while none has succeeded since.
@@ -60,13 +61,7 @@ pub(crate) struct Front {
 }
 
 impl Front {
-    pub(crate) fn new(
-        clock: u64,
-        nodes: Vec<String>,
-        published: Published,
-        committed: Committed,
-        horizon: Horizon,
-    ) -> Front {
+    pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, committed: Committed) -> Front {
         Front {
             clock,
             overlay: Overlay::default(),
@@ -78,11 +73,16 @@ impl Front {
             pending_names: Vec::new(),
             name_ids: HashMap::new(),
             published,
-            horizon,
+            horizon: None,
             importing: false,
             failed: None,
             closing: false,
         }
+    }
+
+    /// Whether an entry of `clock` is live (not yet evicted by 0.1.7's rule).
+    pub(crate) fn holds(&self, clock: u64) -> bool {
+        self.horizon.as_ref().is_none_or(|h| h.holds(clock))
     }
 
     /// The overlay's index of a node name, and a shared copy of it.

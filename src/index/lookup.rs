@@ -34,7 +34,7 @@ pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(Owner, u64)
             entry.map(|g| Entry::from_tuple(g.value())).map(|e| (Owner::Committed(e.node), e.clock))
         }
     };
-    Ok(found.filter(|&(_, clock)| front.horizon.holds(clock)))
+    Ok(found.filter(|&(_, clock)| front.holds(clock)))
 }
 
 /// The remembered prefix of a prefix-closed chain as runs of equal clocks, `(clock, blocks)`

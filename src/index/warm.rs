@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use redb::Database;
 
 use super::builder::Builder;
-use super::commit::{Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, horizon, published};
+use super::commit::{
+    Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, horizon, published,
+};
 use super::front::{Front, MAX_QUEUED_BLOCKS};
 use super::lookup::{self, Owner};
 use crate::error::{Error, Result};
@@ -114,13 +116,7 @@ impl Warm {
         scheme: Scheme,
         lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
-        let front = Front::new(
-            writer.meta.clock,
-            writer.nodes.names.clone(),
-            published(&writer),
-            committed(&db)?,
-            horizon(&db, &writer)?,
-        );
+        let front = Front::new(writer.meta.clock, writer.nodes.names.clone(), published(&writer), committed(&db)?);
         let inner = Arc::new(Inner {
             scheme,
             back: Mutex::new(writer),
@@ -262,12 +258,13 @@ impl Warm {
             }
             // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
             // chain, in runs of equal clocks) and the floor after it.
+            ensure_horizon(&self.inner.db, &mut front)?;
             let runs = lookup::clock_runs(&prefix.blocks, |k| {
                 lookup::probe(&front, k).map(|found| found.map(|(_, clock)| clock))
             })?;
             front.clock += 1;
             let clock = front.clock;
-            let floor = front.horizon.ran(clock, prefix.blocks.len() as u64, &runs);
+            let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, prefix.blocks.len() as u64, &runs);
             let (index, name) = front.name(node);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
@@ -318,7 +315,7 @@ impl Warm {
         let mut front = self.front()?;
         front.importing = false;
         if imported.is_ok() {
-            front.horizon = horizon(&self.inner.db, &back)?;
+            front.horizon = Some(horizon(&self.inner.db, published(&back))?);
         }
         drop(front);
         self.inner.drained.notify_all();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
-use superfluid_warm::tools::replay::{self, Config, Policy, Report, Timing};
+use superfluid_warm::tools::replay::{self, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
 use superfluid_warm::{DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
 
@@ -111,6 +111,10 @@ struct ReplayArgs {
     /// Map tokens into a vocabulary of this size (e.g. 151936), as a tokenizer's ids are.
     #[arg(long)]
     vocab: Option<u32>,
+    /// Drive the index from this many head threads (each conversation on one), and report
+    /// requests/s beside 0.1.7's behind one mutex.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: Option<u32>,
     /// As one JSON object.
     #[arg(long)]
     json: bool,
@@ -399,15 +403,21 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
             indicatif::ProgressDrawTarget::hidden()
         },
     );
-    let report = replay::run(&warm, &workload, &config, |i| bar.set_position(i as u64));
+    let (report, threaded) = match args.threads {
+        None => (replay::run(&warm, &workload, &config, |i| bar.set_position(i as u64)), None),
+        Some(t) => match replay::run_threads(&warm, &workload, &config, t as usize) {
+            Ok(threaded) => (Ok(threaded.report.clone()), Some(threaded)),
+            Err(e) => (Err(e), None),
+        },
+    };
     bar.finish_and_clear();
     let closed = warm.close();
     let report = report?;
     closed?;
     let text = if args.json {
-        replay_json(&report, &config, &source)
+        replay_json(&report, &config, &source, threaded.as_ref())
     } else {
-        replay_text(&report, &config, &source, args.db.as_deref())
+        replay_text(&report, &config, &source, args.db.as_deref(), threaded.as_ref())
     };
     emit(out, &text)
 }
@@ -420,20 +430,25 @@ fn policy_name(p: Policy) -> String {
     clap::ValueEnum::to_possible_value(&p).map_or_else(|| format!("{p:?}"), |v| v.get_name().to_string())
 }
 
-fn replay_json(r: &Report, c: &Config, source: &str) -> String {
+fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>) -> String {
     let timing =
         |t: &Timing| json!({"p50_us": micros(t.p50), "p99_us": micros(t.p99), "total_ms": t.total.as_secs_f64() * 1e3});
-    json!({
+    let mut value = json!({
         "source": source, "policy": policy_name(c.policy), "nodes": c.nodes, "requests": r.requests,
         "prompt_tokens": r.prompt_tokens, "warm_tokens": r.warm_tokens, "warm_share": r.warm_share(),
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
-    })
-    .to_string()
+    });
+    if let (Some(t), Some(map)) = (threaded, value.as_object_mut()) {
+        map.insert("threads".into(), json!(t.threads));
+        map.insert("requests_per_s".into(), json!(t.requests_per_s));
+        map.insert("baseline_requests_per_s".into(), json!(t.baseline_requests_per_s));
+    }
+    value.to_string()
 }
 
-fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>) -> String {
+fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, threaded: Option<&Threaded>) -> String {
     let mut t = format!("replay of {source}\n");
     t += &format!("policy {} over {} nodes (load window {} requests)\n", policy_name(c.policy), c.nodes, c.window);
     if let Some(vocab) = c.vocab {
@@ -477,6 +492,19 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>) -> Str
     }
     t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
     t += &format!("wall                {:.2} s", r.wall.as_secs_f64());
+    if let Some(th) = threaded {
+        t += &format!(
+            "\n{} head threads     {:.0} requests/s (wall time, final sync included)",
+            th.threads, th.requests_per_s
+        );
+        if let Some(b) = th.baseline_requests_per_s {
+            t += &format!(
+                "\n0.1.7 design        {b:.0} requests/s ({} threads behind one mutex, in memory, nothing durable); ratio {:.2}x",
+                th.threads,
+                th.requests_per_s / b.max(1e-9)
+            );
+        }
+    }
     if let Some(path) = kept {
         t += &format!("\nindex kept in {}", path.display());
     }

@@ -197,6 +197,19 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(a["warm_tokens"].as_u64().is_some_and(|w| w > 0), "{a}");
     assert_eq!(a["warm_tokens"], b["warm_tokens"]);
     assert_eq!(a["load"], b["load"]);
+    // Three head threads: every request routed once, the same prompt tokens, throughput beside
+    // 0.1.7's behind one mutex.
+    let out = run(&["replay", "--trace", trace, "--requests", "500", "--json", "--threads", "3"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let threaded: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
+    assert_eq!((threaded["requests"].as_u64(), threaded["threads"].as_u64()), (Some(500), Some(3)));
+    assert_eq!(threaded["prompt_tokens"], a["prompt_tokens"]);
+    let load: u64 = threaded["load"].as_array().map_or(0, |l| l.iter().filter_map(|v| v.as_u64()).sum());
+    assert_eq!(Some(load), a["prompt_tokens"].as_u64(), "each request given to one node");
+    assert!(threaded["warm_tokens"].as_u64().is_some_and(|w| w > 0), "{threaded}");
+    for field in ["requests_per_s", "baseline_requests_per_s"] {
+        assert!(threaded[field].as_f64().is_some_and(|r| r > 0.0), "{field}: {threaded}");
+    }
     let none = run(&["replay", "--requests", "10", "--nodes", "0"]);
     assert_eq!(none.status.code(), Some(2), "a usage error");
     assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));

@@ -162,6 +162,17 @@ impl Load {
     }
 }
 
+/// The node the policy gives a request of `tokens` tokens, warm on `warm_node` (node, tokens).
+fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, tokens: usize) -> usize {
+    match (config.policy, warm_node) {
+        (Policy::Warmest, Some((node, _))) => node,
+        (Policy::Warmest, None) => load.least(),
+        (Policy::Balanced, _) if load.imbalanced(config.balance_abs) => load.least(),
+        (Policy::Balanced, Some((node, len))) if len as f64 >= config.min_share * tokens as f64 => node,
+        (Policy::Balanced, _) => load.least(),
+    }
+}
+
 /// Replays `requests` through `warm`, calling `progress` after each.
 ///
 /// # Errors
@@ -188,13 +199,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
         let hit = warm.warmest_prefix(&prefix)?;
         let mut elapsed = t0.elapsed();
         let warm_node = hit.as_ref().and_then(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)));
-        let chosen = match (config.policy, warm_node) {
-            (Policy::Warmest, Some((node, _))) => node,
-            (Policy::Warmest, None) => load.least(),
-            (Policy::Balanced, _) if load.imbalanced(config.balance_abs) => load.least(),
-            (Policy::Balanced, Some((node, len))) if len as f64 >= config.min_share * tokens.len() as f64 => node,
-            (Policy::Balanced, _) => load.least(),
-        };
+        let chosen = choose(config, &load, warm_node, tokens.len());
         if let Some((node, len)) = warm_node
             && node == chosen
         {
@@ -226,6 +231,157 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     Ok(report)
 }
 
+/// What a replay by several head threads found: throughput, beside 0.1.7's behind one mutex.
+#[derive(Clone, Debug, Default)]
+pub struct Threaded {
+    /// Head threads.
+    pub threads: usize,
+    /// The routing and the per-request times, as a one-thread replay reports them.
+    pub report: Report,
+    /// Requests over the wall time of the whole replay, final `sync` included.
+    pub requests_per_s: f64,
+    /// The same for the 0.1.7 design, shared by the threads behind one mutex, deciding by its
+    /// own answers (`None` without the baseline).
+    pub baseline_requests_per_s: Option<f64>,
+}
+
+/// Each request's conversation: the conversation of the earlier request that first had the
+/// deepest of its blocks an earlier request had (past the first block, which conversations
+/// share as their system prompt), or a new one (numbered by its first request).
+pub fn conversations(requests: &[Request]) -> Vec<usize> {
+    let mut first_seen: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut out = Vec::with_capacity(requests.len());
+    for (i, r) in requests.iter().enumerate() {
+        let earlier = r.hash_ids.iter().skip(1).rev().find_map(|id| first_seen.get(id).copied());
+        out.push(earlier.map_or(i, |j: usize| out[j]));
+        for id in &r.hash_ids {
+            first_seen.entry(*id).or_insert(i);
+        }
+    }
+    out
+}
+
+/// Replays `requests` with `threads` head threads sharing `warm` (and the routing's load), each
+/// conversation on one thread so that its turns stay in order. Then, with `config.baseline`,
+/// the same threads over the 0.1.7 design behind one mutex.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for no nodes or no threads; any error of the index.
+pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: usize) -> Result<Threaded> {
+    if config.nodes == 0 || threads == 0 {
+        return Err(Error::InvalidConfig { detail: "a replay needs at least one node and one thread".into() });
+    }
+    let names: Vec<String> = (0..config.nodes).map(node_name).collect();
+    let namespace = Namespace::new(&config.model)?;
+    let conversation = conversations(requests);
+    let share: Vec<Vec<&Request>> = (0..threads)
+        .map(|t| requests.iter().zip(&conversation).filter(|&(_, c)| c % threads == t).map(|(r, _)| r).collect())
+        .collect();
+    let tokens_of = |r: &Request| {
+        let mut tokens = r.tokens();
+        if let Some(vocab) = config.vocab.filter(|&v| v > 0) {
+            tokens.iter_mut().for_each(|t| *t %= vocab);
+        }
+        tokens
+    };
+    let shared = std::sync::Mutex::new((
+        Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) },
+        Report { requests: requests.len(), load: vec![0; config.nodes], ..Report::default() },
+    ));
+    let started = Instant::now();
+    let times = std::thread::scope(|scope| -> Result<Vec<Duration>> {
+        let workers: Vec<_> = share
+            .iter()
+            .map(|mine| {
+                let (shared, names, namespace) = (&shared, &names, &namespace);
+                scope.spawn(move || -> Result<Vec<Duration>> {
+                    let mut times = Vec::with_capacity(mine.len());
+                    for request in mine {
+                        let tokens = tokens_of(request);
+                        let t0 = Instant::now();
+                        let prefix = warm.prefix(namespace, &tokens)?;
+                        let hit = warm.warmest_prefix(&prefix)?;
+                        let mut elapsed = t0.elapsed();
+                        let warm_node =
+                            hit.as_ref().and_then(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)));
+                        let chosen = {
+                            let mut guard = shared.lock().map_err(|_| Error::Poisoned)?;
+                            let (load, report) = &mut *guard;
+                            let chosen = choose(config, load, warm_node, tokens.len());
+                            if let Some((_, len)) = warm_node.filter(|&(node, _)| node == chosen) {
+                                report.warm_tokens += len as u64;
+                                report.warm_requests += 1;
+                            }
+                            load.add(chosen, tokens.len() as u64);
+                            report.load[chosen] += tokens.len() as u64;
+                            report.prompt_tokens += tokens.len() as u64;
+                            chosen
+                        };
+                        let t1 = Instant::now();
+                        warm.ran_prefix(&prefix, &names[chosen])?;
+                        elapsed += t1.elapsed();
+                        times.push(elapsed);
+                    }
+                    Ok(times)
+                })
+            })
+            .collect();
+        let mut all = Vec::with_capacity(requests.len());
+        for worker in workers {
+            all.extend(worker.join().map_err(|_| Error::Poisoned)??);
+        }
+        Ok(all)
+    })?;
+    let t3 = Instant::now();
+    warm.sync()?;
+    let (_, mut report) = shared.into_inner().map_err(|_| Error::Poisoned)?;
+    report.final_sync = t3.elapsed();
+    report.wall = started.elapsed();
+    report.index = Timing::of(&times);
+    report.entries = warm.stats()?.entries;
+    let requests_per_s = requests.len() as f64 / report.wall.as_secs_f64().max(1e-9);
+    let baseline_requests_per_s = if config.baseline {
+        let model = std::sync::Mutex::new(Baseline::in_memory(MAX_0_1_7));
+        let load = std::sync::Mutex::new(Load {
+            per_node: vec![0; config.nodes],
+            recent: VecDeque::new(),
+            window: config.window.max(1),
+        });
+        let started = Instant::now();
+        std::thread::scope(|scope| -> Result<()> {
+            let workers: Vec<_> = share
+                .iter()
+                .map(|mine| {
+                    let (model, load, names) = (&model, &load, &names);
+                    scope.spawn(move || -> Result<()> {
+                        for request in mine {
+                            let tokens = tokens_of(request);
+                            let mut model = model.lock().map_err(|_| Error::Poisoned)?;
+                            let warm_node = model
+                                .warmest(&config.model, &tokens)
+                                .and_then(|(node, len)| names.iter().position(|n| n == node).map(|n| (n, len)));
+                            let mut load = load.lock().map_err(|_| Error::Poisoned)?;
+                            let chosen = choose(config, &load, warm_node, tokens.len());
+                            load.add(chosen, tokens.len() as u64);
+                            drop(load);
+                            model.ran(&config.model, &tokens, &names[chosen]);
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            for worker in workers {
+                worker.join().map_err(|_| Error::Poisoned)??;
+            }
+            Ok(())
+        })?;
+        Some(requests.len() as f64 / started.elapsed().as_secs_f64().max(1e-9))
+    } else {
+        None
+    };
+    Ok(Threaded { threads, report, requests_per_s, baseline_requests_per_s })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,5 +402,18 @@ mod tests {
         let long = Timing::of(&[Duration::from_secs(7200)]);
         close(long.p50, Duration::from_nanos(MAX_SAMPLE_NANOS));
         assert_eq!(Timing::of(&[]).total, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_conversation_is_the_chain_of_requests_that_extend_each_other() {
+        let r = |ids: &[u64]| Request {
+            timestamp: 0,
+            input_length: ids.len() * 512,
+            output_length: 1,
+            hash_ids: ids.to_vec(),
+        };
+        // Two conversations on one system block 0; the third request continues the first.
+        let requests = [r(&[0, 1, 2]), r(&[0, 3]), r(&[0, 1, 2, 4]), r(&[0]), r(&[0, 3, 5]), r(&[0, 1, 6])];
+        assert_eq!(conversations(&requests), [0, 1, 0, 3, 1, 0]);
     }
 }

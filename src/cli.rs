@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use superfluid_warm::tools::replay::{self, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
-use superfluid_warm::{DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
+use superfluid_warm::{DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
 
 #[derive(Parser)]
 #[command(name = "superfluid-warm", version, about = "Which node last ran each prompt prefix: inspect, import, replay")]
@@ -439,6 +439,8 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
+        "bytes_per_request": r.bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
+        "baseline_bytes_per_request": r.baseline_bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
     });
     if let (Some(t), Some(map)) = (threaded, value.as_object_mut()) {
         map.insert("threads".into(), json!(t.threads));
@@ -491,6 +493,19 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
         );
     }
     t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
+    let per_request = |b: u64| b as f64 / r.requests.max(1) as f64 / 1024.0;
+    if let Some(ours) = r.bytes_written {
+        t += &format!("bytes written       {:.1} KiB/request", per_request(ours));
+        if let Some(theirs) = r.baseline_bytes_written {
+            t += &format!(
+                " (0.1.7 saving every {} ms: {:.1} KiB/request, {:.2}x)",
+                DEFAULT_SYNC_WINDOW.as_millis(),
+                per_request(theirs),
+                ours as f64 / theirs.max(1) as f64
+            );
+        }
+        t += "\n";
+    }
     t += &format!("wall                {:.2} s", r.wall.as_secs_f64());
     if let Some(th) = threaded {
         t += &format!(

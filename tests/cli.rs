@@ -197,6 +197,10 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(a["warm_tokens"].as_u64().is_some_and(|w| w > 0), "{a}");
     assert_eq!(a["warm_tokens"], b["warm_tokens"]);
     assert_eq!(a["load"], b["load"]);
+    if cfg!(target_os = "linux") {
+        assert!(a["bytes_per_request"].as_f64().is_some_and(|b| b > 0.0), "{a}");
+    }
+    assert!(a["baseline_bytes_per_request"].is_null(), "no baseline, no 0.1.7 saves");
     // Three head threads: every request routed once, the same prompt tokens, throughput beside
     // 0.1.7's behind one mutex.
     let out = run(&["replay", "--trace", trace, "--requests", "500", "--json", "--threads", "3"]);
@@ -215,7 +219,11 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));
     let default = run(&["replay", "--requests", "300"]);
     assert!(default.status.success(), "{}", text(&default.stderr));
-    for needle in ["routed warm", "load per node", "index time/request", "ratio (ours/0.1.7)"] {
+    let mut needles = vec!["routed warm", "load per node", "index time/request", "ratio (ours/0.1.7)"];
+    if cfg!(target_os = "linux") {
+        needles.push("0.1.7 saving every");
+    }
+    for needle in needles {
         assert!(text(&default.stdout).contains(needle), "missing {needle:?}: {}", text(&default.stdout));
     }
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::baseline::{Baseline, MAX_0_1_7};
 use super::trace::Request;
-use crate::{Error, Namespace, Result, Warm};
+use crate::{DEFAULT_SYNC_WINDOW, Error, Namespace, Result, Warm};
 
 /// How the head picks a node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +110,11 @@ pub struct Report {
     pub final_sync: Duration,
     /// Entries in the index at the end.
     pub entries: u64,
+    /// Bytes the index wrote to its file (the process's `write` calls, final `sync` included;
+    /// Linux only).
+    pub bytes_written: Option<u64>,
+    /// Bytes 0.1.7's `save` wrote, saving every sync window of its own time and at the end.
+    pub baseline_bytes_written: Option<u64>,
     /// Wall time of the whole replay.
     pub wall: Duration,
 }
@@ -162,6 +167,13 @@ impl Load {
     }
 }
 
+/// Bytes this process has passed to `write` calls (`wchar` of `/proc/self/io`), where the
+/// system tells.
+fn written_bytes() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/self/io").ok()?;
+    io.lines().find_map(|l| l.strip_prefix("wchar:")).and_then(|v| v.trim().parse().ok())
+}
+
 /// The node the policy gives a request of `tokens` tokens, warm on `warm_node` (node, tokens).
 fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, tokens: usize) -> usize {
     match (config.policy, warm_node) {
@@ -185,9 +197,17 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     }
     let names: Vec<String> = (0..nodes).map(node_name).collect();
     let namespace = Namespace::new(&config.model)?;
-    let mut baseline = config.baseline.then(|| Baseline::in_memory(MAX_0_1_7));
+    // 0.1.7 saves its whole file every sync window of its own time (its durability interval
+    // matched to ours), into a directory removed after.
+    let save_dir = match config.baseline {
+        true => Some(tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?),
+        false => None,
+    };
+    let mut baseline = save_dir.as_ref().map(|d| Baseline::kept_in(d.path().join("warm.json"), MAX_0_1_7));
+    let (mut since_save, mut saved) = (Duration::ZERO, 0u64);
     let mut load = Load { per_node: vec![0; nodes], recent: VecDeque::new(), window: config.window.max(1) };
     let mut report = Report { requests: requests.len(), load: vec![0; nodes], ..Report::default() };
+    let written_before = written_bytes();
     let (mut ours, mut theirs) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
     for (i, request) in requests.iter().enumerate() {
         let mut tokens = request.tokens();
@@ -214,7 +234,13 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
             let t2 = Instant::now();
             std::hint::black_box(b.warmest(&config.model, &tokens));
             b.ran(&config.model, &tokens, &names[chosen]);
-            theirs.push(t2.elapsed());
+            let spent = t2.elapsed();
+            theirs.push(spent);
+            since_save += spent;
+            if since_save >= DEFAULT_SYNC_WINDOW {
+                saved += b.save() as u64;
+                since_save = Duration::ZERO;
+            }
         }
         load.add(chosen, tokens.len() as u64);
         report.load[chosen] += tokens.len() as u64;
@@ -224,6 +250,12 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     let t3 = Instant::now();
     warm.sync()?;
     report.final_sync = t3.elapsed();
+    if let Some(b) = baseline.as_mut() {
+        saved += b.save() as u64;
+    }
+    // Everything this process wrote, less 0.1.7's saves, is the index's.
+    report.bytes_written = written_before.zip(written_bytes()).map(|(a, b)| b.saturating_sub(a).saturating_sub(saved));
+    report.baseline_bytes_written = baseline.is_some().then_some(saved);
     report.index = Timing::of(&ours);
     report.baseline = baseline.map(|_| Timing::of(&theirs));
     report.entries = warm.stats()?.entries;

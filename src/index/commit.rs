@@ -69,7 +69,7 @@ pub(crate) fn horizon(db: &Database, published: Published) -> Result<Horizon> {
     Horizon::load(&live, published.entries, published.capacity)
 }
 
-/// Reads the callers' horizon if it has not been read since the open: before the first `ran`
+/// Reads the callers' horizon if it has not been read since the open (or an import): before the first `ran`
 /// (by it, or earlier by the commit thread), so that opening a file never waits for it.
 pub(crate) fn ensure_horizon<'a>(db: &Database, front: &'a mut Front) -> Result<&'a mut Horizon> {
     let horizon = match front.horizon.take() {

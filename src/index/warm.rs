@@ -16,9 +16,7 @@ use std::time::{Duration, Instant};
 use redb::Database;
 
 use super::builder::Builder;
-use super::commit::{
-    Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, horizon, published,
-};
+use super::commit::{Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, published};
 use super::front::{Front, MAX_QUEUED_BLOCKS};
 use super::lookup::{self, Owner};
 use crate::error::{Error, Result};
@@ -258,13 +256,13 @@ impl Warm {
             }
             // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
             // chain, in runs of equal clocks) and the floor after it.
-            ensure_horizon(&self.inner.db, &mut front)?;
+            // (Until the horizon is read, nothing has been evicted since the file was opened.)
             let runs = lookup::clock_runs(&prefix.blocks, |k| {
                 lookup::probe(&front, k).map(|found| found.map(|(_, clock)| clock))
             })?;
-            front.clock += 1;
-            let clock = front.clock;
+            let clock = front.clock + 1;
             let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, prefix.blocks.len() as u64, &runs);
+            front.clock = clock;
             let (index, name) = front.name(node);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
@@ -309,13 +307,15 @@ impl Warm {
     pub fn import_json(&self, path: impl AsRef<Path>) -> Result<ImportReport> {
         let file = read_json(path.as_ref())?;
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
-        // `ran`s wait until the callers' horizon has been read again from the imported file.
+        // `ran`s wait for the import; after one, the next reads the callers' horizon again,
+        // from the file as the import committed it (with everything before it). A failed
+        // import changed nothing the horizon counts.
         self.front()?.importing = true;
         let imported = self.import_locked(&mut back, &file);
         let mut front = self.front()?;
         front.importing = false;
         if imported.is_ok() {
-            front.horizon = Some(horizon(&self.inner.db, published(&back))?);
+            front.horizon = None;
         }
         drop(front);
         self.inner.drained.notify_all();

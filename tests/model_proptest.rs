@@ -62,3 +62,54 @@ proptest! {
         prop_assert_eq!(w.stats().expect("stats").entries, model.len() as u64);
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// The same at capacities small enough that most `ran`s evict (some `ran`s are longer than
+    /// the capacity and evict themselves), with and without a commit thread: every answer, the
+    /// count, and the file's invariants after a close.
+    #[test]
+    fn random_sequences_at_a_small_capacity_evict_as_the_model(
+        ops in proptest::collection::vec(op(), 1..60),
+        capacity in prop_oneof![Just(8u64), Just(24), Just(60)],
+        threaded in any::<bool>(),
+    ) {
+        let dir = common::tempdir();
+        let path = common::db_path(&dir);
+        let window = if threaded { superfluid_warm::DEFAULT_SYNC_WINDOW } else { std::time::Duration::ZERO };
+        let open = || Warm::builder().capacity(capacity).sync_window(window).open(&path).expect("open");
+        let mut warm = Some(open());
+        let mut model = Baseline::in_memory(capacity as usize);
+        let mut prompts: Vec<Vec<u32>> = (0..6).map(|_| (0..128).collect()).collect();
+        for op in ops {
+            let w = warm.as_ref().expect("open");
+            match op {
+                Op::Ran { conversation, grow, node } => {
+                    let p = &mut prompts[conversation];
+                    let start = p.len() as u32;
+                    p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+                    let node = ["a", "b", "c"][node];
+                    model.ran("m", p, node);
+                    w.ran("m", p, node).expect("ran");
+                }
+                Op::Ask { conversation, cut } => {
+                    let p = &prompts[conversation];
+                    let p = &p[..cut.min(p.len())];
+                    let want = model.warmest("m", p).map(|(node, tokens)| Hit { node: node.into(), tokens });
+                    prop_assert_eq!(w.warmest("m", p).expect("warmest"), want);
+                }
+                Op::Sync => w.sync().expect("sync"),
+                Op::Reopen => {
+                    warm.take().expect("open").close().expect("close");
+                    warm = Some(open());
+                }
+            }
+        }
+        let w = warm.take().expect("open");
+        prop_assert_eq!(w.stats().expect("stats").entries, model.len() as u64);
+        w.close().expect("close");
+        let check = superfluid_warm::Snapshot::open(&path).expect("snapshot").check().expect("check");
+        prop_assert!(check.problems.is_empty(), "{:?}", check.problems);
+    }
+}

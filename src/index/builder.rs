@@ -161,10 +161,15 @@ impl Builder {
         check: OpenCheck,
         lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
-        let scheme = schema::prepare(&db, self.capacity)?;
+        let (scheme, resized) = schema::prepare(&db, self.capacity)?;
         let mut writer = Writer::load(&db)?;
-        if let Err(e) = writer.evict(&db) {
-            return Err(writer.roll_back(&db, e).error);
+        // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
+        // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
+        // next `ran`, once.
+        if resized {
+            if let Err(e) = writer.evict(&db) {
+                return Err(writer.roll_back(&db, e).error);
+            }
         }
         writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
         if let Some(file) = &legacy {

@@ -54,7 +54,7 @@ impl Horizon {
 
     /// Counts a `ran` at `clock` that writes `blocks` blocks, of which the first ones were live
     /// with the clocks `runs` gives (`(clock, blocks)`, each run of equal clocks once), then
-    /// applies 0.1.7's rule. Returns the floor after it.
+    /// applies 0.1.7's rule once. Returns the floor after it.
     pub(crate) fn ran(&mut self, clock: u64, blocks: u64, runs: &[(u64, u64)]) -> u64 {
         let mut kept = 0;
         for &(old, n) in runs {
@@ -69,19 +69,20 @@ impl Horizon {
         }
         *self.live.entry(clock).or_default() += blocks;
         self.entries = self.entries - kept + blocks;
-        while self.entries > self.capacity {
+        // Once a `ran`, as 0.1.7 does: a `ran` longer than the eviction makes room for may leave
+        // more than `capacity` until the next one.
+        if self.entries > self.capacity {
             let skip = self.capacity / 8;
             let mut seen = 0;
-            let Some(cut) = self.live.iter().find_map(|(&c, &n)| {
+            if let Some(cut) = self.live.iter().find_map(|(&c, &n)| {
                 seen += n;
                 (seen > skip).then_some(c)
-            }) else {
-                break;
-            };
-            let rest = self.live.split_off(&(cut + 1));
-            let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
-            self.entries -= gone;
-            self.floor = cut;
+            }) {
+                let rest = self.live.split_off(&(cut + 1));
+                let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
+                self.entries -= gone;
+                self.floor = cut;
+            }
         }
         self.floor
     }

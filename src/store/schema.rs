@@ -55,24 +55,25 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
 
 /// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
 /// checks an old one and records `capacity` if one was given and differs. Otherwise an old file
-/// is only read (no commit: opening is cheap). Returns the hash scheme of the file's keys.
+/// is only read (no commit: opening is cheap). Returns the hash scheme of the file's keys, and
+/// whether an old file's capacity was changed.
 ///
 /// # Errors
 /// As [`read_file_meta`] and [`check`]; [`Error::Storage`].
-pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Scheme> {
+pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<(Scheme, bool)> {
     let mut txn = db.begin_write().map_err(redb_err("starting the open"))?;
-    let (mut meta, scheme) = match read_file_meta(&txn)? {
+    let (mut meta, scheme, old) = match read_file_meta(&txn)? {
         Some(meta) => {
             let scheme = check(&meta)?;
             if capacity.is_none_or(|c| c == meta.capacity) {
                 txn.abort().map_err(redb_err("ending the open"))?;
-                return Ok(scheme);
+                return Ok((scheme, false));
             }
-            (meta, scheme)
+            (meta, scheme, true)
         }
         None => {
             create_tables(&txn)?;
-            (Meta::new_file(DEFAULT_CAPACITY), Scheme::TreeChain)
+            (Meta::new_file(DEFAULT_CAPACITY), Scheme::TreeChain, false)
         }
     };
     meta.capacity = capacity.unwrap_or(DEFAULT_CAPACITY);
@@ -82,7 +83,7 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Scheme> {
         .map_err(redb_err("writing the meta record"))?;
     txn.set_durability(redb::Durability::Immediate).map_err(redb_err("setting durability"))?;
     txn.commit().map_err(redb_err("committing the open"))?;
-    Ok(scheme)
+    Ok((scheme, old))
 }
 
 /// Opens (so creates) every table, so that readers find them all.

@@ -166,10 +166,8 @@ impl Builder {
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.
-        if resized {
-            if let Err(e) = writer.evict(&db) {
-                return Err(writer.roll_back(&db, e).error);
-            }
+        if resized && let Err(e) = writer.evict(&db) {
+            return Err(writer.roll_back(&db, e).error);
         }
         writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
         if let Some(file) = &legacy {

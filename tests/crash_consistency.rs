@@ -102,8 +102,24 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
 
 #[test]
 fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result<(), Error> {
+    power_loss_leaves_a_prefix_of_the_history(None)
+}
+
+/// The same where most `ran`s evict: the callers' floor, carried by each `ran`, is applied in
+/// the same transaction as the `ran`.
+#[test]
+fn power_loss_while_evicting_leaves_a_prefix_of_the_history() -> Result<(), Error> {
+    power_loss_leaves_a_prefix_of_the_history(Some(48))
+}
+
+fn power_loss_leaves_a_prefix_of_the_history(capacity: Option<u64>) -> Result<(), Error> {
     let disk = Disk::default();
-    let warm = Warm::builder().sync_window(Duration::ZERO).open_with_backend(disk.backend())?;
+    let mut builder = Warm::builder();
+    builder.sync_window(Duration::ZERO);
+    if let Some(c) = capacity {
+        builder.capacity(c);
+    }
+    let warm = builder.open_with_backend(disk.backend())?;
     let start = {
         let mut state = disk.state();
         state.record = true;
@@ -120,6 +136,18 @@ fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result
         warm.ran(m, &prompt, nodes[i % 3])?;
         history.push((m, prompt, nodes[i % 3]));
         acked.push((disk.state().ops.len(), warm.stats()?.clock));
+    }
+    if let Some(c) = capacity {
+        let mut unbounded = Baseline::in_memory(1 << 20);
+        for (m, prompt, node) in &history {
+            unbounded.ran(m, prompt, node);
+        }
+        let entries = warm.stats()?.entries;
+        assert!(
+            entries <= c && (unbounded.len() as u64) > 2 * c,
+            "{entries} of {} blocks kept: it evicted",
+            unbounded.len()
+        );
     }
     drop(warm);
     let ops = disk.state().ops.clone();
@@ -141,7 +169,7 @@ fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result
             assert!(clock >= durable_clock, "crash at op {k} ({which}): acknowledged clock {durable_clock} lost");
             assert!(clock as usize <= history.len());
             // Every ran up to the surviving clock is there, and none after it (atomic rans).
-            let mut model = Baseline::in_memory(1 << 20);
+            let mut model = Baseline::in_memory(capacity.unwrap_or(1 << 20) as usize);
             for (m, prompt, node) in &history[..clock as usize] {
                 model.ran(m, prompt, node);
             }
@@ -155,7 +183,7 @@ fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result
         }
     }
     println!(
-        "power loss: {} operations recorded, {crash_points} crash points, {images} crash images reopened",
+        "power loss (capacity {capacity:?}): {} operations recorded, {crash_points} crash points, {images} crash images reopened",
         ops.len()
     );
     assert!(crash_points > 80);

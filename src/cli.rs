@@ -115,6 +115,10 @@ struct ReplayArgs {
     /// requests/s beside 0.1.7's behind one mutex.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
+    /// Give every simulated node an LRU KV cache of this many 64-token blocks, and report the
+    /// share of prompt tokens the chosen node really still held.
+    #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..))]
+    node_cache_blocks: Option<u64>,
     /// As one JSON object.
     #[arg(long)]
     json: bool,
@@ -130,6 +134,7 @@ impl ReplayArgs {
             balance_abs: self.balance_abs,
             baseline: !self.no_baseline,
             vocab: self.vocab,
+            node_cache_blocks: self.node_cache_blocks.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             ..Config::default()
         }
     }
@@ -439,6 +444,9 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
+        "warm_share_cached": r.warm_share_cached(), "warm_requests_not_cached": r.warm_not_cached,
+        "warm_tokens_cached": r.warm_tokens_cached, "chosen_node_cached_share": r.chosen_cached_share(),
+        "node_cache_blocks": c.node_cache_blocks,
         "bytes_per_request": r.bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
         "baseline_bytes_per_request": r.baseline_bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
     });
@@ -464,6 +472,15 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
         100.0 * r.warm_share(),
         r.warm_requests
     );
+    if let (Some(cached), Some(any), Some(missed), Some(blocks)) =
+        (r.warm_share_cached(), r.chosen_cached_share(), r.warm_not_cached, c.node_cache_blocks)
+    {
+        t += &format!(
+            "really cached    {:.1}% of prompt tokens: routed warm and still in the chosen node's cache (an LRU of {blocks} blocks a node; {:.1}% counting what it held unannounced); {missed} requests sent as warm to a node that no longer held the prefix\n",
+            100.0 * cached,
+            100.0 * any
+        );
+    }
     t += &format!("imbalance        {:.2} (most / least loaded node)\n", r.imbalance());
     t += "load per node (prompt tokens):\n";
     let max = r.load.iter().copied().max().unwrap_or(1).max(1);

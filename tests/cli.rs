@@ -214,6 +214,31 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     for field in ["requests_per_s", "baseline_requests_per_s"] {
         assert!(threaded[field].as_f64().is_some_and(|r| r > 0.0), "{field}: {threaded}");
     }
+    // Node caches: with room for everything, all that was routed warm is still cached; with
+    // little room, less is, and some requests went to a node that had lost the prefix.
+    let cached = |blocks: &str| -> serde_json::Value {
+        let out = run(&[
+            "replay",
+            "--trace",
+            trace,
+            "--requests",
+            "500",
+            "--json",
+            "--no-baseline",
+            "--node-cache-blocks",
+            blocks,
+        ]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("replay JSON")
+    };
+    let (roomy, tight) = (cached("1000000000"), cached("256"));
+    assert_eq!(roomy["warm_share_cached"], roomy["warm_share"], "{roomy}");
+    assert_eq!(roomy["warm_requests_not_cached"], 0);
+    assert_eq!(tight["warm_share"], a["warm_share"], "the routing itself is unchanged");
+    let (w, c) = (tight["warm_share"].as_f64().unwrap_or(0.0), tight["warm_share_cached"].as_f64().unwrap_or(1.0));
+    assert!(c < w, "a cache of 256 blocks loses some of the warm prefixes: {tight}");
+    assert!(tight["warm_requests_not_cached"].as_u64().is_some_and(|n| n > 0));
+    assert!(a["warm_share_cached"].is_null(), "no caches, no figure");
     let none = run(&["replay", "--requests", "10", "--nodes", "0"]);
     assert_eq!(none.status.code(), Some(2), "a usage error");
     assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));

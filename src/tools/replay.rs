@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::baseline::{Baseline, MAX_0_1_7};
 use super::trace::Request;
+use crate::keys::{BLOCK_TOKENS, fnv_chain};
 use crate::{DEFAULT_SYNC_WINDOW, Error, Namespace, Result, Warm};
 
 /// How the head picks a node.
@@ -40,6 +41,9 @@ pub struct Config {
     /// Map every token into a vocabulary of this size (`token % vocab`), as a real tokenizer's
     /// ids are; `None` keeps the trace's 32-bit tokens.
     pub vocab: Option<u32>,
+    /// Give every simulated node an LRU cache of this many 64-token blocks, touched by every
+    /// request it is given, and measure what the chosen node really still held.
+    pub node_cache_blocks: Option<usize>,
 }
 
 impl Default for Config {
@@ -53,6 +57,7 @@ impl Default for Config {
             model: "mooncake-conversation".into(),
             baseline: true,
             vocab: None,
+            node_cache_blocks: None,
         }
     }
 }
@@ -115,6 +120,14 @@ pub struct Report {
     pub bytes_written: Option<u64>,
     /// Bytes 0.1.7's `save` wrote, saving every sync window of its own time and at the end.
     pub baseline_bytes_written: Option<u64>,
+    /// With node caches: prompt tokens the chosen node still held (its cached prefix), whether
+    /// or not the index said so.
+    pub cached_tokens: Option<u64>,
+    /// With node caches: of the tokens routed warm, those the chosen node really still held.
+    pub warm_tokens_cached: Option<u64>,
+    /// With node caches: requests sent as warm to a node that no longer held all of the prefix
+    /// the index named.
+    pub warm_not_cached: Option<usize>,
     /// Wall time of the whole replay.
     pub wall: Duration,
 }
@@ -123,6 +136,22 @@ impl Report {
     /// Share of prompt tokens routed warm.
     pub fn warm_share(&self) -> f64 {
         if self.prompt_tokens == 0 { 0.0 } else { self.warm_tokens as f64 / self.prompt_tokens as f64 }
+    }
+
+    /// With node caches: share of prompt tokens routed warm that the chosen node really still
+    /// held (the warm share, measured against the caches).
+    pub fn warm_share_cached(&self) -> Option<f64> {
+        self.warm_tokens_cached.map(|c| self.share(c))
+    }
+
+    /// With node caches: share of prompt tokens the chosen node held, whether or not the index
+    /// said so (a system prompt every node holds counts here).
+    pub fn chosen_cached_share(&self) -> Option<f64> {
+        self.cached_tokens.map(|c| self.share(c))
+    }
+
+    fn share(&self, tokens: u64) -> f64 {
+        if self.prompt_tokens == 0 { 0.0 } else { tokens as f64 / self.prompt_tokens as f64 }
     }
 
     /// Most loaded node's tokens over the least loaded's (infinite if one got nothing).
@@ -167,6 +196,43 @@ impl Load {
     }
 }
 
+/// A node's KV cache as a prefix-caching engine keeps it: an LRU of blocks (by their chained
+/// hash), a prompt's cached prefix ending at its first block not held.
+#[derive(Debug, Default)]
+struct NodeCache {
+    capacity: usize,
+    last_use: std::collections::HashMap<u64, u64>,
+    by_use: std::collections::BTreeMap<u64, u64>,
+    tick: u64,
+}
+
+impl NodeCache {
+    fn new(capacity: usize) -> NodeCache {
+        NodeCache { capacity, ..NodeCache::default() }
+    }
+
+    /// Blocks of `blocks` held, from the first on.
+    fn cached_prefix(&self, blocks: &[u64]) -> usize {
+        blocks.iter().take_while(|b| self.last_use.contains_key(b)).count()
+    }
+
+    /// Runs a prompt: every block becomes the most recent (in order), the oldest go past
+    /// capacity.
+    fn run(&mut self, blocks: &[u64]) {
+        for &block in blocks {
+            self.tick += 1;
+            if let Some(old) = self.last_use.insert(block, self.tick) {
+                self.by_use.remove(&old);
+            }
+            self.by_use.insert(self.tick, block);
+        }
+        while self.last_use.len() > self.capacity {
+            let Some((_, oldest)) = self.by_use.pop_first() else { break };
+            self.last_use.remove(&oldest);
+        }
+    }
+}
+
 /// Bytes this process has passed to `write` calls (`wchar` of `/proc/self/io`), where the
 /// system tells.
 fn written_bytes() -> Option<u64> {
@@ -207,6 +273,9 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     let (mut since_save, mut saved) = (Duration::ZERO, 0u64);
     let mut load = Load { per_node: vec![0; nodes], recent: VecDeque::new(), window: config.window.max(1) };
     let mut report = Report { requests: requests.len(), load: vec![0; nodes], ..Report::default() };
+    let mut caches: Option<Vec<NodeCache>> =
+        config.node_cache_blocks.map(|n| (0..nodes).map(|_| NodeCache::new(n)).collect());
+    let (mut cached_tokens, mut claimed_cached, mut warm_not_cached) = (0u64, 0u64, 0usize);
     let written_before = written_bytes();
     let (mut ours, mut theirs) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
     for (i, request) in requests.iter().enumerate() {
@@ -242,6 +311,16 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
                 since_save = Duration::ZERO;
             }
         }
+        if let Some(caches) = caches.as_mut() {
+            let blocks: Vec<u64> = fnv_chain(&config.model, &tokens).collect();
+            let held = caches[chosen].cached_prefix(&blocks);
+            cached_tokens += (held * BLOCK_TOKENS) as u64;
+            if let Some((_, len)) = warm_node.filter(|&(node, _)| node == chosen) {
+                claimed_cached += (held * BLOCK_TOKENS).min(len) as u64;
+                warm_not_cached += usize::from(held * BLOCK_TOKENS < len);
+            }
+            caches[chosen].run(&blocks);
+        }
         load.add(chosen, tokens.len() as u64);
         report.load[chosen] += tokens.len() as u64;
         report.prompt_tokens += tokens.len() as u64;
@@ -256,6 +335,11 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     // Everything this process wrote, less 0.1.7's saves, is the index's.
     report.bytes_written = written_before.zip(written_bytes()).map(|(a, b)| b.saturating_sub(a).saturating_sub(saved));
     report.baseline_bytes_written = baseline.is_some().then_some(saved);
+    if caches.is_some() {
+        report.cached_tokens = Some(cached_tokens);
+        report.warm_tokens_cached = Some(claimed_cached);
+        report.warm_not_cached = Some(warm_not_cached);
+    }
     report.index = Timing::of(&ours);
     report.baseline = baseline.map(|_| Timing::of(&theirs));
     report.entries = warm.stats()?.entries;
@@ -302,6 +386,9 @@ pub fn conversations(requests: &[Request]) -> Vec<usize> {
 pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: usize) -> Result<Threaded> {
     if config.nodes == 0 || threads == 0 {
         return Err(Error::InvalidConfig { detail: "a replay needs at least one node and one thread".into() });
+    }
+    if config.node_cache_blocks.is_some() {
+        return Err(Error::InvalidConfig { detail: "node caches are simulated by one-thread replays only".into() });
     }
     let names: Vec<String> = (0..config.nodes).map(node_name).collect();
     let namespace = Namespace::new(&config.model)?;
@@ -434,6 +521,22 @@ mod tests {
         let long = Timing::of(&[Duration::from_secs(7200)]);
         close(long.p50, Duration::from_nanos(MAX_SAMPLE_NANOS));
         assert_eq!(Timing::of(&[]).total, Duration::ZERO);
+    }
+
+    #[test]
+    fn a_node_cache_keeps_the_most_recent_blocks_and_a_prefix_stops_at_the_first_miss() {
+        let mut cache = NodeCache::new(4);
+        cache.run(&[1, 2, 3]);
+        assert_eq!(cache.cached_prefix(&[1, 2, 3, 9]), 3);
+        cache.run(&[7, 8]); // 1 is the oldest: it goes
+        assert_eq!(cache.cached_prefix(&[1, 2, 3]), 0, "the first block went, so nothing is a prefix");
+        assert_eq!(cache.cached_prefix(&[2, 3, 7]), 3);
+        cache.run(&[2]); // 2 is the newest now; 3 the oldest
+        cache.run(&[5]);
+        assert_eq!(cache.cached_prefix(&[2, 7, 8, 5]), 4);
+        assert_eq!(cache.cached_prefix(&[3]), 0);
+        assert_eq!(cache.last_use.len(), 4);
+        assert_eq!(cache.by_use.len(), 4);
     }
 
     #[test]

@@ -68,7 +68,7 @@ impl Horizon {
             }
         }
         *self.live.entry(clock).or_default() += blocks;
-        self.entries = self.entries - kept + blocks;
+        self.entries = self.entries.saturating_sub(kept) + blocks;
         // Once a `ran`, as 0.1.7 does: a `ran` longer than the eviction makes room for may leave
         // more than `capacity` until the next one.
         if self.entries > self.capacity {
@@ -80,7 +80,7 @@ impl Horizon {
             }) {
                 let rest = self.live.split_off(&(cut + 1));
                 let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
-                self.entries -= gone;
+                self.entries = self.entries.saturating_sub(gone);
                 self.floor = cut;
             }
         }

@@ -240,6 +240,15 @@ fn written_bytes() -> Option<u64> {
     io.lines().find_map(|l| l.strip_prefix("wchar:")).and_then(|v| v.trim().parse().ok())
 }
 
+/// A request's prompt as the replay gives it (mapped into the vocabulary, if one is set).
+fn prompt(config: &Config, request: &Request) -> Vec<u32> {
+    let mut tokens = request.tokens();
+    if let Some(vocab) = config.vocab.filter(|&v| v > 0) {
+        tokens.iter_mut().for_each(|t| *t %= vocab);
+    }
+    tokens
+}
+
 /// The node the policy gives a request of `tokens` tokens, warm on `warm_node` (node, tokens).
 fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, tokens: usize) -> usize {
     match (config.policy, warm_node) {
@@ -279,10 +288,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     let written_before = written_bytes();
     let (mut ours, mut theirs) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
     for (i, request) in requests.iter().enumerate() {
-        let mut tokens = request.tokens();
-        if let Some(vocab) = config.vocab.filter(|&v| v > 0) {
-            tokens.iter_mut().for_each(|t| *t %= vocab);
-        }
+        let tokens = prompt(config, request);
         let t0 = Instant::now();
         let prefix = warm.prefix(&namespace, &tokens)?;
         let hit = warm.warmest_prefix(&prefix)?;
@@ -396,13 +402,6 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
     let share: Vec<Vec<&Request>> = (0..threads)
         .map(|t| requests.iter().zip(&conversation).filter(|&(_, c)| c % threads == t).map(|(r, _)| r).collect())
         .collect();
-    let tokens_of = |r: &Request| {
-        let mut tokens = r.tokens();
-        if let Some(vocab) = config.vocab.filter(|&v| v > 0) {
-            tokens.iter_mut().for_each(|t| *t %= vocab);
-        }
-        tokens
-    };
     let shared = std::sync::Mutex::new((
         Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) },
         Report { requests: requests.len(), load: vec![0; config.nodes], ..Report::default() },
@@ -416,7 +415,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                 scope.spawn(move || -> Result<Vec<Duration>> {
                     let mut times = Vec::with_capacity(mine.len());
                     for request in mine {
-                        let tokens = tokens_of(request);
+                        let tokens = prompt(config, request);
                         let t0 = Instant::now();
                         let prefix = warm.prefix(namespace, &tokens)?;
                         let hit = warm.warmest_prefix(&prefix)?;
@@ -474,7 +473,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                     let (model, load, names) = (&model, &load, &names);
                     scope.spawn(move || -> Result<()> {
                         for request in mine {
-                            let tokens = tokens_of(request);
+                            let tokens = prompt(config, request);
                             let mut model = model.lock().map_err(|_| Error::Poisoned)?;
                             let warm_node = model
                                 .warmest(&config.model, &tokens)

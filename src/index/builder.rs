@@ -15,7 +15,7 @@ use crate::store::schema;
 use crate::store::writer::Writer;
 
 /// Page cache of the file by default.
-pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
+pub const DEFAULT_CACHE_BYTES: usize = 128 << 20;
 /// Longest a `ran` waits to be made durable by default: on power loss, the `ran`s of about this
 /// window plus one commit's write and fsync are lost.
 pub const DEFAULT_SYNC_WINDOW: Duration = Duration::from_millis(50);

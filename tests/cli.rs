@@ -239,6 +239,9 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(c < w, "a cache of 256 blocks loses some of the warm prefixes: {tight}");
     assert!(tight["warm_requests_not_cached"].as_u64().is_some_and(|n| n > 0));
     assert!(a["warm_share_cached"].is_null(), "no caches, no figure");
+    let both = run(&["replay", "--requests", "10", "--threads", "2", "--node-cache-blocks", "64"]);
+    assert_eq!(both.status.code(), Some(2), "node caches are simulated by one-thread replays only");
+    assert!(text(&both.stderr).contains("--threads"), "{}", text(&both.stderr));
     let none = run(&["replay", "--requests", "10", "--nodes", "0"]);
     assert_eq!(none.status.code(), Some(2), "a usage error");
     assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));

@@ -23,6 +23,39 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Runs `ops` on the index `open` opens and on `model`, comparing every answer and the final
+/// count; returns the index, still open.
+fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Baseline) -> Result<Warm, TestCaseError> {
+    let mut warm = open();
+    // Conversation c's prompt: a shared 128-token system prompt, then its own turns.
+    let mut prompts: Vec<Vec<u32>> = (0..6).map(|_| (0..128).collect()).collect();
+    for op in ops {
+        match op {
+            Op::Ran { conversation, grow, node } => {
+                let p = &mut prompts[conversation];
+                let start = p.len() as u32;
+                p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+                let node = ["a", "b", "c"][node];
+                model.ran("m", p, node);
+                warm.ran("m", p, node).expect("ran");
+            }
+            Op::Ask { conversation, cut } => {
+                let p = &prompts[conversation];
+                let p = &p[..cut.min(p.len())];
+                let want = model.warmest("m", p).map(|(node, tokens)| Hit { node: node.into(), tokens });
+                prop_assert_eq!(warm.warmest("m", p).expect("warmest"), want);
+            }
+            Op::Sync => warm.sync().expect("sync"),
+            Op::Reopen => {
+                warm.close().expect("close");
+                warm = open();
+            }
+        }
+    }
+    prop_assert_eq!(warm.stats().expect("stats").entries, model.len() as u64);
+    Ok(warm)
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
 
@@ -30,36 +63,8 @@ proptest! {
     fn random_sequences_answer_as_the_model(ops in proptest::collection::vec(op(), 1..40)) {
         let dir = common::tempdir();
         let path = common::db_path(&dir);
-        let mut warm = Some(Warm::open(&path).expect("open"));
         let mut model = Baseline::in_memory(1 << 20);
-        // Conversation c's prompt: a shared 128-token system prompt, then its own turns.
-        let mut prompts: Vec<Vec<u32>> = (0..6).map(|_| (0..128).collect()).collect();
-        for op in ops {
-            let w = warm.as_ref().expect("open");
-            match op {
-                Op::Ran { conversation, grow, node } => {
-                    let p = &mut prompts[conversation];
-                    let start = p.len() as u32;
-                    p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
-                    let node = ["a", "b", "c"][node];
-                    model.ran("m", p, node);
-                    w.ran("m", p, node).expect("ran");
-                }
-                Op::Ask { conversation, cut } => {
-                    let p = &prompts[conversation];
-                    let p = &p[..cut.min(p.len())];
-                    let want = model.warmest("m", p).map(|(node, tokens)| Hit { node: node.into(), tokens });
-                    prop_assert_eq!(w.warmest("m", p).expect("warmest"), want);
-                }
-                Op::Sync => w.sync().expect("sync"),
-                Op::Reopen => {
-                    warm.take().expect("open").close().expect("close");
-                    warm = Some(Warm::open(&path).expect("reopen"));
-                }
-            }
-        }
-        let w = warm.as_ref().expect("open");
-        prop_assert_eq!(w.stats().expect("stats").entries, model.len() as u64);
+        run_ops(ops, || Warm::open(&path).expect("open"), &mut model)?;
     }
 }
 
@@ -79,36 +84,8 @@ proptest! {
         let path = common::db_path(&dir);
         let window = if threaded { superfluid_warm::DEFAULT_SYNC_WINDOW } else { std::time::Duration::ZERO };
         let open = || Warm::builder().capacity(capacity).sync_window(window).open(&path).expect("open");
-        let mut warm = Some(open());
         let mut model = Baseline::in_memory(capacity as usize);
-        let mut prompts: Vec<Vec<u32>> = (0..6).map(|_| (0..128).collect()).collect();
-        for op in ops {
-            let w = warm.as_ref().expect("open");
-            match op {
-                Op::Ran { conversation, grow, node } => {
-                    let p = &mut prompts[conversation];
-                    let start = p.len() as u32;
-                    p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
-                    let node = ["a", "b", "c"][node];
-                    model.ran("m", p, node);
-                    w.ran("m", p, node).expect("ran");
-                }
-                Op::Ask { conversation, cut } => {
-                    let p = &prompts[conversation];
-                    let p = &p[..cut.min(p.len())];
-                    let want = model.warmest("m", p).map(|(node, tokens)| Hit { node: node.into(), tokens });
-                    prop_assert_eq!(w.warmest("m", p).expect("warmest"), want);
-                }
-                Op::Sync => w.sync().expect("sync"),
-                Op::Reopen => {
-                    warm.take().expect("open").close().expect("close");
-                    warm = Some(open());
-                }
-            }
-        }
-        let w = warm.take().expect("open");
-        prop_assert_eq!(w.stats().expect("stats").entries, model.len() as u64);
-        w.close().expect("close");
+        run_ops(ops, open, &mut model)?.close().expect("close");
         let check = superfluid_warm::Snapshot::open(&path).expect("snapshot").check().expect("check");
         prop_assert!(check.problems.is_empty(), "{:?}", check.problems);
     }

@@ -175,6 +175,10 @@ struct Load {
 }
 
 impl Load {
+    fn new(config: &Config) -> Load {
+        Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) }
+    }
+
     fn add(&mut self, node: usize, tokens: u64) {
         self.per_node[node] += tokens;
         self.recent.push_back((node, tokens));
@@ -280,7 +284,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     };
     let mut baseline = save_dir.as_ref().map(|d| Baseline::kept_in(d.path().join("warm.json"), MAX_0_1_7));
     let (mut since_save, mut saved) = (Duration::ZERO, 0u64);
-    let mut load = Load { per_node: vec![0; nodes], recent: VecDeque::new(), window: config.window.max(1) };
+    let mut load = Load::new(config);
     let mut report = Report { requests: requests.len(), load: vec![0; nodes], ..Report::default() };
     let mut caches: Option<Vec<NodeCache>> =
         config.node_cache_blocks.map(|n| (0..nodes).map(|_| NodeCache::new(n)).collect());
@@ -403,7 +407,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
         .map(|t| requests.iter().zip(&conversation).filter(|&(_, c)| c % threads == t).map(|(r, _)| r).collect())
         .collect();
     let shared = std::sync::Mutex::new((
-        Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) },
+        Load::new(config),
         Report { requests: requests.len(), load: vec![0; config.nodes], ..Report::default() },
     ));
     let started = Instant::now();
@@ -460,11 +464,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
     let requests_per_s = requests.len() as f64 / report.wall.as_secs_f64().max(1e-9);
     let baseline_requests_per_s = if config.baseline {
         let model = std::sync::Mutex::new(Baseline::in_memory(MAX_0_1_7));
-        let load = std::sync::Mutex::new(Load {
-            per_node: vec![0; config.nodes],
-            recent: VecDeque::new(),
-            window: config.window.max(1),
-        });
+        let load = std::sync::Mutex::new(Load::new(config));
         let started = Instant::now();
         std::thread::scope(|scope| -> Result<()> {
             let workers: Vec<_> = share

@@ -54,6 +54,14 @@ enum Command {
         /// The index file (created if absent; a failed import into a new file leaves none).
         path: PathBuf,
     },
+    /// Forgets a node that restarted or left (its KV cache is gone): no answer names it for
+    /// anything it ran before. Durable when it returns; the file must be closed (no head).
+    Forget {
+        /// The index file.
+        path: PathBuf,
+        /// The node's name.
+        node: String,
+    },
     /// Replays a conversation workload through the index and reports what routing found.
     Replay(ReplayArgs),
 }
@@ -119,6 +127,16 @@ struct ReplayArgs {
     /// share of prompt tokens the chosen node really still held.
     #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..))]
     node_cache_blocks: Option<u64>,
+    /// Nodes each block remembers (default: the library's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=superfluid_warm::MAX_NODES_PER_PREFIX as u64))]
+    nodes_per_prefix: Option<u64>,
+    /// Restart a pseudo-random node every N requests, telling the index (`forget_node`), and
+    /// report the prompt tokens routed as warm to a node that had restarted since it ran them.
+    #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..))]
+    restart_every: Option<u64>,
+    /// With --restart-every: do not tell the index (what a head without `forget_node` routes).
+    #[arg(long, requires = "restart_every")]
+    no_forget: bool,
     /// As one JSON object.
     #[arg(long)]
     json: bool,
@@ -135,6 +153,8 @@ impl ReplayArgs {
             baseline: !self.no_baseline,
             vocab: self.vocab,
             node_cache_blocks: self.node_cache_blocks.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            restart_every: self.restart_every.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            forget: !self.no_forget,
             ..Config::default()
         }
     }
@@ -210,6 +230,16 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
             emit(out, &format!("compacted {}: {} -> {} bytes", path.display(), done.bytes_before, done.bytes_after))
         }
         Command::Import { old, path } => import(out, &old, &path),
+        Command::Forget { path, node } => {
+            // An existing index only (a typo must not create a file): the reader says if not.
+            drop(Snapshot::open(&path)?);
+            let warm = Warm::open(&path)?;
+            let known = warm.stats()?.nodes.iter().zip(warm.stats()?.forgotten).any(|(n, gone)| *n == node && !gone);
+            warm.forget_node(&node)?;
+            warm.close()?;
+            let what = if known { "forgotten" } else { "not known (nothing to forget)" };
+            emit(out, &format!("node {node} of {}: {what}", path.display()))
+        }
         Command::Replay(args) => replay_cmd(out, &args),
     }
 }
@@ -274,7 +304,8 @@ fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
         if json {
             let line = json!({
                 "hash": hex(&e.key), "node": e.node, "clock": e.clock, "tokens": e.tokens,
-                "model": e.model, "tenant": e.tenant, "legacy": e.tokens.is_none(),
+                "model": e.model, "tenant": e.tenant, "legacy": e.tokens.is_none(), "forgotten": e.forgotten,
+                "others": e.others.iter().map(|(n, c, f)| json!({"node": n, "clock": c, "forgotten": f})).collect::<Vec<_>>(),
             });
             if let Err(err) = writeln!(out, "{line}") {
                 failed = Some(err);
@@ -293,15 +324,20 @@ fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
         return Ok(ExitCode::SUCCESS);
     }
     let node_w = rows.iter().map(|e| e.node.len()).max().unwrap_or(4).max(4);
-    let mut text = format!("{:<32}  {:<node_w$}  {:>12}  {:>8}  model\n", "hash", "node", "clock", "tokens");
+    let mut text =
+        format!("{:<32}  {:<node_w$}  {:>12}  {:>8}  model; other nodes\n", "hash", "node", "clock", "tokens");
     for e in &rows {
+        let mark = |n: &str, forgotten: bool| if forgotten { format!("{n} (forgotten)") } else { n.to_string() };
         let tokens = e.tokens.map_or("0.1.7".to_string(), |t| t.to_string());
         let model = match (&e.model, e.tenant) {
             (Some(m), true) => format!("{m} (tenant)"),
             (Some(m), false) => m.clone(),
             (None, _) => "(0.1.7 import)".into(),
         };
-        text += &format!("{:<32}  {:<node_w$}  {:>12}  {:>8}  {model}\n", hex(&e.key), e.node, e.clock, tokens);
+        let others: Vec<String> = e.others.iter().map(|(n, c, f)| format!("{}@{c}", mark(n, *f))).collect();
+        let others = if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) };
+        let node = mark(&e.node, e.forgotten);
+        text += &format!("{:<32}  {node:<node_w$}  {:>12}  {:>8}  {model}{others}\n", hex(&e.key), e.clock, tokens);
     }
     text += &format!("{} entries shown", rows.len());
     emit(out, &text)
@@ -318,6 +354,7 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "clock_min": s.clock_range.map(|r| r.0), "clock_max": s.clock_range.map(|r| r.1),
             "clock_high_water": s.clock, "capacity": s.capacity, "file_bytes": s.file_bytes,
             "schema": s.schema, "hash_scheme": s.hash_scheme, "writer_pid": s.writer,
+            "others": s.others, "reclaimable": s.reclaimable, "forgotten_nodes": s.forgotten_nodes,
         });
         return emit(out, &line.to_string());
     }
@@ -330,6 +367,10 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
         Some((lo, hi)) => format!("clock          {lo} .. {hi} (high-water {})\n", s.clock),
         None => format!("clock          empty (high-water {})\n", s.clock),
     };
+    text += &format!(
+        "other nodes    {} (nodes a block names besides the last to run it)\nreclaimable    {} (blocks and other nodes naming one of {} forgotten node incarnations)\n",
+        s.others, s.reclaimable, s.forgotten_nodes
+    );
     text += &format!("file           {} bytes\nschema         {} ({})\n", s.file_bytes, s.schema, s.hash_scheme);
     text += &match s.writer {
         Some(pid) => format!("writer         pid {pid}\n"),
@@ -399,6 +440,9 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     if let Some(c) = args.capacity {
         builder.capacity(c);
     }
+    if let Some(k) = args.nodes_per_prefix {
+        builder.nodes_per_prefix(usize::try_from(k).unwrap_or(usize::MAX));
+    }
     let warm = builder.open(&path)?;
     let bar = indicatif::ProgressBar::with_draw_target(
         Some(workload.len() as u64),
@@ -447,6 +491,8 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "warm_share_cached": r.warm_share_cached(), "warm_requests_not_cached": r.warm_not_cached,
         "warm_tokens_cached": r.warm_tokens_cached, "chosen_node_cached_share": r.chosen_cached_share(),
         "node_cache_blocks": c.node_cache_blocks,
+        "restart_every": c.restart_every, "forget": c.forget, "restarts": r.restarts,
+        "warm_tokens_to_restarted": r.warm_tokens_to_restarted,
         "bytes_per_request": r.bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
         "baseline_bytes_per_request": r.baseline_bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
     });
@@ -479,6 +525,12 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
             "really cached    {:.1}% of prompt tokens: routed warm and still in the chosen node's cache (an LRU of {blocks} blocks a node; {:.1}% counting what it held unannounced); {missed} requests sent as warm to a node that no longer held the prefix\n",
             100.0 * cached,
             100.0 * any
+        );
+    }
+    if let (Some(restarts), Some(wrong), Some(every)) = (r.restarts, r.warm_tokens_to_restarted, c.restart_every) {
+        let told = if c.forget { "each forgotten in the index" } else { "the index not told" };
+        t += &format!(
+            "restarts         {restarts} (a node every {every} requests, {told}); {wrong} prompt tokens routed as warm to a node that had restarted since it ran them\n"
         );
     }
     t += &format!("imbalance        {:.2} (most / least loaded node)\n", r.imbalance());

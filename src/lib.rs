@@ -48,3 +48,4 @@ pub use keys::{
 };
 pub use store::import::ImportReport;
 pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, SCHEMA_VERSION};
+pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};

@@ -298,3 +298,30 @@ fn compact_gives_space_back_and_keeps_every_entry() {
     assert!(!foreign.status.success());
     assert_eq!(std::fs::read(&text_file).expect("read"), "not an index ".repeat(500).as_bytes(), "left as it is");
 }
+
+/// `forget` on a closed file: the node's prefixes are no longer answered, durably; a missing
+/// file is an error and is not created.
+#[test]
+fn forget_drops_a_node_from_every_answer_and_never_creates_a_file() -> Result<(), superfluid_warm::Error> {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let prompt: Vec<u32> = (0..640).collect();
+    {
+        let warm = superfluid_warm::Warm::open(&path)?;
+        warm.ran("m", &prompt[..320], "a")?;
+        warm.ran("m", &prompt, "b")?;
+        warm.close()?;
+    }
+    let out = run(&["forget", path.to_str().expect("utf-8 path"), "b"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("node b of"), "{}", String::from_utf8_lossy(&out.stdout));
+    let warm = superfluid_warm::Warm::open(&path)?;
+    let hit = warm.warmest("m", &prompt)?;
+    assert_eq!(hit, Some(superfluid_warm::Hit { node: "a".into(), tokens: 320 }), "b forgotten, a still warm");
+    drop(warm);
+    let missing = dir.path().join("missing.redb");
+    let out = run(&["forget", missing.to_str().expect("utf-8 path"), "a"]);
+    assert!(!out.status.success());
+    assert!(!missing.exists(), "a typo must not create an index");
+    Ok(())
+}

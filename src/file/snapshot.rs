@@ -14,8 +14,11 @@ use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
 use crate::store::codec;
 use crate::store::records::{Meta, NamespaceRecord, read_meta, read_nodes};
 use crate::store::schema;
-use crate::store::tables::{Entry, GENERATIONS, LIVE, META, NAMESPACES, NODES, PREFIXES, generation_keys};
-use crate::store::writer::count;
+use crate::store::tables::{
+    Entry, GENERATIONS, HELD, LIVE, MEMBER_BYTES, META, NAMESPACES, NODES, OTHERS, PREFIXES, RETIRED, STATE,
+    generation_keys, members,
+};
+use crate::store::writer::{count, read_floor};
 
 /// One entry of the index, as `dump` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,6 +35,11 @@ pub struct DumpEntry {
     pub model: Option<String>,
     /// Whether it is in a tenant's own namespace.
     pub tenant: bool,
+    /// Whether `node` is a forgotten incarnation (never answered; its space is reclaimable).
+    pub forgotten: bool,
+    /// The other nodes that ran it, newest first: (name, clock, forgotten). Those at or below
+    /// the file's eviction floor are evicted and not shown.
+    pub others: Vec<(String, u64, bool)>,
 }
 
 /// What `stats` shows.
@@ -42,8 +50,17 @@ pub struct SnapshotStats {
     pub entries: u64,
     /// Entries imported from 0.1.7.
     pub legacy_entries: u64,
-    /// Entries per node, by node name, most first.
+    /// Entries per node, by node name, most first (a forgotten incarnation's apart, with
+    /// `(forgotten)` after its name).
     pub per_node: Vec<(String, u64)>,
+    /// Nodes named by blocks besides the one that ran each last (as stored: those a block names
+    /// from at or below the eviction floor go when the block is rewritten or evicted).
+    pub others: u64,
+    /// Blocks and others that name a forgotten incarnation: answered as absent, reclaimed as
+    /// they are evicted.
+    pub reclaimable: u64,
+    /// Node incarnations forgotten so far.
+    pub forgotten_nodes: u64,
     /// Oldest and newest clock among the entries.
     pub clock_range: Option<(u64, u64)>,
     /// The clock high-water mark.
@@ -90,6 +107,10 @@ pub struct Snapshot {
     meta: Meta,
     /// Node names by id.
     nodes: Vec<String>,
+    /// By id: whether that incarnation was forgotten.
+    retired: Vec<bool>,
+    /// The eviction floor (0 before schema 4).
+    floor: u64,
     namespaces: HashMap<u32, NamespaceRecord>,
     /// Whether opening it ran redb's full check (on a copy), and it passed.
     pages_verified: bool,
@@ -105,6 +126,15 @@ impl std::fmt::Debug for Snapshot {
 
 fn hex(key: &[u8]) -> String {
     crate::keys::hex(key)
+}
+
+/// A table that a schema 2 or 3 file does not have: `None` there.
+fn optional<T>(table: std::result::Result<T, redb::TableError>) -> Result<Option<T>> {
+    match table {
+        Ok(t) => Ok(Some(t)),
+        Err(redb::TableError::TableDoesNotExist(_)) => Ok(None),
+        Err(e) => Err(redb_err("opening a table")(e)),
+    }
 }
 
 impl Snapshot {
@@ -167,6 +197,20 @@ impl Snapshot {
         let meta = read_meta(&meta_table)?.ok_or_else(|| Error::unknown_format("no meta record"))?;
         schema::check(&meta)?;
         let nodes = read_nodes(&txn.open_table(NODES).map_err(redb_err("opening nodes"))?)?;
+        // Schema 2 and 3 files (which only a writer upgrades) have neither table.
+        let mut retired = vec![false; nodes.len()];
+        if let Some(table) = optional(txn.open_table(RETIRED))? {
+            for item in table.iter().map_err(redb_err("reading retired nodes"))? {
+                let (id, _) = item.map_err(redb_err("reading retired nodes"))?;
+                if let Some(r) = retired.get_mut(id.value() as usize) {
+                    *r = true;
+                }
+            }
+        }
+        let floor = match optional(txn.open_table(STATE))? {
+            Some(table) => read_floor(&table)?,
+            None => 0,
+        };
         let mut namespaces = HashMap::new();
         let table = txn.open_table(NAMESPACES).map_err(redb_err("opening namespaces"))?;
         for item in table.iter().map_err(redb_err("reading namespaces"))? {
@@ -174,7 +218,17 @@ impl Snapshot {
             namespaces.insert(id.value(), codec::decode("namespace", bytes.value())?);
         }
         drop((meta_table, closed));
-        Ok(Snapshot { path: path.to_path_buf(), txn, meta, nodes, namespaces, pages_verified, head_live })
+        Ok(Snapshot {
+            path: path.to_path_buf(),
+            txn,
+            meta,
+            nodes,
+            retired,
+            floor,
+            namespaces,
+            pages_verified,
+            head_live,
+        })
     }
 
     /// Whether opening it ran redb's full integrity check (on a copy of the file, which passed):
@@ -203,7 +257,11 @@ impl Snapshot {
         self.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}"))
     }
 
-    fn describe(&self, key: BlockKey, entry: Entry) -> DumpEntry {
+    fn is_retired(&self, id: u32) -> bool {
+        self.retired.get(id as usize).copied().unwrap_or(false)
+    }
+
+    fn describe(&self, key: BlockKey, entry: Entry, others: Option<&[u8]>) -> DumpEntry {
         let namespace = self.namespaces.get(&entry.namespace);
         DumpEntry {
             key,
@@ -212,6 +270,13 @@ impl Snapshot {
             tokens: (!is_legacy(&key)).then_some(entry.depth as usize * BLOCK_TOKENS),
             model: namespace.map(|n| n.model.clone()),
             tenant: namespace.is_some_and(|n| n.tenant),
+            forgotten: self.is_retired(entry.node),
+            others: others
+                .into_iter()
+                .flat_map(members)
+                .filter(|&(_, clock)| clock > self.floor)
+                .map(|(node, clock)| (self.node_name(node), clock, self.is_retired(node)))
+                .collect(),
         }
     }
 
@@ -224,6 +289,7 @@ impl Snapshot {
     pub fn visit(&self, newest_first: bool, mut visit: impl FnMut(DumpEntry) -> bool) -> Result<()> {
         let generations = self.txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let others = optional(self.txn.open_table(OTHERS))?;
         let all = generations.iter().map_err(redb_err("reading the generations"))?;
         let all: Box<dyn Iterator<Item = _>> = if newest_first { Box::new(all.rev()) } else { Box::new(all) };
         for item in all {
@@ -232,9 +298,12 @@ impl Snapshot {
             for key in generation_keys(keys.value()) {
                 let entry =
                     primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()));
-                if let Some(entry) = entry.filter(|e| e.clock == clock)
-                    && !visit(self.describe(key.to_be_bytes(), entry))
-                {
+                let Some(entry) = entry.filter(|e| e.clock == clock) else { continue };
+                let row = match &others {
+                    Some(t) => t.get(key).map_err(redb_err("reading the others"))?,
+                    None => None,
+                };
+                if !visit(self.describe(key.to_be_bytes(), entry, row.as_ref().map(|g| g.value()))) {
                     return Ok(());
                 }
             }
@@ -250,22 +319,39 @@ impl Snapshot {
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
         let live = self.txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
         let mut per_node: HashMap<u32, u64> = HashMap::new();
-        let (mut entries, mut legacy) = (0, 0);
+        let (mut entries, mut legacy, mut reclaimable, mut others) = (0, 0, 0, 0);
         for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
             let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
-            *per_node.entry(Entry::from_tuple(value.value()).node).or_default() += 1;
+            let node = Entry::from_tuple(value.value()).node;
+            *per_node.entry(node).or_default() += 1;
+            reclaimable += u64::from(self.is_retired(node));
             entries += 1;
             legacy += u64::from(is_legacy(&key.value().to_be_bytes()));
         }
+        if let Some(table) = optional(self.txn.open_table(OTHERS))? {
+            for item in table.iter().map_err(redb_err("reading the others"))? {
+                let (_, row) = item.map_err(redb_err("reading the others"))?;
+                for (node, _) in members(row.value()) {
+                    reclaimable += u64::from(self.is_retired(node));
+                    others += 1;
+                }
+            }
+        }
         let first = live.first().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
         let last = live.last().map_err(redb_err("reading the live counts"))?.map(|(k, _)| k.value());
-        let mut per_node: Vec<(String, u64)> = per_node.into_iter().map(|(id, n)| (self.node_name(id), n)).collect();
+        let name = |id: u32| {
+            if self.is_retired(id) { format!("{} (forgotten)", self.node_name(id)) } else { self.node_name(id) }
+        };
+        let mut per_node: Vec<(String, u64)> = per_node.into_iter().map(|(id, n)| (name(id), n)).collect();
         per_node.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         let file_bytes = std::fs::metadata(&self.path).map_err(|source| Error::io(self.path.clone(), source))?.len();
         Ok(SnapshotStats {
             entries,
             legacy_entries: legacy,
             per_node,
+            others,
+            reclaimable,
+            forgotten_nodes: self.retired.iter().filter(|&&r| r).count() as u64,
             clock_range: first.zip(last),
             clock: self.meta.clock,
             capacity: self.meta.capacity,
@@ -288,6 +374,9 @@ impl Snapshot {
         let mut check = Check::default();
         let legacy = self.check_prefixes(&mut check)?;
         self.check_generations(&mut check)?;
+        if self.meta.schema >= 4 {
+            self.check_nodes(&mut check)?;
+        }
         if check.entries != check.clock_entries {
             check.note(format!(
                 "{} prefixes but {} listed live in their generation",
@@ -332,6 +421,61 @@ impl Snapshot {
             check.note("the prefix table's length disagrees with its entries".into());
         }
         Ok(legacy)
+    }
+
+    /// Walks the others: each row is whole members, each node once, never the block's own node,
+    /// older than it, of known ids, for a block that exists; then every node's count of the
+    /// blocks naming it is the stored one (so the reclaimable count `stats` shows is right).
+    fn check_nodes(&self, check: &mut Check) -> Result<()> {
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let others = self.txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
+        let held = self.txn.open_table(HELD).map_err(redb_err("opening the node counts"))?;
+        let mut counted = vec![0u64; self.nodes.len()];
+        let mut count_node = |check: &mut Check, node: u32, key: u128| match counted.get_mut(node as usize) {
+            Some(n) => *n += 1,
+            None => check.note(format!("block {} names unknown node id {node}", hex(&key.to_be_bytes()))),
+        };
+        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
+            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
+            count_node(check, Entry::from_tuple(value.value()).node, key.value());
+        }
+        for item in others.iter().map_err(redb_err("reading the others"))? {
+            let (key, row) = item.map_err(redb_err("reading the others"))?;
+            let (key, row) = (key.value(), row.value());
+            let shown = hex(&key.to_be_bytes());
+            if row.is_empty() || row.len() % MEMBER_BYTES != 0 {
+                check.note(format!("the others of {shown} are {} bytes, not whole members", row.len()));
+            }
+            let Some(entry) =
+                primary.get(key).map_err(redb_err("reading a prefix"))?.map(|g| Entry::from_tuple(g.value()))
+            else {
+                check.note(format!("block {shown} has others but no entry"));
+                continue;
+            };
+            let mut seen = std::collections::HashSet::new();
+            for (node, clock) in members(row) {
+                if node == entry.node || !seen.insert(node) {
+                    check.note(format!("block {shown} names node id {node} twice"));
+                }
+                if clock >= entry.clock {
+                    check.note(format!(
+                        "block {shown} has another node at clock {clock}, not older than {}",
+                        entry.clock
+                    ));
+                }
+                count_node(check, node, key);
+            }
+        }
+        for (id, &n) in counted.iter().enumerate() {
+            let stored = held.get(id as u32).map_err(redb_err("reading the node counts"))?.map_or(0, |g| g.value());
+            if stored != n {
+                check.note(format!("node id {id} is named by {n} blocks, its count says {stored}"));
+            }
+        }
+        if count(&held)? > counted.iter().filter(|&&n| n > 0).count() as u64 {
+            check.note("node counts for nodes no block names".into());
+        }
+        Ok(())
     }
 
     /// Walks the generations: each lists 16-byte keys, each once, and its live count is the

@@ -5,14 +5,14 @@ use std::time::Duration;
 
 use redb::{ConcurrencyMode, Database};
 
-use super::warm::{OpenCheck, Warm};
+use super::warm::{OpenCheck, Opened, Warm};
 use crate::error::{Error, Result, open_error};
 use crate::file::lock::HeadLock;
 use crate::file::seal;
 use crate::store::import::{LegacyFile, read_json};
 use crate::store::records::MAX_CAPACITY;
 use crate::store::schema;
-use crate::store::writer::Writer;
+use crate::store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX, Writer};
 
 /// Page cache of the file by default.
 pub const DEFAULT_CACHE_BYTES: usize = 128 << 20;
@@ -28,6 +28,7 @@ pub struct Builder {
     sync_window: Duration,
     check_integrity: bool,
     import: Option<PathBuf>,
+    nodes_per_prefix: usize,
 }
 
 impl Default for Builder {
@@ -46,6 +47,7 @@ impl Builder {
             sync_window: DEFAULT_SYNC_WINDOW,
             check_integrity: true,
             import: None,
+            nodes_per_prefix: DEFAULT_NODES_PER_PREFIX,
         }
     }
 
@@ -80,6 +82,17 @@ impl Builder {
         self
     }
 
+    /// Nodes a block remembers: the one that ran it last (what `warmest` reads) and up to
+    /// `nodes - 1` others that ran it before, each with its clock, the newest kept. 1 to
+    /// [`MAX_NODES_PER_PREFIX`], default [`DEFAULT_NODES_PER_PREFIX`]; 1 keeps one node a block,
+    /// as 0.1.7 did. Capacity still counts blocks. Not stored in the file: a file opened with
+    /// fewer keeps the others it has until their blocks are rewritten, and answers with the
+    /// newest `nodes`.
+    pub fn nodes_per_prefix(&mut self, nodes: usize) -> &mut Self {
+        self.nodes_per_prefix = nodes;
+        self
+    }
+
     /// A 0.1.7 `warm.json` to import on open (once: the same file again is skipped).
     pub fn import_json(&mut self, path: impl Into<PathBuf>) -> &mut Self {
         self.import = Some(path.into());
@@ -95,6 +108,11 @@ impl Builder {
     fn validate(&self) -> Result<()> {
         if let Some(c) = self.capacity.filter(|&c| c == 0 || c > MAX_CAPACITY) {
             return Err(Error::InvalidConfig { detail: format!("capacity {c} (1 to {MAX_CAPACITY})") });
+        }
+        if !(1..=MAX_NODES_PER_PREFIX).contains(&self.nodes_per_prefix) {
+            return Err(Error::InvalidConfig {
+                detail: format!("{} nodes per prefix (1 to {MAX_NODES_PER_PREFIX})", self.nodes_per_prefix),
+            });
         }
         if self.sync_window > Duration::from_secs(60) {
             return Err(Error::InvalidConfig { detail: format!("sync window {:?} (at most 60 s)", self.sync_window) });
@@ -161,8 +179,11 @@ impl Builder {
         check: OpenCheck,
         lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
-        let (scheme, resized) = schema::prepare(&db, self.capacity)?;
+        let prepared = schema::prepare(&db, self.capacity)?;
+        let (scheme, resized) = (prepared.scheme, prepared.resized);
+        let check = Opened { check, upgraded_from: prepared.upgraded_from };
         let mut writer = Writer::load(&db)?;
+        writer.nodes_per_prefix = self.nodes_per_prefix;
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.

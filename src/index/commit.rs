@@ -9,15 +9,15 @@ use std::time::Duration;
 
 use redb::{Database, ReadableDatabase};
 
-use super::front::{Committed, Front, MAX_BATCH_BLOCKS, Published};
+use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published};
 use super::horizon::Horizon;
-use super::warm::OpenCheck;
+use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
 use crate::file::seal;
 use crate::keys::Scheme;
-use crate::store::tables::{LIVE, PREFIXES};
-use crate::store::writer::{Ran, RolledBack, Writer};
+use crate::store::tables::{LIVE, OTHERS, PREFIXES, STATE};
+use crate::store::writer::{Change, RolledBack, Writer, read_floor};
 
 /// Dropped in this order: the batch and the read view, then redb (which closes the file), then
 /// the sealer (which seals the closed file and lets go of its lock).
@@ -29,7 +29,7 @@ pub(crate) struct Inner {
     /// Wakes callers waiting for the queue to be taken.
     pub drained: Condvar,
     pub window: Duration,
-    pub check: OpenCheck,
+    pub opened: Opened,
     /// How the file's keys are made (from its meta record; fixed for its life).
     pub scheme: Scheme,
     pub db: Database,
@@ -55,10 +55,12 @@ impl Drop for Sealer {
     }
 }
 
-/// A read of the prefix table as of the last commit.
-pub(crate) fn committed(db: &Database) -> Result<Committed> {
+/// A read of the prefix table and the others as of the last commit.
+pub(crate) fn committed(db: &Database) -> Result<(Committed, CommittedOthers)> {
     let read = db.begin_read().map_err(redb_err("starting a read"))?;
-    read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))
+    let prefixes = read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+    let others = read.open_table(OTHERS).map_err(redb_err("opening the others"))?;
+    Ok((prefixes, others))
 }
 
 /// The callers' horizon of the file as last committed, whose meta `published` gives (nothing
@@ -66,7 +68,8 @@ pub(crate) fn committed(db: &Database) -> Result<Committed> {
 pub(crate) fn horizon(db: &Database, published: Published) -> Result<Horizon> {
     let read = db.begin_read().map_err(redb_err("starting a read"))?;
     let live = read.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-    Horizon::load(&live, published.entries, published.capacity)
+    let floor = read_floor(&read.open_table(STATE).map_err(redb_err("reading the floor"))?)?;
+    Horizon::load(&live, floor, published.entries, published.capacity)
 }
 
 /// Reads the callers' horizon if it has not been read since the open (or an import): before the first `ran`
@@ -80,10 +83,16 @@ pub(crate) fn ensure_horizon<'a>(db: &Database, front: &'a mut Front) -> Result<
 }
 
 pub(crate) fn published(writer: &Writer) -> Published {
+    let nodes = &writer.nodes;
+    let named: u64 = nodes.held.iter().sum();
+    let reclaimable = nodes.held.iter().zip(&nodes.retired).filter(|(_, r)| r.is_some()).map(|(h, _)| h).sum();
     Published {
         entries: writer.meta.entries,
         legacy_entries: writer.meta.legacy_entries,
         capacity: writer.meta.capacity,
+        others: named.saturating_sub(writer.meta.entries),
+        reclaimable,
+        floor: writer.floor,
     }
 }
 
@@ -112,7 +121,7 @@ pub(crate) fn flush(inner: &Inner, how: Flush) -> Result<()> {
 pub(crate) fn flush_locked(inner: &Inner, back: &mut Writer, how: Flush) -> Result<()> {
     let (rans, due) = take_queue(inner)?;
     let written = write_batch(inner, back, rans);
-    let due = due || back.applied.iter().map(|r| r.blocks.len()).sum::<usize>() >= MAX_BATCH_BLOCKS;
+    let due = due || back.applied.iter().map(Change::blocks).sum::<usize>() >= MAX_BATCH_BLOCKS;
     let outcome = match written {
         Err(rolled_back) => Err(rolled_back),
         Ok(()) if matches!(how, Flush::Commit | Flush::Close) || due => {
@@ -124,7 +133,7 @@ pub(crate) fn flush_locked(inner: &Inner, back: &mut Writer, how: Flush) -> Resu
 }
 
 /// Takes the queue from the callers, and whether its oldest change is a window old.
-fn take_queue(inner: &Inner) -> Result<(Vec<Ran>, bool)> {
+fn take_queue(inner: &Inner) -> Result<(Vec<Change>, bool)> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
     let rans = front.take();
@@ -134,7 +143,7 @@ fn take_queue(inner: &Inner) -> Result<(Vec<Ran>, bool)> {
 
 /// Writes `rans` into the batch, merged, with the evictions their floors carry. On an error the
 /// batch is rolled back and every `ran` it held or was to hold is returned with it.
-fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Ran>) -> Result<(), Box<RolledBack>> {
+fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Change>) -> Result<(), Box<RolledBack>> {
     if rans.is_empty() {
         return Ok(());
     }
@@ -153,7 +162,7 @@ fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Ran>) -> Result<(), B
 
 /// Tells the callers what a flush did: the counts, and after a commit a fresh view of it with
 /// the overlay maps it made redundant dropped; after a failure, the `ran`s back in the queue.
-fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Ran>>, Box<RolledBack>>) -> Result<()> {
+fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Change>>, Box<RolledBack>>) -> Result<()> {
     // Without a fresh view (a read that failed), the committed `ran`s stay in the overlay and
     // the old view stays: the answers stay right, and the next commit drops them.
     let fresh = match &outcome {
@@ -161,7 +170,7 @@ fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Ran>>, Box<R
         _ => None,
     };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
-    front.nodes.clone_from(&back.nodes.names);
+    front.adopt(&back.nodes);
     front.published = published(back);
     // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
     front.clock = front.clock.max(back.meta.clock);
@@ -170,12 +179,13 @@ fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Ran>>, Box<R
         Ok(Some(committed)) => {
             front.failed = None;
             match fresh {
-                Some(fresh) => {
+                Some((fresh, fresh_others)) => {
                     let old = std::mem::replace(&mut front.committed, fresh);
-                    (Ok(()), Some(old), front.drop_committed(&committed))
+                    let old_others = std::mem::replace(&mut front.committed_others, fresh_others);
+                    (Ok(()), Some((old, old_others)), front.drop_committed(&committed))
                 }
                 None => {
-                    front.oldest_pending = front.queue.first().map(|r| r.at);
+                    front.oldest_pending = front.queue.first().map(Change::at);
                     (Ok(()), None, Vec::new())
                 }
             }

@@ -9,10 +9,12 @@ use std::time::Instant;
 use super::horizon::Horizon;
 use super::overlay::{Map, Overlay};
 use crate::error::Error;
-use crate::store::writer::Ran;
+use crate::store::writer::{Change, Nodes};
 
 /// The prefix table as of the last commit, shared with the callers.
 pub(crate) type Committed = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
+/// The others of each block as of the last commit.
+pub(crate) type CommittedOthers = redb::ReadOnlyTable<u128, &'static [u8]>;
 
 /// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
 pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
@@ -27,6 +29,12 @@ pub(crate) struct Published {
     pub entries: u64,
     pub legacy_entries: u64,
     pub capacity: u64,
+    /// Nodes named by blocks besides the prefix table's.
+    pub others: u64,
+    /// Blocks and others naming a forgotten incarnation.
+    pub reclaimable: u64,
+    /// The file's eviction floor.
+    pub floor: u64,
 }
 
 /// The caller's side.
@@ -38,16 +46,22 @@ pub(crate) struct Front {
     /// The prefix table as of the last commit: replaced, with the overlay entries that commit
     /// made redundant removed, under this lock, so every `ran` is always in one or the other.
     pub committed: Committed,
-    /// `ran`s the commit thread has not taken yet, oldest first.
-    pub queue: Vec<Ran>,
+    /// The others table of the same commit.
+    pub committed_others: CommittedOthers,
+    /// Changes the commit thread has not taken yet, oldest first.
+    pub queue: Vec<Change>,
     pub queued_blocks: usize,
     /// When the oldest `ran` not yet committed was made.
     pub oldest_pending: Option<Instant>,
-    /// Node names by id, as the commit thread assigned them (committed or about to be).
-    pub nodes: Vec<String>,
-    /// Every node name a `ran` gave, by the index the overlay uses (not the file's node ids).
-    pub pending_names: Vec<Arc<str>>,
-    name_ids: HashMap<String, u32>,
+    /// Node names by id: the callers hand ids out (the commit thread writes them as queued), so
+    /// the overlay and the file name a node alike.
+    pub nodes: Vec<Arc<str>>,
+    /// The current (not forgotten) id of each name.
+    ids: HashMap<Arc<str>, u32>,
+    /// By id: whether that incarnation was forgotten.
+    pub retired: Vec<bool>,
+    /// Nodes a block keeps.
+    pub nodes_per_prefix: usize,
     pub published: Published,
     /// What is live by 0.1.7's eviction rule, as of the last `ran` that returned; read from the
     /// file before the first `ran` (until then the file's entries are exactly what is live).
@@ -61,76 +75,127 @@ pub(crate) struct Front {
 }
 
 impl Front {
-    pub(crate) fn new(clock: u64, nodes: Vec<String>, published: Published, committed: Committed) -> Front {
-        Front {
+    pub(crate) fn new(
+        clock: u64,
+        nodes: &Nodes,
+        published: Published,
+        (committed, committed_others): (Committed, CommittedOthers),
+        nodes_per_prefix: usize,
+    ) -> Front {
+        let mut front = Front {
             clock,
             overlay: Overlay::default(),
             committed,
+            committed_others,
             queue: Vec::new(),
             queued_blocks: 0,
             oldest_pending: None,
-            nodes,
-            pending_names: Vec::new(),
-            name_ids: HashMap::new(),
+            nodes: Vec::new(),
+            ids: HashMap::new(),
+            retired: Vec::new(),
+            nodes_per_prefix,
             published,
             horizon: None,
             importing: false,
             failed: None,
             closing: false,
+        };
+        front.adopt(nodes);
+        front
+    }
+
+    /// Takes the nodes the writer knows and the callers do not yet (an import's, or all of
+    /// them at the start).
+    pub(crate) fn adopt(&mut self, nodes: &Nodes) {
+        for id in self.nodes.len()..nodes.names.len() {
+            let name: Arc<str> = Arc::from(nodes.names[id].as_str());
+            let retired = nodes.retired[id].is_some();
+            if !retired {
+                self.ids.insert(Arc::clone(&name), id as u32);
+            }
+            self.nodes.push(name);
+            self.retired.push(retired);
         }
     }
 
     /// Whether an entry of `clock` is live (not yet evicted by 0.1.7's rule).
     pub(crate) fn holds(&self, clock: u64) -> bool {
-        self.horizon.as_ref().is_none_or(|h| h.holds(clock))
-    }
-
-    /// The overlay's index of a node name, and a shared copy of it.
-    pub(crate) fn name(&mut self, node: &str) -> (u32, Arc<str>) {
-        if let Some(&id) = self.name_ids.get(node)
-            && let Some(name) = self.pending_names.get(id as usize)
-        {
-            return (id, Arc::clone(name));
+        match &self.horizon {
+            Some(h) => h.holds(clock),
+            // Not read yet: nothing was evicted since the file's own floor.
+            None => clock > self.published.floor,
         }
-        let id = u32::try_from(self.pending_names.len()).unwrap_or(u32::MAX);
-        let name: Arc<str> = Arc::from(node);
-        self.pending_names.push(Arc::clone(&name));
-        self.name_ids.insert(node.to_string(), id);
-        (id, name)
     }
 
-    /// Queues a `ran` and makes it visible to `warmest` at once.
-    pub(crate) fn push(&mut self, ran: Ran, node: u32) {
-        self.overlay.push(ran.clock, &ran.blocks, node);
-        self.queued_blocks += ran.blocks.len();
-        self.oldest_pending.get_or_insert(ran.at);
-        self.queue.push(ran);
+    /// Whether node id `node` was forgotten.
+    pub(crate) fn is_retired(&self, node: u32) -> bool {
+        self.retired.get(node as usize).copied().unwrap_or(false)
+    }
+
+    /// The name of node id `node`.
+    pub(crate) fn node_name(&self, node: u32) -> String {
+        self.nodes.get(node as usize).map_or_else(|| format!("#{node}"), |n| n.to_string())
+    }
+
+    /// The current id of node `name` (a new one if it has none), and a shared copy of the name.
+    pub(crate) fn name(&mut self, name: &str) -> (u32, Arc<str>) {
+        if let Some(&id) = self.ids.get(name)
+            && let Some(known) = self.nodes.get(id as usize)
+        {
+            return (id, Arc::clone(known));
+        }
+        let id = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
+        let shared: Arc<str> = Arc::from(name);
+        self.nodes.push(Arc::clone(&shared));
+        self.retired.push(false);
+        self.ids.insert(Arc::clone(&shared), id);
+        (id, shared)
+    }
+
+    /// Forgets node `name`'s current incarnation: from now on nothing it ran before is
+    /// answered. Returns its id, `None` if it has none.
+    pub(crate) fn forget(&mut self, name: &str) -> Option<u32> {
+        let id = self.ids.remove(name)?;
+        if let Some(r) = self.retired.get_mut(id as usize) {
+            *r = true;
+        }
+        Some(id)
+    }
+
+    /// Queues a change; a `ran` is visible to `warmest` at once.
+    pub(crate) fn push(&mut self, change: Change) {
+        if let Change::Ran(ran) = &change {
+            self.overlay.push(ran.clock, &ran.blocks, ran.node, self.nodes_per_prefix > 1);
+        }
+        self.queued_blocks += change.blocks();
+        self.oldest_pending.get_or_insert(change.at());
+        self.queue.push(change);
     }
 
     /// Takes the queue for the commit thread.
-    pub(crate) fn take(&mut self) -> Vec<Ran> {
+    pub(crate) fn take(&mut self) -> Vec<Change> {
         self.queued_blocks = 0;
         self.overlay.seal();
         std::mem::take(&mut self.queue)
     }
 
-    /// Puts back `rans` (from a failed commit, oldest first) ahead of what was queued since: they
-    /// are still in the overlay and will be retried.
-    pub(crate) fn requeue(&mut self, mut rans: Vec<Ran>) {
-        self.queued_blocks += rans.iter().map(|r| r.blocks.len()).sum::<usize>();
-        rans.append(&mut self.queue);
-        self.queue = rans;
-        self.oldest_pending = self.queue.first().map(|r| r.at);
+    /// Puts back `changes` (from a failed commit, oldest first) ahead of what was queued since:
+    /// they are still in the overlay and will be retried.
+    pub(crate) fn requeue(&mut self, mut changes: Vec<Change>) {
+        self.queued_blocks += changes.iter().map(Change::blocks).sum::<usize>();
+        changes.append(&mut self.queue);
+        self.queue = changes;
+        self.oldest_pending = self.queue.first().map(Change::at);
     }
 
     /// Drops from the overlay the `ran`s up to the newest of `rans`, now committed: every `ran`
     /// with a clock up to it was taken with them. Returns the maps to drop outside the lock.
-    pub(crate) fn drop_committed(&mut self, rans: &[Ran]) -> Vec<Map> {
-        let gone = match rans.iter().map(|r| r.clock).max() {
+    pub(crate) fn drop_committed(&mut self, changes: &[Change]) -> Vec<Map> {
+        let gone = match changes.iter().map(Change::clock).max() {
             Some(newest) => self.overlay.forget_through(newest),
             None => Vec::new(),
         };
-        self.oldest_pending = self.queue.first().map(|r| r.at);
+        self.oldest_pending = self.queue.first().map(Change::at);
         gone
     }
 }

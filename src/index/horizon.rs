@@ -27,11 +27,16 @@ pub(crate) struct Horizon {
 }
 
 impl Horizon {
-    /// The horizon of a file as committed (its live counts), with nothing evicted beyond it.
+    /// The horizon of a file as committed (its live counts and its floor).
     ///
     /// # Errors
     /// [`Error::Storage`]; [`Error::Corrupted`] if the live counts do not add up to `entries`.
-    pub(crate) fn load(live: &impl ReadableTable<u64, u32>, entries: u64, capacity: u64) -> Result<Horizon> {
+    pub(crate) fn load(
+        live: &impl ReadableTable<u64, u32>,
+        floor: u64,
+        entries: u64,
+        capacity: u64,
+    ) -> Result<Horizon> {
         let mut counts = BTreeMap::new();
         let mut sum = 0u64;
         for item in live.iter().map_err(redb_err("reading the live counts"))? {
@@ -44,7 +49,7 @@ impl Horizon {
                 detail: format!("the live counts add up to {sum} entries, the meta record counts {entries}"),
             });
         }
-        Ok(Horizon { floor: 0, live: counts, entries, capacity })
+        Ok(Horizon { floor, live: counts, entries, capacity })
     }
 
     /// Whether an entry of `clock` is live.

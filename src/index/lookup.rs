@@ -8,33 +8,109 @@
 //! reads instead of one per block. 0.1.7's imported entries promise no such thing, so their
 //! chain is walked block by block as 0.1.7 did.
 
+use redb::ReadableTable;
+
 use super::front::Front;
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
-use crate::store::tables::{Entry, table_key};
-
-/// Who ran a block: a node index of the overlay, or a node id of the file.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Owner {
-    Pending(u32),
-    Committed(u32),
-}
+use crate::store::tables::{Entry, members, table_key};
 
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
 
-/// Who ran `key`, and when: the newest pending `ran`, else the last commit; nothing if that is
-/// at or below the callers' eviction floor (evicted, whether the commit thread has removed it
-/// yet or not).
-pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(Owner, u64)>> {
-    let found = match front.overlay.get(key) {
-        Some((node, clock)) => Some((Owner::Pending(node), clock)),
-        None => {
-            let entry = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
-            entry.map(|g| Entry::from_tuple(g.value())).map(|e| (Owner::Committed(e.node), e.clock))
+/// Who ran `key` last (node id), and when: the newest pending `ran`, else the last commit;
+/// nothing if that is at or below the callers' eviction floor (evicted, whether the commit
+/// thread has removed it yet or not). A forgotten node's entries are still found: they count
+/// for eviction until they go.
+pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
+    match front.overlay.get(key) {
+        Some(found) => Ok(Some(found).filter(|&(_, clock)| front.holds(clock))),
+        None => committed_probe(front, key),
+    }
+}
+
+/// [`probe`] of the last commit alone.
+fn committed_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
+    let entry = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
+    Ok(entry.map(|g| Entry::from_tuple(g.value())).map(|e| (e.node, e.clock)).filter(|&(_, c)| front.holds(c)))
+}
+
+/// [`probe`] for answers: nothing for a forgotten node.
+pub(crate) fn answer_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
+    Ok(probe(front, key)?.filter(|&(node, _)| !front.is_retired(node)))
+}
+
+/// One remembered node of a prompt: its id, how many blocks of the prompt it ran, and the clock
+/// it ran the deepest of them at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct NodeDepth {
+    pub node: u32,
+    pub blocks: usize,
+    pub clock: u64,
+}
+
+/// Every remembered node that ran a prefix of `keys` (a prefix-closed chain), each with the
+/// deepest block it is named on, longest first, ties newest first. A block names the node of the
+/// prefix table and its others, pending or committed: each node once, with its newest clock,
+/// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes are left out.
+pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
+    let Some((_, len)) = search(keys, |k| probe(front, k))? else { return Ok(Vec::new()) };
+    let keys = &keys[..len];
+    // The last commit's node of each block, from its runs of equal clocks (one `ran` each).
+    let mut committed: Vec<Option<(u32, u64)>> = vec![None; len];
+    let mut start = 0;
+    for (clock, n) in clock_runs(keys, |k| committed_probe(front, k).map(|f| f.map(|(_, c)| c)))? {
+        let owner = committed_probe(front, &keys[start])?.map(|(node, _)| (node, clock));
+        committed[start..start + n as usize].fill(owner);
+        start += n as usize;
+    }
+    let others = committed_others(front, keys)?;
+    let mut deepest: Vec<NodeDepth> = Vec::new();
+    let mut named = Vec::new();
+    for (i, key) in keys.iter().enumerate() {
+        named.clear();
+        front.overlay.writes(key, &mut named);
+        named.extend(committed[i]);
+        if let Some(row) = others.get(&i) {
+            named.extend_from_slice(row);
         }
-    };
-    Ok(found.filter(|&(_, clock)| front.holds(clock)))
+        named.retain(|&(_, clock)| front.holds(clock));
+        // Usually one node, or the same node twice (pending and committed): nothing to sort.
+        if named.len() > 1 && named.iter().any(|m| m.0 != named[0].0) {
+            named.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+            named.dedup_by_key(|m| m.0);
+            named.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+            named.truncate(front.nodes_per_prefix);
+        } else if let Some(newest) = named.iter().copied().max_by_key(|m| m.1) {
+            named.clear();
+            named.push(newest);
+        }
+        for &(node, clock) in named.iter().filter(|(node, _)| !front.is_retired(*node)) {
+            match deepest.iter_mut().find(|d| d.node == node) {
+                Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },
+                None => deepest.push(NodeDepth { node, blocks: i + 1, clock }),
+            }
+        }
+    }
+    deepest.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(b.clock.cmp(&a.clock)));
+    Ok(deepest)
+}
+
+/// The committed others of each block of `keys` that has any, by block index: a read a block
+/// (a range read per segment would also read every other conversation's rows of a shared
+/// system-prompt segment).
+fn committed_others(front: &Front, keys: &[BlockKey]) -> Result<std::collections::HashMap<usize, Vec<(u32, u64)>>> {
+    let mut found = std::collections::HashMap::new();
+    let table = &front.committed_others;
+    if front.nodes_per_prefix < 2 || table.first().map_err(redb_err("reading the others"))?.is_none() {
+        return Ok(found);
+    }
+    for (i, key) in keys.iter().enumerate() {
+        if let Some(row) = table.get(table_key(key)).map_err(redb_err("reading the others"))? {
+            found.insert(i, members(row.value()).collect());
+        }
+    }
+    Ok(found)
 }
 
 /// The remembered prefix of a prefix-closed chain as runs of equal clocks, `(clock, blocks)`

@@ -30,9 +30,18 @@ impl std::hash::Hasher for KeyHasher {
     }
 }
 
-/// One batch's entries: block key tail → (node index, clock). A different key with the same 8-byte tail
-/// would be taken for it: at a million pending blocks, a chance of about 2^-44.
-pub(crate) type Map = HashMap<u64, (u32, u64), std::hash::BuildHasherDefault<KeyHasher>>;
+type Tails<V> = HashMap<u64, V, std::hash::BuildHasherDefault<KeyHasher>>;
+
+/// One batch's entries: block key tail → (node id, clock) of its newest write, and the other
+/// nodes that wrote it earlier in the batch. A different key with the same 8-byte tail would be
+/// taken for it: at a million pending blocks, a chance of about 2^-44.
+#[derive(Default)]
+pub(crate) struct Map {
+    newest: Tails<(u32, u64)>,
+    /// Written only when a block's node changes within the batch (and blocks keep more than
+    /// one node).
+    earlier: Tails<Vec<(u32, u64)>>,
+}
 
 /// The `ran`s not yet committed.
 #[derive(Default)]
@@ -51,11 +60,18 @@ fn tail(key: &BlockKey) -> u64 {
 }
 
 impl Overlay {
-    /// Adds a `ran` to the open batch (clocks only grow).
-    pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32) {
-        self.open.reserve(blocks.len());
+    /// Adds a `ran` to the open batch (clocks only grow). With `others`, a block whose node
+    /// changes keeps the one before.
+    pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32, others: bool) {
+        self.open.newest.reserve(blocks.len());
         for key in blocks {
-            self.open.insert(tail(key), (node, clock));
+            let t = tail(key);
+            if let Some(old) = self.open.newest.insert(t, (node, clock))
+                && others
+                && old.0 != node
+            {
+                self.open.earlier.entry(t).or_default().push(old);
+            }
         }
         self.open_clock = clock;
         self.open_blocks += blocks.len();
@@ -74,10 +90,23 @@ impl Overlay {
     /// key names its depth).
     pub(crate) fn get(&self, key: &BlockKey) -> Option<(u32, u64)> {
         let t = tail(key);
-        if let Some(&found) = self.open.get(&t) {
+        if let Some(&found) = self.open.newest.get(&t) {
             return Some(found);
         }
-        self.sealed.iter().rev().find_map(|(_, _, map)| map.get(&t).copied())
+        self.sealed.iter().rev().find_map(|(_, _, map)| map.newest.get(&t).copied())
+    }
+
+    /// Every pending write of `key`, (node id, clock), in no order, pushed onto `into`.
+    pub(crate) fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) {
+        let t = tail(key);
+        for map in self.sealed.iter().map(|(_, _, m)| m).chain([&self.open]) {
+            if let Some(&found) = map.newest.get(&t) {
+                into.push(found);
+                if let Some(earlier) = map.earlier.get(&t) {
+                    into.extend_from_slice(earlier);
+                }
+            }
+        }
     }
 
     /// Takes out every sealed batch whose `ran`s all have a clock up to `clock` (committed, or
@@ -112,20 +141,27 @@ mod tests {
     fn the_newest_pending_ran_answers_and_a_committed_batch_goes_whole() {
         let mut overlay = Overlay::default();
         let a = chain(1, 40);
-        overlay.push(1, &a, 0);
+        overlay.push(1, &a, 0, true);
         overlay.seal();
-        overlay.push(2, &a[..20], 1);
-        assert_eq!(overlay.get(&a[5]), Some((1, 2)), "the open batch is newer than the sealed one");
+        overlay.push(2, &a[..20], 1, true);
+        overlay.push(3, &a[..10], 2, true);
+        assert_eq!(overlay.get(&a[5]), Some((2, 3)), "the open batch is newer than the sealed one");
+        assert_eq!(overlay.get(&a[15]), Some((1, 2)));
         assert_eq!(overlay.get(&a[30]), Some((0, 1)));
+        let mut writes = Vec::new();
+        overlay.writes(&a[5], &mut writes);
+        writes.sort_unstable();
+        assert_eq!(writes, vec![(0, 1), (1, 2), (2, 3)], "every node that wrote it, in either batch");
         assert_eq!(overlay.get(&chain(2, 1)[0]), None);
-        assert_eq!(overlay.blocks(), 60);
+        assert_eq!(overlay.blocks(), 70);
         assert!(overlay.forget_through(0).is_empty(), "batch 1 is not committed yet");
         assert_eq!(overlay.forget_through(1).len(), 1);
         assert_eq!(overlay.get(&a[30]), None, "a's own blocks went with its batch");
-        assert_eq!(overlay.get(&a[5]), Some((1, 2)), "the open batch stays");
-        assert!(overlay.forget_through(2).is_empty(), "an open batch is never forgotten");
+        assert_eq!(overlay.get(&a[5]), Some((2, 3)), "the open batch stays");
+        assert!(overlay.forget_through(3).is_empty(), "an open batch is never forgotten");
         overlay.seal();
-        assert_eq!(overlay.forget_through(2).len(), 1);
+        assert!(overlay.forget_through(2).is_empty(), "its newest `ran` (3) is not committed");
+        assert_eq!(overlay.forget_through(3).len(), 1);
         assert_eq!((overlay.get(&a[5]), overlay.blocks()), (None, 0));
     }
 }

@@ -18,12 +18,12 @@ use redb::Database;
 use super::builder::Builder;
 use super::commit::{Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, published};
 use super::front::{Front, MAX_QUEUED_BLOCKS};
-use super::lookup::{self, Owner};
+use super::lookup::{self, NodeDepth};
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
 use crate::store::import::{ImportReport, LegacyFile, read_json};
-use crate::store::writer::{Ran, Writer};
+use crate::store::writer::{Change, Ran, Writer};
 
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -46,12 +46,30 @@ pub struct Stats {
     pub capacity: u64,
     /// The clock of the last `ran`.
     pub clock: u64,
-    /// Every node ever seen, by id.
+    /// Every node ever seen, by id: one id per incarnation (a forgotten node's name gets a new
+    /// id at its next `ran`).
     pub nodes: Vec<String>,
+    /// By id: whether that incarnation was forgotten.
+    pub forgotten: Vec<bool>,
+    /// Nodes named by blocks besides the last one to run them (the others), as last written
+    /// into the batch.
+    pub others: u64,
+    /// Blocks (or others) that name a forgotten incarnation: answered as absent, their space
+    /// reclaimed as they are evicted (as last written into the batch).
+    pub reclaimable: u64,
     /// Whether changes are waiting for a commit.
     pub pending: bool,
     /// How the file was verified when it was opened.
     pub open_check: OpenCheck,
+    /// The schema the file was upgraded from when it was opened, if it was.
+    pub upgraded_from: Option<u32>,
+}
+
+/// How a file was found when it was opened.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Opened {
+    pub check: OpenCheck,
+    pub upgraded_from: Option<u32>,
 }
 
 /// How a file was verified when it was opened (see [`Builder::check_integrity_on_open`]).
@@ -110,11 +128,12 @@ impl Warm {
         db: Database,
         writer: Writer,
         window: Duration,
-        check: OpenCheck,
+        opened: Opened,
         scheme: Scheme,
         lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
-        let front = Front::new(writer.meta.clock, writer.nodes.names.clone(), published(&writer), committed(&db)?);
+        let front =
+            Front::new(writer.meta.clock, &writer.nodes, published(&writer), committed(&db)?, writer.nodes_per_prefix);
         let inner = Arc::new(Inner {
             scheme,
             back: Mutex::new(writer),
@@ -122,10 +141,10 @@ impl Warm {
             wake: Condvar::new(),
             drained: Condvar::new(),
             window,
-            check,
+            opened,
             db,
             // Only a file verified at open may be sealed: a seal vouches for every byte.
-            sealer: Sealer { lock, sealable: check != OpenCheck::Skipped, clean: AtomicBool::new(false) },
+            sealer: Sealer { lock, sealable: opened.check != OpenCheck::Skipped, clean: AtomicBool::new(false) },
         });
         let flusher = if window.is_zero() {
             None
@@ -187,19 +206,62 @@ impl Warm {
             return Ok(None);
         }
         let front = self.front()?;
-        let probe = |key: &_| lookup::probe(&front, key);
-        let found = lookup::search(&prefix.blocks, probe)?;
-        let found =
-            if prefix.legacy.is_empty() { found } else { lookup::longer(found, lookup::walk(&prefix.legacy, probe)?) };
-        Ok(found.filter(|&(_, blocks)| blocks >= MIN_BLOCKS).map(|((owner, _), blocks)| Hit {
-            node: match owner {
-                Owner::Pending(i) => {
-                    front.pending_names.get(i as usize).map_or_else(|| format!("?{i}"), |n| n.to_string())
-                }
-                Owner::Committed(id) => front.nodes.get(id as usize).cloned().unwrap_or_else(|| format!("#{id}")),
-            },
-            tokens: blocks * BLOCK_TOKENS,
-        }))
+        let found = lookup::search(&prefix.blocks, |k| lookup::probe(&front, k))?;
+        // The last block's node was forgotten: the next node that ran the most of the prompt.
+        let found = match found {
+            Some(((node, _), _)) if front.is_retired(node) => {
+                lookup::warm_nodes(&front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
+            }
+            found => found,
+        };
+        let found = if prefix.legacy.is_empty() {
+            found
+        } else {
+            lookup::longer(found, lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?)
+        };
+        Ok(found
+            .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
+            .map(|((node, _), blocks)| Hit { node: front.node_name(node), tokens: blocks * BLOCK_TOKENS }))
+    }
+
+    /// Every remembered node that ran a prefix of `tokens` for `model` (at least two blocks),
+    /// with how many tokens of it, longest first (ties: the newest first). Its first entry is
+    /// [`Warm::warmest`]'s answer. Each block keeps up to [`Builder::nodes_per_prefix`] nodes;
+    /// a forgotten node is never listed.
+    ///
+    /// # Errors
+    /// As [`Warm::warmest`].
+    pub fn warm_nodes(&self, model: &str, tokens: &[u32]) -> Result<Vec<Hit>> {
+        let prefix = self.prefix(&Namespace::new(model)?, tokens)?;
+        self.warm_nodes_prefix(&prefix)
+    }
+
+    /// [`Warm::warm_nodes`] for a prefix hashed by [`Warm::prefix`]: a few reads a run of
+    /// blocks one `ran` wrote, a read of each block's others, and a look at the uncommitted
+    /// `ran`s per block (costlier than [`Warm::warmest_prefix`], which reads about log2(blocks)).
+    ///
+    /// # Errors
+    /// As [`Warm::warmest_prefix`].
+    pub fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        self.same_scheme(prefix)?;
+        let front = self.front()?;
+        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&front, &prefix.blocks)?;
+        if !prefix.legacy.is_empty()
+            && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
+        {
+            // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
+            match found.iter().position(|d| d.node == node) {
+                Some(i) if found[i].blocks >= blocks => {}
+                Some(i) => found[i] = NodeDepth { node, blocks, clock },
+                None => found.push(NodeDepth { node, blocks, clock }),
+            }
+            found.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(b.clock.cmp(&a.clock)));
+        }
+        Ok(found
+            .into_iter()
+            .filter(|d| d.blocks >= MIN_BLOCKS)
+            .map(|d| Hit { node: front.node_name(d.node), tokens: d.blocks * BLOCK_TOKENS })
+            .collect())
     }
 
     /// Records that `node` ran `tokens` for `model`: every whole block of it now points at
@@ -263,17 +325,18 @@ impl Warm {
             let clock = front.clock + 1;
             let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, prefix.blocks.len() as u64, &runs);
             front.clock = clock;
-            let (index, name) = front.name(node);
+            let (id, name) = front.name(node);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
                 blocks: prefix.blocks.as_slice().into(),
-                node: name,
+                node: id,
+                name,
                 clock,
                 floor,
                 at: Instant::now(),
             };
             let was_idle = front.oldest_pending.is_none();
-            front.push(ran, index);
+            front.push(Change::Ran(ran));
             if self.flusher.is_some() {
                 if was_idle {
                     self.inner.wake.notify_one();
@@ -285,6 +348,35 @@ impl Warm {
             Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit),
             None => Ok(()),
         }
+    }
+
+    /// Forgets node `name` (it restarted or left: its KV cache is gone). When this returns, no
+    /// answer names it for anything it ran before, and that is durable: across a reopen and a
+    /// crash. Its next `ran` starts afresh, as a new incarnation. It costs O(1) in the node's
+    /// entries: they are answered as absent at once, and their space is reclaimed as they are
+    /// evicted ([`Stats::reclaimable`]). A node never seen is nothing to forget (still `Ok`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] for an empty or over-long name; [`Error::Storage`] if the commit
+    /// fails (answers already leave the node out, and the forget is retried with the next
+    /// commit, but it is not durable).
+    pub fn forget_node(&self, name: &str) -> Result<()> {
+        check_len("node", name.len(), MAX_NODE_BYTES)?;
+        {
+            let mut front = self.front()?;
+            while front.importing {
+                front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+            }
+            if let Some(node) = front.forget(name) {
+                let clock = front.clock;
+                let was_idle = front.oldest_pending.is_none();
+                front.push(Change::Forget { node, clock, at: Instant::now() });
+                if was_idle {
+                    self.inner.wake.notify_one();
+                }
+            }
+        }
+        self.sync()
     }
 
     /// Makes every `ran` so far durable (0.1.7's `save`): `Ok` means every `ran` that returned
@@ -345,9 +437,13 @@ impl Warm {
             legacy_entries: front.published.legacy_entries,
             capacity: front.published.capacity,
             clock: front.clock,
-            nodes: front.nodes.clone(),
+            nodes: front.nodes.iter().map(|n| n.to_string()).collect(),
+            forgotten: front.retired.clone(),
+            others: front.published.others,
+            reclaimable: front.published.reclaimable,
             pending: front.oldest_pending.is_some(),
-            open_check: self.inner.check,
+            open_check: self.inner.opened.check,
+            upgraded_from: self.inner.opened.upgraded_from,
         })
     }
 

@@ -96,6 +96,7 @@ impl Writer {
     }
 
     fn import_in_batch(&mut self, db: &Database, file: &LegacyFile, report: &mut ImportReport) -> Result<()> {
+        self.reset_floor(db)?;
         let mut entries = Vec::with_capacity(file.entries.len());
         for (hash, node, at) in &file.entries {
             entries.push((legacy_key(*hash), self.intern_node(db, node)?, *at));

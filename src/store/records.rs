@@ -15,9 +15,13 @@ pub(crate) const SCHEMA_V1: u32 = 1;
 pub(crate) const SCHEMA_V2: u32 = 2;
 /// Schema 3: the tables of schema 2, keys from the tree chain.
 pub(crate) const SCHEMA_V3: u32 = 3;
-/// Schema version of the files this build creates. 0.1.7's JSON file is imported, not opened
-/// (`migrations/0001-from-0.1.7-json`).
-pub const SCHEMA_VERSION: u32 = SCHEMA_V3;
+/// Schema 4: schema 3's tables plus the other nodes of each block, retired node incarnations and
+/// per-node counts (`migrations/0004-node-sets-and-forget`). Keys from either chain: a schema 2
+/// file keeps its keyed chain when upgraded.
+pub(crate) const SCHEMA_V4: u32 = 4;
+/// Schema version of the files this build creates and upgrades to. 0.1.7's JSON file is
+/// imported, not opened (`migrations/0001-from-0.1.7-json`).
+pub const SCHEMA_VERSION: u32 = SCHEMA_V4;
 
 /// Entries (blocks) a new file keeps by default: 2^20, 64 Mi tokens of prefixes.
 pub const DEFAULT_CAPACITY: u64 = 1 << 20;

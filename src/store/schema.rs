@@ -4,8 +4,16 @@
 use redb::{Database, ReadableTableMetadata, TableHandle, WriteTransaction};
 
 use super::codec;
-use super::records::{DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_VERSION, read_meta};
-use super::tables::{GENERATIONS, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES};
+use std::collections::BTreeMap;
+
+use redb::ReadableTable;
+
+use super::records::{
+    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_VERSION, read_meta,
+};
+use super::tables::{
+    GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED, STATE,
+};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
 
@@ -25,9 +33,9 @@ pub(crate) fn read_file_meta(txn: &WriteTransaction) -> Result<Option<Meta>> {
     Ok(None)
 }
 
-/// Checks `meta` is a format this build writes, and returns the hash scheme of its keys.
-/// Schema 2 files are read and written as they are, with their own chain: the tables are the
-/// same, only the keys are made differently (`migrations/0003-tree-chain`).
+/// Checks `meta` is a format this build opens, and returns the hash scheme of its keys. Schema 2
+/// and 3 files are upgraded to schema 4 when a writer opens them ([`prepare`]); a schema 2 file
+/// keeps its own chain (`migrations/0003-tree-chain`), in schema 4 as before.
 ///
 /// # Errors
 /// [`Error::NewerSchema`], [`Error::RetiredSchema`] or [`Error::UnknownFormat`].
@@ -43,6 +51,7 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     let scheme = match (meta.schema, Scheme::named(&meta.hash_scheme)) {
         (SCHEMA_V2, Some(Scheme::KeyedChain)) => Scheme::KeyedChain,
         (SCHEMA_V3, Some(Scheme::TreeChain)) => Scheme::TreeChain,
+        (SCHEMA_V4, Some(scheme)) => scheme,
         (schema, _) => {
             return Err(Error::unknown_format(format!("schema {schema} with hash scheme {:?}", meta.hash_scheme)));
         }
@@ -53,37 +62,78 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     Ok(scheme)
 }
 
+/// What [`prepare`] did to a file.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Prepared {
+    /// The hash scheme of the file's keys.
+    pub scheme: Scheme,
+    /// Whether an old file's capacity was changed.
+    pub resized: bool,
+    /// The schema it was upgraded from, if it was.
+    pub upgraded_from: Option<u32>,
+}
+
 /// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
-/// checks an old one and records `capacity` if one was given and differs. Otherwise an old file
-/// is only read (no commit: opening is cheap). Returns the hash scheme of the file's keys, and
-/// whether an old file's capacity was changed.
+/// checks an old one, upgrades it to schema 4 if it is older, and records `capacity` if one was
+/// given and differs, all in one transaction. Otherwise an old file is only read (no commit:
+/// opening is cheap).
 ///
 /// # Errors
 /// As [`read_file_meta`] and [`check`]; [`Error::Storage`].
-pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<(Scheme, bool)> {
+pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> {
     let mut txn = db.begin_write().map_err(redb_err("starting the open"))?;
-    let (mut meta, scheme, old) = match read_file_meta(&txn)? {
-        Some(meta) => {
+    let (mut meta, prepared) = match read_file_meta(&txn)? {
+        Some(mut meta) => {
             let scheme = check(&meta)?;
-            if capacity.is_none_or(|c| c == meta.capacity) {
+            let resized = capacity.is_some_and(|c| c != meta.capacity);
+            let upgraded_from = (meta.schema < SCHEMA_V4).then_some(meta.schema);
+            if !resized && upgraded_from.is_none() {
                 txn.abort().map_err(redb_err("ending the open"))?;
-                return Ok((scheme, false));
+                return Ok(Prepared { scheme, resized, upgraded_from });
             }
-            (meta, scheme, true)
+            if upgraded_from.is_some() {
+                upgrade(&txn, &mut meta)?;
+            }
+            (meta, Prepared { scheme, resized, upgraded_from })
         }
         None => {
             create_tables(&txn)?;
-            (Meta::new_file(DEFAULT_CAPACITY), Scheme::TreeChain, false)
+            let new = Prepared { scheme: Scheme::TreeChain, resized: false, upgraded_from: None };
+            (Meta::new_file(DEFAULT_CAPACITY), new)
         }
     };
-    meta.capacity = capacity.unwrap_or(DEFAULT_CAPACITY);
+    meta.capacity = capacity.unwrap_or(meta.capacity);
     let bytes = codec::encode("meta", &meta)?;
     txn.open_table(META)
         .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
         .map_err(redb_err("writing the meta record"))?;
     txn.set_durability(redb::Durability::Immediate).map_err(redb_err("setting durability"))?;
     txn.commit().map_err(redb_err("committing the open"))?;
-    Ok((scheme, old))
+    Ok(prepared)
+}
+
+/// Upgrades a schema 2 or 3 file to schema 4 in the open transaction: the new tables, and each
+/// node's count of the blocks that name it (one scan of the prefix table). Every other table
+/// and every key stays as it is; a crash before the commit leaves the old file untouched.
+fn upgrade(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
+    let err = redb_err::<redb::TableError>("upgrading to schema 4");
+    txn.open_table(OTHERS).map_err(&err)?;
+    txn.open_table(RETIRED).map_err(&err)?;
+    txn.open_table(STATE).map_err(&err)?;
+    let mut held: BTreeMap<u32, u64> = BTreeMap::new();
+    {
+        let prefixes = txn.open_table(PREFIXES).map_err(&err)?;
+        for item in prefixes.iter().map_err(redb_err("upgrading to schema 4"))? {
+            let (_, value) = item.map_err(redb_err("upgrading to schema 4"))?;
+            *held.entry(value.value().0).or_default() += 1;
+        }
+    }
+    let mut table = txn.open_table(HELD).map_err(&err)?;
+    for (node, n) in held {
+        table.insert(node, n).map_err(redb_err("upgrading to schema 4"))?;
+    }
+    meta.schema = SCHEMA_V4;
+    Ok(())
 }
 
 /// Opens (so creates) every table, so that readers find them all.
@@ -96,6 +146,10 @@ fn create_tables(txn: &WriteTransaction) -> Result<()> {
     txn.open_table(NODE_IDS).map_err(&err)?;
     txn.open_table(NAMESPACES).map_err(&err)?;
     txn.open_table(NAMESPACE_IDS).map_err(&err)?;
+    txn.open_table(OTHERS).map_err(&err)?;
+    txn.open_table(RETIRED).map_err(&err)?;
+    txn.open_table(HELD).map_err(&err)?;
+    txn.open_table(STATE).map_err(&err)?;
     Ok(())
 }
 
@@ -112,6 +166,12 @@ mod tests {
     fn each_schema_is_opened_in_its_own_scheme_or_refused() {
         assert_eq!(check(&meta(SCHEMA_V3, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(check(&meta(SCHEMA_V2, HASH_SCHEME_V2, 64)).ok(), Some(Scheme::KeyedChain));
+        assert_eq!(check(&meta(SCHEMA_V4, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
+        assert_eq!(
+            check(&meta(SCHEMA_V4, HASH_SCHEME_V2, 64)).ok(),
+            Some(Scheme::KeyedChain),
+            "an upgraded 0.2.0 file"
+        );
         assert!(matches!(check(&meta(SCHEMA_V1, "anything", 64)), Err(Error::RetiredSchema { found: 1 })));
         assert!(matches!(
             check(&meta(SCHEMA_VERSION + 1, HASH_SCHEME, 64)),
@@ -122,6 +182,7 @@ mod tests {
             meta(SCHEMA_V2, HASH_SCHEME, 64),
             meta(SCHEMA_V3, HASH_SCHEME_V2, 64),
             meta(SCHEMA_V3, "md5-chain", 64),
+            meta(SCHEMA_V4, "md5-chain", 64),
             meta(0, HASH_SCHEME, 64),
             meta(SCHEMA_V3, HASH_SCHEME, 32),
         ] {

@@ -15,6 +15,21 @@ pub(crate) const GENERATIONS: TableDefinition<u64, &[u8]> = TableDefinition::new
 /// Clock → how many keys of that generation are still live (never 0: the row goes with its last
 /// live key). Eviction sums these oldest first to find its cut.
 pub(crate) const LIVE: TableDefinition<u64, u32> = TableDefinition::new("live/v2");
+/// Block key → the other nodes that ran the block (besides the one the prefix table names), at
+/// most `nodes_per_prefix - 1`, newest first: 12 bytes each, `u32` node id and `u64` clock, little
+/// endian. The row is absent when there are none; it goes with its block. Schema 4.
+pub(crate) const OTHERS: TableDefinition<u128, &[u8]> = TableDefinition::new("others/v4");
+/// Node id → the clock at which it was forgotten: an incarnation of a node that restarted. Its
+/// entries are answered as absent and reclaimed by eviction. Schema 4.
+pub(crate) const RETIRED: TableDefinition<u32, u64> = TableDefinition::new("retired/v4");
+/// Node id → how many blocks name it (in the prefix table or among a block's others); no row at
+/// 0. Schema 4.
+pub(crate) const HELD: TableDefinition<u32, u64> = TableDefinition::new("held/v4");
+/// Counters of the writer's that must survive a restart: [`FLOOR_KEY`] → every entry (and every
+/// node of a block) seen at or below this clock is evicted. Schema 4.
+pub(crate) const STATE: TableDefinition<&str, u64> = TableDefinition::new("state/v4");
+/// The key of the eviction floor in [`STATE`].
+pub(crate) const FLOOR_KEY: &str = "floor";
 /// Node id → bincode [`super::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
 /// Node name → node id.
@@ -39,6 +54,32 @@ pub(crate) fn generation_keys(row: &[u8]) -> impl Iterator<Item = u128> + '_ {
         key.copy_from_slice(k);
         u128::from_be_bytes(key)
     })
+}
+
+/// Bytes of one member of an [`OTHERS`] row.
+pub(crate) const MEMBER_BYTES: usize = 12;
+
+/// The (node id, clock) members of an [`OTHERS`] row, in the order stored (a trailing partial
+/// member is ignored; `check` reports it).
+pub(crate) fn members(row: &[u8]) -> impl Iterator<Item = (u32, u64)> + '_ {
+    row.chunks_exact(MEMBER_BYTES).map(|m| {
+        let (node, clock) = m.split_at(4);
+        let mut n = [0u8; 4];
+        n.copy_from_slice(node);
+        let mut c = [0u8; 8];
+        c.copy_from_slice(clock);
+        (u32::from_le_bytes(n), u64::from_le_bytes(c))
+    })
+}
+
+/// An [`OTHERS`] row of `members`.
+pub(crate) fn members_row(members: &[(u32, u64)]) -> Vec<u8> {
+    let mut row = Vec::with_capacity(members.len() * MEMBER_BYTES);
+    for (node, clock) in members {
+        row.extend_from_slice(&node.to_le_bytes());
+        row.extend_from_slice(&clock.to_le_bytes());
+    }
+    row
 }
 
 /// One entry of the prefix table.

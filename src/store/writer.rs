@@ -2,7 +2,7 @@
 //! copies of the cold records, and every change to the tables. Only the holder of the writer
 //! lock (see `index/warm.rs`) writes to redb.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,7 +13,8 @@ use super::records::{
     DEFAULT_CAPACITY, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta, read_nodes,
 };
 use super::tables::{
-    Entry, GENERATIONS, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, PREFIXES, generation_keys, table_key,
+    Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, PREFIXES,
+    RETIRED, STATE, generation_keys, members, members_row, table_key,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, check_len, is_legacy};
@@ -22,7 +23,9 @@ use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, check_len, is_legacy};
 pub(crate) struct Ran {
     pub namespace: Namespace,
     pub blocks: Arc<[BlockKey]>,
-    pub node: Arc<str>,
+    /// The node's id (the callers hand ids out, in the order they queue them) and name.
+    pub node: u32,
+    pub name: Arc<str>,
     pub clock: u64,
     /// Every entry with a clock up to this one is evicted once this `ran` is applied (the
     /// callers decide eviction, by 0.1.7's rule, as each `ran` returns: `index/horizon.rs`).
@@ -31,18 +34,75 @@ pub(crate) struct Ran {
     pub at: Instant,
 }
 
-/// Node names by id and ids by name: nodes are few, so all of them are kept in memory.
+/// A change queued for the writer, in the callers' order.
+pub(crate) enum Change {
+    Ran(Ran),
+    /// `forget_node`: node id `node` (an incarnation) is retired at `clock`.
+    Forget {
+        node: u32,
+        clock: u64,
+        at: Instant,
+    },
+}
+
+impl Change {
+    pub(crate) fn clock(&self) -> u64 {
+        match self {
+            Change::Ran(r) => r.clock,
+            Change::Forget { clock, .. } => *clock,
+        }
+    }
+
+    pub(crate) fn at(&self) -> Instant {
+        match self {
+            Change::Ran(r) => r.at,
+            Change::Forget { at, .. } => *at,
+        }
+    }
+
+    /// Blocks it writes.
+    pub(crate) fn blocks(&self) -> usize {
+        match self {
+            Change::Ran(r) => r.blocks.len(),
+            Change::Forget { .. } => 0,
+        }
+    }
+}
+
+/// Every node incarnation by id (nodes are few, so all of them are kept in memory): its name,
+/// whether it was forgotten, and how many blocks name it.
 #[derive(Default)]
 pub(crate) struct Nodes {
     pub names: Vec<String>,
+    /// The current (not retired) id of each name.
     pub ids: HashMap<String, u32>,
+    /// By id: the clock it was forgotten at.
+    pub retired: Vec<Option<u64>>,
+    /// By id: blocks that name it (in the prefix table or among a block's others).
+    pub held: Vec<u64>,
+    /// Ids whose `held` changed in the batch.
+    dirty: BTreeSet<u32>,
 }
 
-/// A batch that was rolled back: the error, and the `ran`s it held.
+impl Nodes {
+    fn add_held(&mut self, node: u32, delta: i64) {
+        if let Some(h) = self.held.get_mut(node as usize) {
+            *h = h.saturating_add_signed(delta);
+            self.dirty.insert(node);
+        }
+    }
+}
+
+/// A batch that was rolled back: the error, and the changes it held.
 pub(crate) struct RolledBack {
     pub error: Error,
-    pub rans: Vec<Ran>,
+    pub rans: Vec<Change>,
 }
+
+/// Nodes a block keeps by default: the one that ran it last and up to three others.
+pub const DEFAULT_NODES_PER_PREFIX: usize = 4;
+/// Most nodes a block may be set to keep.
+pub const MAX_NODES_PER_PREFIX: usize = 64;
 
 /// What the commit thread keeps: the batch and the cold records as of the batch.
 pub(crate) struct Writer {
@@ -52,20 +112,25 @@ pub(crate) struct Writer {
     pub meta: Meta,
     pub nodes: Nodes,
     pub namespaces: HashMap<[u8; 8], u32>,
-    /// The `ran`s in the batch (pushed by whoever applied them), to be forgotten by the overlay
+    /// The changes in the batch (pushed by whoever applied them), to be forgotten by the overlay
     /// once committed.
-    pub applied: Vec<Ran>,
+    pub applied: Vec<Change>,
+    /// Nodes a block keeps (`Builder::nodes_per_prefix`; at least 1).
+    pub nodes_per_prefix: usize,
     /// Whether the committed meta record names a writer (this one, or one that crashed).
     marked: bool,
-    /// The newest floor applied in the batch (0 after a reload: applying a floor twice removes
-    /// nothing the second time).
-    floor: u64,
+    /// The eviction floor as of the batch: every entry, and every node of a block, seen at or
+    /// below it is evicted (kept in the file, so that the others a block still lists from before
+    /// it stay evicted across a restart).
+    pub floor: u64,
 }
 
 /// One write to the prefix table.
 struct Write {
     key: u128,
     entry: Entry,
+    /// Other nodes that wrote the key earlier in the same batch (node id, clock), for its others.
+    earlier: Vec<(u32, u64)>,
 }
 
 /// What [`write_entries`] did.
@@ -91,6 +156,7 @@ impl Writer {
             nodes: Nodes::default(),
             namespaces: HashMap::new(),
             applied: Vec::new(),
+            nodes_per_prefix: DEFAULT_NODES_PER_PREFIX,
             marked: false,
             floor: 0,
         };
@@ -112,15 +178,39 @@ impl Writer {
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?;
         self.meta = meta.ok_or_else(|| Error::unknown_format("no meta record"))?;
         self.marked = self.meta.writer.is_some();
-        self.floor = 0;
+        self.floor = read_floor(&read.open_table(STATE).map_err(redb_err("reading the floor"))?)?;
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
         if let Some((last, _)) = generations.last().map_err(redb_err("reading the generations"))? {
             self.meta.clock = self.meta.clock.max(last.value());
         }
         let names = read_nodes(&read.open_table(NODES).map_err(redb_err("reading nodes"))?)?;
-        let ids = names.iter().zip(0..).map(|(name, id)| (name.clone(), id)).collect();
-        self.nodes = Nodes { names, ids };
+        let mut retired = vec![None; names.len()];
+        let table = read.open_table(RETIRED).map_err(redb_err("reading retired nodes"))?;
+        for item in table.iter().map_err(redb_err("reading retired nodes"))? {
+            let (id, clock) = item.map_err(redb_err("reading retired nodes"))?;
+            let slot = retired.get_mut(id.value() as usize).ok_or_else(|| Error::Corrupted {
+                detail: format!("retired node {} has no node record", id.value()),
+            })?;
+            *slot = Some(clock.value());
+        }
+        let mut held = vec![0; names.len()];
+        let table = read.open_table(HELD).map_err(redb_err("reading node counts"))?;
+        for item in table.iter().map_err(redb_err("reading node counts"))? {
+            let (id, n) = item.map_err(redb_err("reading node counts"))?;
+            let slot = held.get_mut(id.value() as usize).ok_or_else(|| Error::Corrupted {
+                detail: format!("node {} has a count and no node record", id.value()),
+            })?;
+            *slot = n.value();
+        }
+        // The newest live incarnation of each name is its current id.
+        let ids = names
+            .iter()
+            .zip(0..)
+            .filter(|&(_, id)| retired[id as usize].is_none())
+            .map(|(n, id)| (n.clone(), id))
+            .collect();
+        self.nodes = Nodes { names, ids, retired, held, dirty: BTreeSet::new() };
         let ns_table = read.open_table(NAMESPACE_IDS).map_err(redb_err("reading namespaces"))?;
         self.namespaces = ns_table
             .iter()
@@ -143,51 +233,130 @@ impl Writer {
         self.txn.is_some()
     }
 
-    /// Writes `rans` (oldest first) into the batch, then evicts through the newest floor they
-    /// carry. The same as applying them one by one, each followed by its own eviction: a later
-    /// write has a clock past every earlier floor, so evicting "every entry up to the floor"
-    /// commutes with it. On error the caller rolls the whole batch back
-    /// ([`Writer::roll_back`]), so no `ran` is ever half there.
-    pub(crate) fn apply(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
-        self.apply_merged(db, rans)?;
-        let floor = rans.iter().map(|r| r.floor).max().unwrap_or(0);
+    /// Writes `changes` (oldest first) into the batch, then evicts through the newest floor
+    /// they carry. The same as applying them one by one, each `ran` followed by its own
+    /// eviction: a later write has a clock past every earlier floor, so evicting "every entry up
+    /// to the floor" commutes with it (and a retired node's entries are evicted like any
+    /// other). On error the caller rolls the whole batch back ([`Writer::roll_back`]), so no
+    /// change is ever half there.
+    pub(crate) fn apply(&mut self, db: &Database, changes: &[Change]) -> Result<()> {
+        let floor = changes.iter().map(|c| if let Change::Ran(r) = c { r.floor } else { 0 }).max().unwrap_or(0);
+        let mut rans: Vec<&Ran> = Vec::new();
+        for change in changes {
+            match change {
+                Change::Ran(ran) => rans.push(ran),
+                Change::Forget { node, clock, .. } => {
+                    self.apply_merged(db, &std::mem::take(&mut rans), floor)?;
+                    self.retire(db, *node, *clock)?;
+                }
+            }
+        }
+        self.apply_merged(db, &rans, floor)?;
         if floor > self.floor {
-            let (n, legacy) = remove_through(self.batch(db)?, floor)?;
+            let (n, legacy) = remove_through(self.txn_and_nodes(db)?, floor)?;
             self.meta.entries = self.meta.entries.saturating_sub(n);
             self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
-            self.floor = floor;
+            self.set_floor(db, floor)?;
         }
         Ok(())
     }
 
-    /// Writes `rans` (oldest first) as one merge: each key once, with its newest write, in key order, so
-    /// each leaf page is visited once and a block several of them wrote is written once. The
-    /// result is what applying them one by one gives, except that a key is listed only in the
-    /// generation that still holds it.
-    fn apply_merged(&mut self, db: &Database, rans: &[Ran]) -> Result<()> {
-        let mut ids = Vec::with_capacity(rans.len());
+    /// Records the eviction floor in the batch.
+    fn set_floor(&mut self, db: &Database, floor: u64) -> Result<()> {
+        self.batch(db)?
+            .open_table(STATE)
+            .and_then(|mut t| t.insert(FLOOR_KEY, floor).map(drop).map_err(Into::into))
+            .map_err(redb_err("writing the floor"))?;
+        self.floor = floor;
+        Ok(())
+    }
+
+    /// Lowers the floor to 0 (an import brings 0.1.7's own clocks, which may be older), first
+    /// removing from every block's others the nodes seen at or below it, which the floor kept
+    /// evicted. A scan of the others table: imports are rare and read a whole file anyway.
+    ///
+    /// # Errors
+    /// [`Error::Storage`].
+    pub(crate) fn reset_floor(&mut self, db: &Database) -> Result<()> {
+        if self.floor == 0 {
+            return Ok(());
+        }
+        let floor = self.floor;
+        let (txn, nodes) = self.txn_and_nodes(db)?;
+        let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
+        let mut stale = Vec::new();
+        for item in others.iter().map_err(redb_err("reading the others"))? {
+            let (key, row) = item.map_err(redb_err("reading the others"))?;
+            let all: Vec<(u32, u64)> = members(row.value()).collect();
+            if all.iter().any(|&(_, c)| c <= floor) {
+                stale.push((key.value(), all));
+            }
+        }
+        for (key, all) in stale {
+            let (keep, gone): (Vec<_>, Vec<_>) = all.into_iter().partition(|&(_, c)| c > floor);
+            for (node, _) in gone {
+                nodes.add_held(node, -1);
+            }
+            if keep.is_empty() {
+                others.remove(key).map_err(redb_err("writing the others"))?;
+            } else {
+                others.insert(key, members_row(&keep).as_slice()).map_err(redb_err("writing the others"))?;
+            }
+        }
+        drop(others);
+        self.set_floor(db, 0)
+    }
+
+    /// The batch and the node counts, for the writes that change both.
+    fn txn_and_nodes(&mut self, db: &Database) -> Result<(&WriteTransaction, &mut Nodes)> {
+        self.batch(db)?;
+        match self.txn.as_ref() {
+            Some(txn) => Ok((txn, &mut self.nodes)),
+            None => Err(Error::Poisoned),
+        }
+    }
+
+    /// Writes `rans` (oldest first) as one merge: each key once, with its newest write, in key
+    /// order, so each leaf page is visited once and a block several of them wrote is written
+    /// once (the earlier writers of another node join its others). The result is what applying
+    /// them one by one gives, except that a key is listed only in the generation that still
+    /// holds it.
+    fn apply_merged(&mut self, db: &Database, rans: &[&Ran], floor: u64) -> Result<()> {
+        if rans.is_empty() {
+            return Ok(());
+        }
+        let mut namespaces = Vec::with_capacity(rans.len());
         for ran in rans {
-            ids.push((self.intern_node(db, &ran.node)?, self.intern_namespace(db, &ran.namespace)?));
+            self.ensure_node(db, ran.node, &ran.name)?;
+            namespaces.push(self.intern_namespace(db, &ran.namespace)?);
         }
         let mut writes: Vec<Write> = Vec::with_capacity(rans.iter().map(|r| r.blocks.len()).sum());
-        for (ran, &(node, namespace)) in rans.iter().zip(&ids) {
+        for (ran, &namespace) in rans.iter().zip(&namespaces) {
             writes.extend(ran.blocks.iter().zip(1..).map(|(k, depth)| Write {
                 key: table_key(k),
-                entry: Entry { node, namespace, depth, clock: ran.clock },
+                entry: Entry { node: ran.node, namespace, depth, clock: ran.clock },
+                earlier: Vec::new(),
             }));
         }
         // Newest write last within a key (a stable sort keeps the order of the `ran`s), then
-        // keep it.
+        // keep it, with the other nodes that wrote the key before it.
         writes.sort_by_key(|w| w.key);
         writes.dedup_by(|later, earlier| {
             if later.key == earlier.key {
                 std::mem::swap(later, earlier);
+                let (node, clock) = (later.entry.node, later.entry.clock);
+                earlier.earlier.append(&mut later.earlier);
+                if node != earlier.entry.node {
+                    earlier.earlier.push((node, clock));
+                }
                 true
             } else {
                 false
             }
         });
-        let written = write_entries(self.batch(db)?, &writes, false)?;
+        let k = self.nodes_per_prefix;
+        let (txn, nodes) = self.txn_and_nodes(db)?;
+        let written = write_entries(txn, nodes, &writes, false, (k, floor))?;
         self.meta.clock = self.meta.clock.max(written.newest);
         self.meta.entries += written.added;
         Ok(())
@@ -201,9 +370,12 @@ impl Writer {
             .map(|&(key, node, clock)| Write {
                 key: table_key(&key),
                 entry: Entry { node, namespace: LEGACY_NAMESPACE, depth: 0, clock },
+                earlier: Vec::new(),
             })
             .collect();
-        let written = write_entries(self.batch(db)?, &writes, true)?;
+        let (k, floor) = (self.nodes_per_prefix, self.floor);
+        let (txn, nodes) = self.txn_and_nodes(db)?;
+        let written = write_entries(txn, nodes, &writes, true, (k, floor))?;
         self.meta.clock = self.meta.clock.max(written.newest);
         self.meta.entries += written.added;
         self.meta.legacy_entries += written.added;
@@ -219,11 +391,14 @@ impl Writer {
         let mut evicted = 0;
         while self.meta.entries > self.meta.capacity {
             let skip = self.meta.capacity / 8;
-            let txn = self.batch(db)?;
+            let (txn, nodes) = self.txn_and_nodes(db)?;
             let cut = eviction_cut(txn, skip)?;
-            let (n, legacy) = remove_through(txn, cut)?;
+            let (n, legacy) = remove_through((txn, nodes), cut)?;
             if n == 0 {
                 return Err(Error::Corrupted { detail: "eviction found no live entry to remove".into() });
+            }
+            if cut > self.floor {
+                self.set_floor(db, cut)?;
             }
             self.meta.entries = self.meta.entries.saturating_sub(n);
             self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
@@ -232,16 +407,40 @@ impl Writer {
         Ok(evicted)
     }
 
-    /// The id of node `name`, added to the node tables if new.
+    /// The current id of node `name`, added to the node tables if new (for imports: `ran`s
+    /// come with their ids).
     ///
     /// # Errors
-    /// [`Error::InvalidName`]; [`Error::InvalidConfig`] past 2^32 nodes; [`Error::Storage`].
+    /// As [`Writer::ensure_node`].
     pub(crate) fn intern_node(&mut self, db: &Database, name: &str) -> Result<u32> {
         if let Some(&id) = self.nodes.ids.get(name) {
             return Ok(id);
         }
+        let id = u32::try_from(self.nodes.names.len())
+            .map_err(|_| Error::InvalidConfig { detail: "more than 2^32 nodes".into() })?;
+        self.ensure_node(db, id, name)?;
+        Ok(id)
+    }
+
+    /// Makes sure node id `id` is `name`, adding it to the node tables if it is the next id.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`]; [`Error::Corrupted`] for an id that is another node's or skips
+    /// ids; [`Error::InvalidConfig`] past 2^32 nodes; [`Error::Storage`].
+    pub(crate) fn ensure_node(&mut self, db: &Database, id: u32, name: &str) -> Result<()> {
+        match self.nodes.names.get(id as usize) {
+            Some(known) if known == name => return Ok(()),
+            Some(known) => {
+                return Err(Error::Corrupted { detail: format!("node id {id} is {known:?}, a change names {name:?}") });
+            }
+            None if id as usize != self.nodes.names.len() => {
+                return Err(Error::Corrupted {
+                    detail: format!("node id {id} skips ids: {} nodes known", self.nodes.names.len()),
+                });
+            }
+            None => {}
+        }
         check_len("node", name.len(), MAX_NODE_BYTES)?;
-        let id = self.meta.next_node;
         self.meta.next_node =
             id.checked_add(1).ok_or_else(|| Error::InvalidConfig { detail: "more than 2^32 nodes".into() })?;
         let bytes = codec::encode("node", &NodeRecord { name: name.to_string() })?;
@@ -254,7 +453,38 @@ impl Writer {
             .map_err(redb_err("writing a node"))?;
         self.nodes.ids.insert(name.to_string(), id);
         self.nodes.names.push(name.to_string());
-        Ok(id)
+        self.nodes.retired.push(None);
+        self.nodes.held.push(0);
+        Ok(())
+    }
+
+    /// Retires node id `node` at `clock` (`forget_node`): its entries are answered as absent
+    /// from now on, and its name gets a new id at its next `ran`. O(1) in its entries: they
+    /// stay until evicted, counted by `held` as reclaimable.
+    ///
+    /// # Errors
+    /// [`Error::Corrupted`] for an unknown id; [`Error::Storage`].
+    fn retire(&mut self, db: &Database, node: u32, clock: u64) -> Result<()> {
+        let Some(name) = self.nodes.names.get(node as usize).cloned() else {
+            return Err(Error::Corrupted { detail: format!("forgetting node id {node}, which is unknown") });
+        };
+        if self.nodes.retired[node as usize].is_some() {
+            return Ok(());
+        }
+        let current = self.nodes.ids.get(&name) == Some(&node);
+        let txn = self.batch(db)?;
+        txn.open_table(RETIRED)
+            .and_then(|mut t| t.insert(node, clock).map(drop).map_err(Into::into))
+            .map_err(redb_err("retiring a node"))?;
+        if current {
+            txn.open_table(NODE_IDS)
+                .and_then(|mut t| t.remove(name.as_str()).map(drop).map_err(Into::into))
+                .map_err(redb_err("retiring a node"))?;
+            self.nodes.ids.remove(&name);
+        }
+        self.nodes.retired[node as usize] = Some(clock);
+        self.meta.clock = self.meta.clock.max(clock);
+        Ok(())
     }
 
     fn intern_namespace(&mut self, db: &Database, ns: &Namespace) -> Result<u32> {
@@ -282,7 +512,7 @@ impl Writer {
     /// no writer when `closing`). Nothing to commit is not an error. On failure the batch is
     /// rolled back, the state is what was committed before, and its `ran`s are returned with the
     /// error.
-    pub(crate) fn commit(&mut self, db: &Database, closing: bool) -> std::result::Result<Vec<Ran>, Box<RolledBack>> {
+    pub(crate) fn commit(&mut self, db: &Database, closing: bool) -> std::result::Result<Vec<Change>, Box<RolledBack>> {
         if !(self.dirty() || closing && self.marked) {
             return Ok(std::mem::take(&mut self.applied));
         }
@@ -292,7 +522,7 @@ impl Writer {
         }
     }
 
-    /// Rolls the batch back after `error`, returning it with the `ran`s the batch held.
+    /// Rolls the batch back after `error`, returning it with the changes the batch held.
     pub(crate) fn roll_back(&mut self, db: &Database, error: Error) -> Box<RolledBack> {
         let rans = std::mem::take(&mut self.applied);
         match self.reload(db) {
@@ -310,10 +540,21 @@ impl Writer {
             None => db.begin_write().map_err(redb_err("starting a batch"))?,
         };
         txn.set_durability(redb::Durability::Immediate).map_err(redb_err("setting durability"))?;
+        {
+            let mut held = txn.open_table(HELD).map_err(redb_err("writing node counts"))?;
+            for &id in &self.nodes.dirty {
+                match self.nodes.held.get(id as usize).copied().unwrap_or(0) {
+                    0 => held.remove(id).map(drop),
+                    n => held.insert(id, n).map(drop),
+                }
+                .map_err(redb_err("writing node counts"))?;
+            }
+        }
         txn.open_table(META)
             .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
             .map_err(redb_err("writing the meta record"))?;
         txn.commit().map_err(redb_err("committing"))?;
+        self.nodes.dirty.clear();
         self.meta = meta;
         self.marked = !closing;
         Ok(())
@@ -322,14 +563,23 @@ impl Writer {
 
 /// Writes `writes` (each key once) into the prefix table and keeps the clock-ordered tables in
 /// step: each write is listed under its clock (in depth order, so a dump shows a generation as
-/// its prompt ran), and each generation an overwritten entry leaves loses a live key. With
-/// `keep_newer`, an entry already there with a clock at least as new is kept.
-fn write_entries(txn: &WriteTransaction, writes: &[Write], keep_newer: bool) -> Result<Written> {
+/// its prompt ran), and each generation an overwritten entry leaves loses a live key. A block
+/// whose node changes keeps the nodes before in its others (at most `k - 1`, newest first), and
+/// the node counts follow. With `keep_newer`, an entry already there with a clock at least as
+/// new is kept.
+fn write_entries(
+    txn: &WriteTransaction,
+    nodes: &mut Nodes,
+    writes: &[Write],
+    keep_newer: bool,
+    (k, floor): (usize, u64),
+) -> Result<Written> {
     let mut written = Written::default();
     let mut left: HashMap<u64, u32> = HashMap::new();
     let mut listed: BTreeMap<u64, Vec<(u32, u128)>> = BTreeMap::new();
     {
         let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
         for w in writes {
             if keep_newer {
                 let old = primary.get(w.key).map_err(redb_err("reading a prefix"))?;
@@ -338,9 +588,17 @@ fn write_entries(txn: &WriteTransaction, writes: &[Write], keep_newer: bool) -> 
                 }
             }
             let old = primary.insert(w.key, w.entry.tuple()).map_err(redb_err("writing a prefix"))?;
-            match old.map(|g| Entry::from_tuple(g.value()).clock) {
-                Some(old) => *left.entry(old).or_default() += 1,
+            let old = old.map(|g| Entry::from_tuple(g.value()));
+            match old {
+                Some(old) => *left.entry(old.clock).or_default() += 1,
                 None => written.added += 1,
+            }
+            match old {
+                // The usual turn: the same node again, so its others (which never include the
+                // node of the prefix table) are as they were.
+                Some(old) if old.node == w.entry.node && w.earlier.is_empty() => {}
+                None if w.earlier.is_empty() => nodes.add_held(w.entry.node, 1),
+                _ => change_others(&mut others, nodes, w, old, k, floor)?,
             }
             written.written += 1;
             written.newest = written.newest.max(w.entry.clock);
@@ -354,6 +612,49 @@ fn write_entries(txn: &WriteTransaction, writes: &[Write], keep_newer: bool) -> 
         list_in_generation(txn, clock, &bytes)?;
     }
     Ok(written)
+}
+
+/// A block's others after `w` replaced `old`: the others before, the node it replaced and the
+/// batch's earlier writers, less the new node and any seen at or before `floor` (evicted: each
+/// node of a block ages out by its own clock), each node once with its newest clock, the `k - 1`
+/// newest kept. Which nodes a block names is the same whatever order the writes came in.
+fn change_others(
+    others: &mut redb::Table<u128, &[u8]>,
+    nodes: &mut Nodes,
+    w: &Write,
+    old: Option<Entry>,
+    k: usize,
+    floor: u64,
+) -> Result<()> {
+    let before: Vec<(u32, u64)> = others
+        .get(w.key)
+        .map_err(redb_err("reading the others"))?
+        .map(|g| members(g.value()).collect())
+        .unwrap_or_default();
+    let mut after: Vec<(u32, u64)> = before.clone();
+    after.extend(old.map(|o| (o.node, o.clock)));
+    after.extend_from_slice(&w.earlier);
+    after.retain(|&(node, clock)| node != w.entry.node && clock > floor);
+    after.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+    after.dedup_by_key(|m| m.0);
+    after.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    after.truncate(k.saturating_sub(1));
+    let named_before: BTreeSet<u32> = before.iter().map(|m| m.0).chain(old.map(|o| o.node)).collect();
+    let named_after: BTreeSet<u32> = after.iter().map(|m| m.0).chain([w.entry.node]).collect();
+    for &gone in named_before.difference(&named_after) {
+        nodes.add_held(gone, -1);
+    }
+    for &new in named_after.difference(&named_before) {
+        nodes.add_held(new, 1);
+    }
+    if after.is_empty() {
+        if !before.is_empty() {
+            others.remove(w.key).map_err(redb_err("writing the others"))?;
+        }
+    } else if after != before {
+        others.insert(w.key, members_row(&after).as_slice()).map_err(redb_err("writing the others"))?;
+    }
+    Ok(())
 }
 
 /// The clock of the entry after the `skip` oldest live ones: every entry up to it goes. Found by
@@ -372,12 +673,13 @@ fn eviction_cut(txn: &WriteTransaction, skip: u64) -> Result<u64> {
 }
 
 /// Removes every generation up to `cut` and each key it lists that still has a clock up to the
-/// cut (a later write keeps it). Keys are removed in key order: neighbours share leaf pages, so
-/// each page is copied once per eviction, not once per key. Returns (entries removed, of which
-/// 0.1.7's).
-fn remove_through(txn: &WriteTransaction, cut: u64) -> Result<(u64, u64)> {
+/// cut (a later write keeps it), with the block's others. Keys are removed in key order:
+/// neighbours share leaf pages, so each page is copied once per eviction, not once per key.
+/// Returns (entries removed, of which 0.1.7's).
+fn remove_through((txn, nodes): (&WriteTransaction, &mut Nodes), cut: u64) -> Result<(u64, u64)> {
     let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
     let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+    let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
     let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
     let mut victims = Vec::new();
     let mut gone = Vec::new();
@@ -388,11 +690,18 @@ fn remove_through(txn: &WriteTransaction, cut: u64) -> Result<(u64, u64)> {
     }
     victims.sort_unstable();
     victims.dedup();
+    let any_others = others.first().map_err(redb_err("evicting"))?.is_some();
     let (mut n, mut legacy) = (0u64, 0u64);
     for key in victims {
         let old = primary.get(key).map_err(redb_err("evicting"))?.map(|g| Entry::from_tuple(g.value()));
-        if old.is_some_and(|e| e.clock <= cut) {
+        if let Some(old) = old.filter(|e| e.clock <= cut) {
             primary.remove(key).map_err(redb_err("evicting"))?;
+            nodes.add_held(old.node, -1);
+            if any_others && let Some(row) = others.remove(key).map_err(redb_err("evicting"))? {
+                for (node, _) in members(row.value()) {
+                    nodes.add_held(node, -1);
+                }
+            }
             n += 1;
             legacy += u64::from(is_legacy(&key.to_be_bytes()));
         }
@@ -450,6 +759,14 @@ fn list_in_generation(txn: &WriteTransaction, clock: u64, keys: &[u8]) -> Result
     }
     live.insert(clock, count.saturating_add(added)).map_err(redb_err("writing the live counts"))?;
     Ok(())
+}
+
+/// The eviction floor in `table` (the state table), 0 if none was written.
+///
+/// # Errors
+/// [`Error::Storage`].
+pub(crate) fn read_floor(table: &impl ReadableTable<&'static str, u64>) -> Result<u64> {
+    Ok(table.get(FLOOR_KEY).map_err(redb_err("reading the floor"))?.map_or(0, |g| g.value()))
 }
 
 /// Entries in a table, for checks (redb counts by walking the tree).

@@ -44,6 +44,11 @@ pub struct Config {
     /// Give every simulated node an LRU cache of this many 64-token blocks, touched by every
     /// request it is given, and measure what the chosen node really still held.
     pub node_cache_blocks: Option<usize>,
+    /// Restart a pseudo-random node every this many requests (its KV cache is gone).
+    pub restart_every: Option<usize>,
+    /// Tell the index of each restart (`forget_node`); off, measure what a head that cannot be
+    /// told routes wrongly.
+    pub forget: bool,
 }
 
 impl Default for Config {
@@ -58,6 +63,8 @@ impl Default for Config {
             baseline: true,
             vocab: None,
             node_cache_blocks: None,
+            restart_every: None,
+            forget: true,
         }
     }
 }
@@ -128,6 +135,11 @@ pub struct Report {
     /// With node caches: requests sent as warm to a node that no longer held all of the prefix
     /// the index named.
     pub warm_not_cached: Option<usize>,
+    /// With restarts: node restarts made.
+    pub restarts: Option<usize>,
+    /// With restarts: prompt tokens routed as warm to a node that had restarted since it ran
+    /// them (its cache had lost them).
+    pub warm_tokens_to_restarted: Option<u64>,
     /// Wall time of the whole replay.
     pub wall: Duration,
 }
@@ -253,6 +265,24 @@ fn prompt(config: &Config, request: &Request) -> Vec<u32> {
     tokens
 }
 
+/// The node the policy gives a request of `tokens` tokens whose warm nodes are `warm` (node,
+/// tokens; longest first): `Warmest` the first; `Balanced`, unless the cluster is imbalanced,
+/// the least loaded whose warm prefix covers `min_share` of the prompt. Returns the node and the
+/// tokens it has warm.
+fn choose_among(config: &Config, load: &Load, warm: &[(usize, usize)], tokens: usize) -> (usize, usize) {
+    let warm_len = |node: usize| warm.iter().find(|w| w.0 == node).map_or(0, |w| w.1);
+    let chosen = match config.policy {
+        Policy::Warmest => choose(config, load, warm.first().copied(), tokens),
+        Policy::Balanced if load.imbalanced(config.balance_abs) => load.least(),
+        Policy::Balanced => warm
+            .iter()
+            .filter(|&&(_, len)| len as f64 >= config.min_share * tokens as f64)
+            .min_by_key(|&&(node, _)| (load.per_node[node], node))
+            .map_or_else(|| load.least(), |&(node, _)| node),
+    };
+    (chosen, warm_len(chosen))
+}
+
 /// The node the policy gives a request of `tokens` tokens, warm on `warm_node` (node, tokens).
 fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, tokens: usize) -> usize {
     match (config.policy, warm_node) {
@@ -291,19 +321,45 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     let (mut cached_tokens, mut claimed_cached, mut warm_not_cached) = (0u64, 0u64, 0usize);
     let written_before = written_bytes();
     let (mut ours, mut theirs) = (Vec::with_capacity(requests.len()), Vec::with_capacity(requests.len()));
+    // With restarts: what each node has run since it last restarted (the truth a forget tells).
+    let mut since_restart: Option<Vec<std::collections::HashSet<u64>>> =
+        config.restart_every.map(|_| vec![std::collections::HashSet::new(); nodes]);
+    let (mut restarts, mut to_restarted) = (0usize, 0u64);
     for (i, request) in requests.iter().enumerate() {
+        if let (Some(every), Some(ran)) = (config.restart_every.filter(|&n| n > 0), since_restart.as_mut())
+            && i > 0
+            && i % every == 0
+        {
+            let node = (crate::tools::trace::splitmix64(i as u64) % nodes as u64) as usize;
+            ran[node].clear();
+            restarts += 1;
+            if config.forget {
+                warm.forget_node(&names[node])?;
+            }
+        }
         let tokens = prompt(config, request);
         let t0 = Instant::now();
         let prefix = warm.prefix(&namespace, &tokens)?;
-        let hit = warm.warmest_prefix(&prefix)?;
+        // Balanced weighs every warm node; warmest needs only the first.
+        let found: Vec<(usize, usize)> = match config.policy {
+            Policy::Balanced => warm.warm_nodes_prefix(&prefix)?,
+            Policy::Warmest => warm.warmest_prefix(&prefix)?.into_iter().collect(),
+        }
+        .into_iter()
+        .filter_map(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)))
+        .collect();
         let mut elapsed = t0.elapsed();
-        let warm_node = hit.as_ref().and_then(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)));
-        let chosen = choose(config, &load, warm_node, tokens.len());
-        if let Some((node, len)) = warm_node
-            && node == chosen
-        {
-            report.warm_tokens += len as u64;
+        let (chosen, warm_len) = choose_among(config, &load, &found, tokens.len());
+        let warm_node = (warm_len > 0).then_some((chosen, warm_len));
+        if warm_len > 0 {
+            report.warm_tokens += warm_len as u64;
             report.warm_requests += 1;
+        }
+        if let Some(ran) = since_restart.as_mut() {
+            let blocks: Vec<u64> = fnv_chain(&config.model, &tokens).collect();
+            let held = blocks.iter().take_while(|b| ran[chosen].contains(b)).count() * BLOCK_TOKENS;
+            to_restarted += warm_len.saturating_sub(held) as u64;
+            ran[chosen].extend(blocks);
         }
         let t1 = Instant::now();
         warm.ran_prefix(&prefix, &names[chosen])?;
@@ -345,6 +401,10 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     // Everything this process wrote, less 0.1.7's saves, is the index's.
     report.bytes_written = written_before.zip(written_bytes()).map(|(a, b)| b.saturating_sub(a).saturating_sub(saved));
     report.baseline_bytes_written = baseline.is_some().then_some(saved);
+    if since_restart.is_some() {
+        report.restarts = Some(restarts);
+        report.warm_tokens_to_restarted = Some(to_restarted);
+    }
     if caches.is_some() {
         report.cached_tokens = Some(cached_tokens);
         report.warm_tokens_cached = Some(claimed_cached);

@@ -1,0 +1,192 @@
+//! Several nodes per block and forgetting a node, against a small model of what they mean:
+//! random sequences of `ran`s (conversations moving between nodes), forgets, syncs and reopens,
+//! at capacities that evict, with and without a commit thread.
+
+mod common;
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+use superfluid_warm::{Hit, Warm};
+
+/// The model. A block (the tokens up to its end) names up to `k` nodes, each an incarnation
+/// (name, how many times it was forgotten) with the clock it last ran the block at. Capacity
+/// counts blocks, evicted by 0.1.7's rule on the newest clock of each block; every node seen at
+/// or before the floor is evicted too. A forgotten incarnation still holds its place in a block
+/// until it is pushed out or evicted, but is never answered.
+/// A node incarnation (name, times forgotten before it) and the clock it last ran a block at.
+type Member = ((String, u32), u64);
+
+struct Model {
+    k: usize,
+    capacity: usize,
+    clock: u64,
+    floor: u64,
+    blocks: HashMap<Vec<u32>, Vec<Member>>,
+    incarnation: HashMap<String, u32>,
+}
+
+impl Model {
+    fn new(k: usize, capacity: usize) -> Model {
+        Model { k, capacity, clock: 0, floor: 0, blocks: HashMap::new(), incarnation: HashMap::new() }
+    }
+
+    fn ran(&mut self, tokens: &[u32], node: &str) {
+        self.clock += 1;
+        let me = (node.to_string(), self.incarnation.get(node).copied().unwrap_or(0));
+        for end in (64..=tokens.len()).step_by(64) {
+            let set = self.blocks.entry(tokens[..end].to_vec()).or_default();
+            set.retain(|(who, clock)| *who != me && *clock > self.floor);
+            set.insert(0, (me.clone(), self.clock));
+            set.sort_by_key(|m| std::cmp::Reverse(m.1));
+            set.truncate(self.k);
+        }
+        if self.blocks.len() > self.capacity {
+            let mut newest: Vec<u64> = self.blocks.values().map(|s| s[0].1).collect();
+            newest.sort_unstable();
+            let cut = newest[self.capacity / 8];
+            self.blocks.retain(|_, s| s[0].1 > cut);
+            self.floor = cut;
+        }
+    }
+
+    fn forget(&mut self, node: &str) {
+        *self.incarnation.entry(node.to_string()).or_default() += 1;
+    }
+
+    fn live(&self, who: &(String, u32), clock: u64) -> bool {
+        clock > self.floor && self.incarnation.get(&who.0).copied().unwrap_or(0) == who.1
+    }
+
+    fn warm_nodes(&self, tokens: &[u32]) -> Vec<Hit> {
+        let mut deepest: Vec<(String, usize, u64)> = Vec::new();
+        for end in (64..=tokens.len()).step_by(64) {
+            let Some(set) = self.blocks.get(&tokens[..end]) else { break };
+            for (who, clock) in set.iter().filter(|(w, c)| self.live(w, *c)) {
+                match deepest.iter_mut().find(|d| d.0 == who.0) {
+                    Some(d) => *d = (who.0.clone(), end, *clock),
+                    None => deepest.push((who.0.clone(), end, *clock)),
+                }
+            }
+        }
+        deepest.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.cmp(&a.2)));
+        deepest.into_iter().filter(|d| d.1 >= 128).map(|(node, tokens, _)| Hit { node, tokens }).collect()
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Ran { conversation: usize, grow: usize, node: usize },
+    Ask { conversation: usize, cut: usize },
+    Forget { node: usize },
+    Sync,
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..4usize, 0..300usize, 0..4usize).prop_map(|(conversation, grow, node)| Op::Ran { conversation, grow, node }),
+        4 => (0..4usize, 0..2000usize).prop_map(|(conversation, cut)| Op::Ask { conversation, cut }),
+        1 => (0..4usize).prop_map(|node| Op::Forget { node }),
+        1 => Just(Op::Sync),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+const NODES: [&str; 4] = ["a", "b", "c", "d"];
+
+fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Model) -> Result<(), TestCaseError> {
+    let mut warm = open();
+    // A shared 128-token system prompt, then each conversation's own turns.
+    let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..128).collect()).collect();
+    let mut answered = 0;
+    for op in ops {
+        match op {
+            Op::Ran { conversation, grow, node } => {
+                let p = &mut prompts[conversation];
+                let start = p.len() as u32;
+                p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+                model.ran(p, NODES[node]);
+                warm.ran("m", p, NODES[node]).expect("ran");
+            }
+            Op::Ask { conversation, cut } => {
+                let p = &prompts[conversation];
+                let p = &p[..cut.min(p.len())];
+                let want = model.warm_nodes(p);
+                answered += want.len();
+                prop_assert_eq!(&warm.warm_nodes("m", p).expect("warm_nodes"), &want);
+                prop_assert_eq!(warm.warmest("m", p).expect("warmest"), want.first().cloned());
+            }
+            Op::Forget { node } => {
+                model.forget(NODES[node]);
+                warm.forget_node(NODES[node]).expect("forget");
+            }
+            Op::Sync => warm.sync().expect("sync"),
+            Op::Reopen => {
+                warm.close().expect("close");
+                warm = open();
+            }
+        }
+    }
+    prop_assert_eq!(warm.stats().expect("stats").entries, model.blocks.len() as u64);
+    warm.close().expect("close");
+    let _ = answered;
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Every `warm_nodes` and `warmest` answer, and the count, are the model's; the file's
+    /// invariants (the node counts included) hold after a close.
+    #[test]
+    fn node_sets_and_forgets_answer_as_the_model(
+        ops in proptest::collection::vec(op(), 1..60),
+        k in 1usize..4,
+        capacity in prop_oneof![Just(12u64), Just(40), Just(1 << 20)],
+        threaded in any::<bool>(),
+    ) {
+        let dir = common::tempdir();
+        let path = common::db_path(&dir);
+        let window = if threaded { superfluid_warm::DEFAULT_SYNC_WINDOW } else { std::time::Duration::ZERO };
+        let open = || {
+            Warm::builder().capacity(capacity).nodes_per_prefix(k).sync_window(window).open(&path).expect("open")
+        };
+        let mut model = Model::new(k, capacity as usize);
+        run_ops(ops, open, &mut model)?;
+        let check = superfluid_warm::Snapshot::open(&path).expect("snapshot").check().expect("check");
+        prop_assert!(check.problems.is_empty(), "{:?}", check.problems);
+    }
+}
+
+/// A conversation moved by the balancer stays warm on the node it left; forgetting the node it
+/// moved to brings back the first one, across a reopen.
+#[test]
+fn a_moved_conversation_stays_warm_on_both_nodes_until_one_is_forgotten() -> Result<(), superfluid_warm::Error> {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let first: Vec<u32> = (0..640).collect();
+    let mut second = first.clone();
+    second.extend(1000..1320);
+    {
+        let warm = Warm::open(&path)?;
+        warm.ran("m", &first, "a")?;
+        warm.ran("m", &second, "b")?;
+        let hit = |node: &str, tokens| Hit { node: node.into(), tokens };
+        assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 960), hit("a", 640)]);
+        warm.forget_node("b")?;
+        assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("a", 640)]);
+        assert_eq!(warm.warmest("m", &second)?, Some(hit("a", 640)));
+        let stats = warm.stats()?;
+        assert_eq!(stats.forgotten, vec![false, true]);
+        assert_eq!((stats.entries, stats.others, stats.reclaimable), (15, 10, 15), "b's 15 blocks are reclaimable");
+        // b's next `ran` is a new incarnation.
+        warm.ran("m", &first, "b")?;
+        assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 640), hit("a", 640)]);
+        assert_eq!(warm.stats()?.nodes, vec!["a", "b", "b"]);
+    }
+    let warm = Warm::open(&path)?;
+    let hit = |node: &str, tokens| Hit { node: node.into(), tokens };
+    assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 640), hit("a", 640)], "the same after a reopen");
+    Ok(())
+}

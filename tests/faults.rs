@@ -189,3 +189,28 @@ fn a_failed_import_keeps_the_rans_before_it() -> Result<(), Error> {
     }
     Ok(())
 }
+
+/// A `forget_node` whose commit fails is a typed error, and answers leave the node out at once;
+/// like a `ran` of a failed commit it is not durable (redb refuses writes after an I/O error
+/// until the file is opened again), so the head forgets again after reopening.
+#[test]
+fn a_forget_whose_commit_fails_is_a_typed_error_and_answers_leave_the_node_out() -> Result<(), Error> {
+    for window in [Duration::ZERO, Duration::from_secs(30)] {
+        let disk = Disk::default();
+        let warm = Warm::builder().sync_window(window).open_with_backend(disk.backend())?;
+        warm.ran("m", &prompt(1)[..128], "a")?;
+        warm.ran("m", &prompt(1), "b")?;
+        warm.sync()?;
+        disk.state().fail_syncs = true;
+        let err = warm.forget_node("b").expect_err("the commit cannot succeed");
+        assert!(matches!(err, Error::Storage { .. }), "{err}");
+        assert_eq!(warm.warmest("m", &prompt(1))?, Some(Hit { node: "a".into(), tokens: 128 }), "window {window:?}");
+        drop(warm);
+        disk.state().fail_syncs = false;
+        let reopened = Warm::open_image(disk.state().durable.clone())?;
+        assert_eq!(reopened.warmest("m", &prompt(1))?.map(|h| h.node), Some("b".into()), "never acknowledged");
+        reopened.forget_node("b")?;
+        assert_eq!(reopened.warmest("m", &prompt(1))?, Some(Hit { node: "a".into(), tokens: 128 }));
+    }
+    Ok(())
+}

@@ -190,3 +190,96 @@ fn a_moved_conversation_stays_warm_on_both_nodes_until_one_is_forgotten() -> Res
     assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 640), hit("a", 640)], "the same after a reopen");
     Ok(())
 }
+
+/// A crash at every storage operation of a run of `ran`s that move conversations between nodes
+/// and forgets, in every way the page cache can leave it: the file recovers to the state after
+/// some prefix of the steps, never short of the last acknowledged one (a forget is
+/// acknowledged when `forget_node` returns), answering `warm_nodes` exactly as the model does
+/// there, with its invariants (node counts included).
+#[test]
+fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), superfluid_warm::Error> {
+    use common::backend::{Disk, crash_images};
+    let k = 3;
+    let disk = Disk::default();
+    let warm = Warm::builder()
+        .sync_window(std::time::Duration::ZERO)
+        .nodes_per_prefix(k)
+        .capacity(60)
+        .open_with_backend(disk.backend())?;
+    let start = {
+        let mut state = disk.state();
+        state.record = true;
+        state.durable.clone()
+    };
+    let mut rng = common::Rng(7);
+    let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..128).collect()).collect();
+    // Each step: Some((conversation, prompt, node)) for a `ran`, None with a node for a forget.
+    let mut steps: Vec<(Option<(usize, Vec<u32>)>, &str)> = Vec::new();
+    let mut acked = Vec::new();
+    for i in 0..36 {
+        let node = NODES[rng.below(4) as usize];
+        if i % 6 == 5 {
+            warm.forget_node(node)?;
+            steps.push((None, node));
+        } else {
+            let c = rng.below(4) as usize;
+            let start_len = prompts[c].len() as u32;
+            let grow = 30 + rng.below(200) as u32;
+            prompts[c].extend((0..grow).map(|t| (c as u32 + 1) * 100_000 + start_len + t));
+            warm.ran("m", &prompts[c], node)?;
+            steps.push((Some((c, prompts[c].clone())), node));
+        }
+        acked.push(disk.state().ops.len());
+    }
+    drop(warm);
+    let ops = disk.state().ops.clone();
+    let model_after = |n: usize| {
+        let mut model = Model::new(k, 60);
+        for (ran, node) in &steps[..n] {
+            match ran {
+                Some((_, p)) => model.ran(p, node),
+                None => model.forget(node),
+            }
+        }
+        model
+    };
+    let models: Vec<Model> = (0..=steps.len()).map(model_after).collect();
+    let dir = common::tempdir();
+    let mut images = 0;
+    for op in 0..=ops.len() {
+        let acknowledged = acked.iter().filter(|&&n| n <= op).count();
+        for (which, image) in crash_images(&start, &ops, op).into_iter().enumerate() {
+            if which > 0 && op % 2 == 1 {
+                continue;
+            }
+            images += 1;
+            let path = dir.path().join(format!("crash-{op}-{which}.redb"));
+            std::fs::write(&path, &image).expect("write image");
+            let warm = Warm::builder().nodes_per_prefix(k).open(&path)?;
+            let mut answers = Vec::new();
+            for p in &prompts {
+                for cut in [128, 640, p.len()] {
+                    answers.push(warm.warm_nodes("m", &p[..cut.min(p.len())])?);
+                }
+            }
+            let entries = warm.stats()?.entries;
+            warm.close()?;
+            let matches = (acknowledged..=steps.len()).find(|&n| {
+                let want: Vec<Vec<Hit>> = prompts
+                    .iter()
+                    .flat_map(|p| [128, 640, p.len()].map(|cut| models[n].warm_nodes(&p[..cut.min(p.len())])))
+                    .collect();
+                want == answers && models[n].blocks.len() as u64 == entries
+            });
+            assert!(
+                matches.is_some(),
+                "crash at op {op} ({which}): no state at or after step {acknowledged} answers so"
+            );
+            let check = superfluid_warm::Snapshot::open(&path)?.check()?;
+            assert!(check.problems.is_empty(), "crash at op {op} ({which}): {:?}", check.problems);
+            std::fs::remove_file(&path).expect("remove");
+        }
+    }
+    println!("{images} crash images over {} storage operations, {} steps (6 forgets)", ops.len(), steps.len());
+    Ok(())
+}

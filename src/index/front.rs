@@ -175,7 +175,7 @@ impl Front {
     /// Takes the queue for the commit thread.
     pub(crate) fn take(&mut self) -> Vec<Change> {
         self.queued_blocks = 0;
-        self.overlay.seal();
+        self.overlay.seal(self.nodes_per_prefix > 1);
         std::mem::take(&mut self.queue)
     }
 

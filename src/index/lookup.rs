@@ -56,27 +56,44 @@ pub(crate) struct NodeDepth {
 pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
     let Some((_, len)) = search(keys, |k| probe(front, k))? else { return Ok(Vec::new()) };
     let keys = &keys[..len];
-    // The last commit's node of each block, from its runs of equal clocks (one `ran` each).
-    let mut committed: Vec<Option<(u32, u64)>> = vec![None; len];
-    let mut start = 0;
-    for (clock, n) in clock_runs(keys, |k| committed_probe(front, k).map(|f| f.map(|(_, c)| c)))? {
-        let owner = committed_probe(front, &keys[start])?.map(|(node, _)| (node, clock));
-        committed[start..start + n as usize].fill(owner);
-        start += n as usize;
+    // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
+    // node): the last commit, and each pending batch. Where no source changes and no block has
+    // others, every block names the same nodes, so only the last block of such a stretch is
+    // looked at.
+    let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
+    let mut looked_at: Vec<usize> = Vec::new();
+    let committed = by_runs(keys, |k| committed_probe(front, k), &mut looked_at)?;
+    sources.push(committed);
+    let maps: Vec<_> = front.overlay.maps().collect();
+    for map in &maps {
+        let pending = by_runs(keys, |k| Ok(map.newest(k).filter(|&(_, c)| front.holds(c))), &mut looked_at)?;
+        sources.push(pending);
+    }
+    let mut earlier_at = Vec::new();
+    for map in maps.iter().filter(|m| m.has_earlier()) {
+        earlier_at.extend((0..len).filter(|&i| !map.earlier(&keys[i]).is_empty()));
     }
     let others = committed_others(front, keys)?;
+    for &i in others.keys().chain(&earlier_at) {
+        looked_at.extend([i.saturating_sub(1), i]);
+    }
+    looked_at.push(len - 1);
+    looked_at.sort_unstable();
+    looked_at.dedup();
     let mut deepest: Vec<NodeDepth> = Vec::new();
     let mut named = Vec::new();
-    for (i, key) in keys.iter().enumerate() {
+    for i in looked_at {
         named.clear();
-        front.overlay.writes(key, &mut named);
-        named.extend(committed[i]);
+        named.extend(sources.iter().filter_map(|s| s[i]));
+        for map in &maps {
+            named.extend_from_slice(map.earlier(&keys[i]));
+        }
         if let Some(row) = others.get(&i) {
             named.extend_from_slice(row);
         }
         named.retain(|&(_, clock)| front.holds(clock));
         // Usually one node, or the same node twice (pending and committed): nothing to sort.
-        if named.len() > 1 && named.iter().any(|m| m.0 != named[0].0) {
+        if named.iter().any(|m| m.0 != named[0].0) {
             named.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
             named.dedup_by_key(|m| m.0);
             named.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -96,18 +113,64 @@ pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDep
     Ok(deepest)
 }
 
-/// The committed others of each block of `keys` that has any, by block index: a read a block
-/// (a range read per segment would also read every other conversation's rows of a shared
-/// system-prompt segment).
+/// The (node, clock) `probe` gives each block of a prefix-closed chain whose clocks never
+/// increase, found from its runs of equal clocks (a few probes a run); the last block of each
+/// run is pushed onto `ends`.
+fn by_runs(
+    keys: &[BlockKey],
+    mut probe: impl FnMut(&BlockKey) -> Result<Option<(u32, u64)>>,
+    ends: &mut Vec<usize>,
+) -> Result<Vec<Option<(u32, u64)>>> {
+    let mut owners = vec![None; keys.len()];
+    let mut start = 0;
+    for (clock, n) in clock_runs(keys, |k| probe(k).map(|f| f.map(|(_, c)| c)))? {
+        let owner = probe(&keys[start])?.map(|(node, _)| (node, clock));
+        let end = start + n as usize;
+        owners[start..end].fill(owner);
+        ends.push(end - 1);
+        start = end;
+    }
+    Ok(owners)
+}
+
+/// Rows a segment's range read may meet before its blocks are read one by one instead (a
+/// system prompt's segment is every conversation's).
+const SEGMENT_ROWS: usize = 32;
+
+/// The committed others of each block of `keys` that has any, by block index. A segment's
+/// blocks share the first half of their keys, so one range read finds its rows, unless it meets
+/// more than [`SEGMENT_ROWS`] (a segment many conversations share): then a read a block.
 fn committed_others(front: &Front, keys: &[BlockKey]) -> Result<std::collections::HashMap<usize, Vec<(u32, u64)>>> {
     let mut found = std::collections::HashMap::new();
     let table = &front.committed_others;
     if front.nodes_per_prefix < 2 || table.first().map_err(redb_err("reading the others"))?.is_none() {
         return Ok(found);
     }
-    for (i, key) in keys.iter().enumerate() {
-        if let Some(row) = table.get(table_key(key)).map_err(redb_err("reading the others"))? {
-            found.insert(i, members(row.value()).collect());
+    let mut start = 0;
+    while start < keys.len() {
+        let hi = table_key(&keys[start]) >> 64;
+        let end = start + keys[start..].iter().take_while(|k| table_key(k) >> 64 == hi).count();
+        let segment = start..end;
+        start = end;
+        let mut rows = Vec::new();
+        let range =
+            table.range((hi << 64)..=((hi << 64) | u128::from(u64::MAX))).map_err(redb_err("reading the others"))?;
+        for item in range.take(SEGMENT_ROWS + 1) {
+            let (key, row) = item.map_err(redb_err("reading the others"))?;
+            rows.push((key.value(), members(row.value()).collect::<Vec<_>>()));
+        }
+        if rows.len() <= SEGMENT_ROWS {
+            for (key, row) in rows {
+                if let Some(i) = segment.clone().find(|&i| table_key(&keys[i]) == key) {
+                    found.insert(i, row);
+                }
+            }
+            continue;
+        }
+        for i in segment {
+            if let Some(row) = table.get(table_key(&keys[i])).map_err(redb_err("reading the others"))? {
+                found.insert(i, members(row.value()).collect());
+            }
         }
     }
     Ok(found)

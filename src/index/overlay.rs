@@ -53,6 +53,56 @@ pub(crate) struct Overlay {
     open_blocks: usize,
 }
 
+impl Map {
+    /// The newest write of `key` in this batch.
+    pub(crate) fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
+        self.newest.get(&tail(key)).copied()
+    }
+
+    /// The other nodes that wrote `key` earlier in this batch (each once, its newest clock).
+    pub(crate) fn earlier(&self, key: &BlockKey) -> &[(u32, u64)] {
+        if self.earlier.is_empty() {
+            return &[];
+        }
+        self.earlier.get(&tail(key)).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether any key of this batch was written by more than one node.
+    pub(crate) fn has_earlier(&self) -> bool {
+        !self.earlier.is_empty()
+    }
+
+    /// Takes in `newer`'s writes: each newer write wins, and (with `others`) the write it
+    /// replaces, if of another node, joins the key's earlier writers.
+    fn absorb(&mut self, newer: Map, others: bool) {
+        let Map { newest, mut earlier } = newer;
+        for (t, write) in newest {
+            let mut before = self.earlier.remove(&t).unwrap_or_default();
+            if let Some(old) = self.newest.insert(t, write)
+                && others
+                && old.0 != write.0
+            {
+                note_earlier(&mut before, old);
+            }
+            for later in earlier.remove(&t).unwrap_or_default() {
+                note_earlier(&mut before, later);
+            }
+            if !before.is_empty() {
+                self.earlier.insert(t, before);
+            }
+        }
+    }
+}
+
+/// Adds an earlier write to a key's list, which holds each node once, with its newest clock
+/// (so it stays as short as the nodes are few, however often a batch moves the key).
+fn note_earlier(list: &mut Vec<(u32, u64)>, (node, clock): (u32, u64)) {
+    match list.iter_mut().find(|w| w.0 == node) {
+        Some(w) => w.1 = w.1.max(clock),
+        None => list.push((node, clock)),
+    }
+}
+
 fn tail(key: &BlockKey) -> u64 {
     let mut t = [0u8; 8];
     t.copy_from_slice(&key[8..]);
@@ -70,20 +120,33 @@ impl Overlay {
                 && others
                 && old.0 != node
             {
-                self.open.earlier.entry(t).or_default().push(old);
+                note_earlier(self.open.earlier.entry(t).or_default(), old);
             }
         }
         self.open_clock = clock;
         self.open_blocks += blocks.len();
     }
 
-    /// Closes the open batch: the commit thread has taken its `ran`s.
-    pub(crate) fn seal(&mut self) {
-        if self.open_blocks > 0 {
-            let map = std::mem::take(&mut self.open);
-            self.sealed.push_back((self.open_clock, self.open_blocks, map));
-            self.open_blocks = 0;
+    /// Closes the open batch: the commit thread has taken its `ran`s. They join the sealed map
+    /// of the batch not yet committed, if there is one (the commit thread takes the queue as
+    /// it comes, many times a commit): one map a commit, so a lookup that misses reads one or
+    /// two maps, not one per `ran` since the last commit. Everything in a sealed map is
+    /// committed (or lost) by the same commit: the one that takes it is the one that commits
+    /// it, under the writer's lock.
+    pub(crate) fn seal(&mut self, others: bool) {
+        if self.open_blocks == 0 {
+            return;
         }
+        let open = std::mem::take(&mut self.open);
+        match self.sealed.back_mut() {
+            Some((newest, blocks, map)) => {
+                map.absorb(open, others);
+                *newest = self.open_clock;
+                *blocks += self.open_blocks;
+            }
+            None => self.sealed.push_back((self.open_clock, self.open_blocks, open)),
+        }
+        self.open_blocks = 0;
     }
 
     /// The node index and clock of the newest pending `ran` that wrote `key` (at any depth: a
@@ -97,16 +160,19 @@ impl Overlay {
     }
 
     /// Every pending write of `key`, (node id, clock), in no order, pushed onto `into`.
+    #[cfg(test)]
     pub(crate) fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) {
-        let t = tail(key);
-        for map in self.sealed.iter().map(|(_, _, m)| m).chain([&self.open]) {
-            if let Some(&found) = map.newest.get(&t) {
+        for map in self.maps() {
+            if let Some(found) = map.newest(key) {
                 into.push(found);
-                if let Some(earlier) = map.earlier.get(&t) {
-                    into.extend_from_slice(earlier);
-                }
+                into.extend_from_slice(map.earlier(key));
             }
         }
+    }
+
+    /// The batches' maps, oldest first, the open one last.
+    pub(crate) fn maps(&self) -> impl Iterator<Item = &Map> {
+        self.sealed.iter().map(|(_, _, m)| m).chain([&self.open])
     }
 
     /// Takes out every sealed batch whose `ran`s all have a clock up to `clock` (committed, or
@@ -142,7 +208,7 @@ mod tests {
         let mut overlay = Overlay::default();
         let a = chain(1, 40);
         overlay.push(1, &a, 0, true);
-        overlay.seal();
+        overlay.seal(true);
         overlay.push(2, &a[..20], 1, true);
         overlay.push(3, &a[..10], 2, true);
         assert_eq!(overlay.get(&a[5]), Some((2, 3)), "the open batch is newer than the sealed one");
@@ -159,9 +225,31 @@ mod tests {
         assert_eq!(overlay.get(&a[30]), None, "a's own blocks went with its batch");
         assert_eq!(overlay.get(&a[5]), Some((2, 3)), "the open batch stays");
         assert!(overlay.forget_through(3).is_empty(), "an open batch is never forgotten");
-        overlay.seal();
+        overlay.seal(true);
         assert!(overlay.forget_through(2).is_empty(), "its newest `ran` (3) is not committed");
         assert_eq!(overlay.forget_through(3).len(), 1);
         assert_eq!((overlay.get(&a[5]), overlay.blocks()), (None, 0));
+    }
+
+    /// Takes before a commit join one sealed map, keeping every node that wrote a key; the
+    /// commit of the newest drops it whole.
+    #[test]
+    fn takes_between_commits_share_one_sealed_map() {
+        let mut overlay = Overlay::default();
+        let a = chain(3, 12);
+        for (clock, node) in [(1, 0), (2, 1), (3, 0), (4, 2)] {
+            overlay.push(clock, &a[..(clock as usize * 3)], node, true);
+            overlay.seal(true);
+        }
+        assert_eq!(overlay.sealed.len(), 1, "one map a commit");
+        assert_eq!(overlay.get(&a[0]), Some((2, 4)));
+        assert_eq!(overlay.get(&a[8]), Some((2, 4)));
+        let mut writes = Vec::new();
+        overlay.writes(&a[0], &mut writes);
+        writes.sort_unstable();
+        assert_eq!(writes, vec![(0, 3), (1, 2), (2, 4)], "each node once, with its newest write");
+        assert!(overlay.forget_through(3).is_empty(), "the map holds clock 4, not committed yet");
+        assert_eq!(overlay.forget_through(4).len(), 1);
+        assert_eq!(overlay.blocks(), 0);
     }
 }

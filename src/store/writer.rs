@@ -344,10 +344,16 @@ impl Writer {
         writes.dedup_by(|later, earlier| {
             if later.key == earlier.key {
                 std::mem::swap(later, earlier);
+                // Each other node once, with its newest clock (the list stays as short as the
+                // nodes are few, however often the batch moved the key).
                 let (node, clock) = (later.entry.node, later.entry.clock);
-                earlier.earlier.append(&mut later.earlier);
-                if node != earlier.entry.node {
-                    earlier.earlier.push((node, clock));
+                let (keep, list) = (earlier.entry.node, &mut earlier.earlier);
+                for (n, c) in later.earlier.drain(..).chain([(node, clock)]) {
+                    match list.iter_mut().find(|w| w.0 == n) {
+                        _ if n == keep => {}
+                        Some(w) => w.1 = w.1.max(c),
+                        None => list.push((n, c)),
+                    }
                 }
                 true
             } else {

@@ -57,7 +57,7 @@ impl Default for Config {
             nodes: 8,
             policy: Policy::Balanced,
             window: 256,
-            min_share: 0.5,
+            min_share: 0.4,
             balance_abs: 65_536,
             model: "mooncake-conversation".into(),
             baseline: true,

@@ -213,8 +213,8 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
     };
     let mut rng = common::Rng(7);
     let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..128).collect()).collect();
-    // Each step: Some((conversation, prompt, node)) for a `ran`, None with a node for a forget.
-    let mut steps: Vec<(Option<(usize, Vec<u32>)>, &str)> = Vec::new();
+    // Each step: the prompt of a `ran` (None for a forget), and the node.
+    let mut steps: Vec<(Option<Vec<u32>>, &str)> = Vec::new();
     let mut acked = Vec::new();
     for i in 0..36 {
         let node = NODES[rng.below(4) as usize];
@@ -227,7 +227,7 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
             let grow = 30 + rng.below(200) as u32;
             prompts[c].extend((0..grow).map(|t| (c as u32 + 1) * 100_000 + start_len + t));
             warm.ran("m", &prompts[c], node)?;
-            steps.push((Some((c, prompts[c].clone())), node));
+            steps.push((Some(prompts[c].clone()), node));
         }
         acked.push(disk.state().ops.len());
     }
@@ -237,7 +237,7 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
         let mut model = Model::new(k, 60);
         for (ran, node) in &steps[..n] {
             match ran {
-                Some((_, p)) => model.ran(p, node),
+                Some(p) => model.ran(p, node),
                 None => model.forget(node),
             }
         }

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-use redb::{Database, ReadableDatabase};
+use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published};
 use super::horizon::Horizon;
@@ -162,7 +162,7 @@ fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Change>) -> Result<()
 
 /// Tells the callers what a flush did: the counts, and after a commit a fresh view of it with
 /// the overlay maps it made redundant dropped; after a failure, the `ran`s back in the queue.
-fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Change>>, Box<RolledBack>>) -> Result<()> {
+fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>, Box<RolledBack>>) -> Result<()> {
     // Without a fresh view (a read that failed), the committed `ran`s stay in the overlay and
     // the old view stays: the answers stay right, and the next commit drops them.
     let fresh = match &outcome {
@@ -180,6 +180,10 @@ fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Change>>, Bo
             front.failed = None;
             match fresh {
                 Some((fresh, fresh_others)) => {
+                    let added = std::mem::take(&mut back.nodes.segments_with_others);
+                    if let Some(segments) = front.segments_with_others.as_mut() {
+                        segments.extend(added);
+                    }
                     let old = std::mem::replace(&mut front.committed, fresh);
                     let old_others = std::mem::replace(&mut front.committed_others, fresh_others);
                     (Ok(()), Some((old, old_others)), front.drop_committed(&committed))
@@ -202,6 +206,28 @@ fn publish(inner: &Inner, back: &Writer, outcome: Result<Option<Vec<Change>>, Bo
     inner.drained.notify_all();
     result
 }
+/// Reads which segments of the last commit have others rows, for `warm_nodes` to skip the
+/// rest. Holding the writer, so no commit lands between the read and the callers getting it;
+/// rows of the batch join at the commit that makes them visible (`publish`). A failure leaves
+/// the callers reading every segment.
+fn index_segments(inner: &Inner) {
+    let Ok(mut back) = inner.back.lock() else { return };
+    let found = (|| -> Result<std::collections::HashSet<u64>> {
+        let read = inner.db.begin_read().map_err(redb_err("starting a read"))?;
+        let others = read.open_table(OTHERS).map_err(redb_err("opening the others"))?;
+        let mut segments = std::collections::HashSet::new();
+        for item in others.iter().map_err(redb_err("reading the others"))? {
+            let (key, _) = item.map_err(redb_err("reading the others"))?;
+            segments.insert((key.value() >> 64) as u64);
+        }
+        Ok(segments)
+    })();
+    back.nodes.segments_with_others.clear();
+    if let (Ok(segments), Ok(mut front)) = (found, inner.front.lock()) {
+        front.segments_with_others = Some(segments);
+    }
+}
+
 /// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch
 /// once its oldest change is a window old.
 pub(crate) fn flush_loop(inner: &Inner) {
@@ -210,6 +236,7 @@ pub(crate) fn flush_loop(inner: &Inner) {
     if let Ok(mut front) = inner.front.lock() {
         let _ = ensure_horizon(&inner.db, &mut front);
     }
+    index_segments(inner);
     loop {
         let how = {
             let Ok(mut front) = inner.front.lock() else { return };

@@ -62,6 +62,10 @@ pub(crate) struct Front {
     pub retired: Vec<bool>,
     /// Nodes a block keeps.
     pub nodes_per_prefix: usize,
+    /// The segments (first half of their keys) of the last commit that have an others row, or
+    /// more: a segment missing here has none, so `warm_nodes` does not read it. Read by the
+    /// commit thread when it starts (`None` until then: every segment is read).
+    pub segments_with_others: Option<std::collections::HashSet<u64>>,
     pub published: Published,
     /// What is live by 0.1.7's eviction rule, as of the last `ran` that returned; read from the
     /// file before the first `ran` (until then the file's entries are exactly what is live).
@@ -94,6 +98,7 @@ impl Front {
             ids: HashMap::new(),
             retired: Vec::new(),
             nodes_per_prefix,
+            segments_with_others: None,
             published,
             horizon: None,
             importing: false,

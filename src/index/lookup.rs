@@ -54,24 +54,33 @@ pub(crate) struct NodeDepth {
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes are left out.
 pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
-    let Some((_, len)) = search(keys, |k| probe(front, k))? else { return Ok(Vec::new()) };
+    let found = search(keys, |k| probe(front, k))?;
+    let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];
     // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
     // node): the last commit, and each pending batch. Where no source changes and no block has
     // others, every block names the same nodes, so only the last block of such a stretch is
     // looked at.
-    let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
-    let mut looked_at: Vec<usize> = Vec::new();
-    let committed = by_runs(keys, |k| committed_probe(front, k), &mut looked_at)?;
-    sources.push(committed);
     let maps: Vec<_> = front.overlay.maps().collect();
+    let pending = |map: &super::overlay::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
+    let mut looked_at: Vec<usize> = Vec::new();
+    let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
+    // A chain no pending batch has (its first block is not in one) is the last commit's alone,
+    // as the search just found it.
+    let committed_found = match maps.iter().any(|m| pending(m, &keys[0]).is_some()) {
+        true => search(keys, |k| committed_probe(front, k))?,
+        false => found,
+    };
+    sources.push(by_runs(keys, committed_found, |k| committed_probe(front, k), &mut looked_at)?);
     for map in &maps {
-        let pending = by_runs(keys, |k| Ok(map.newest(k).filter(|&(_, c)| front.holds(c))), &mut looked_at)?;
-        sources.push(pending);
+        let found = search(keys, |k| Ok::<_, crate::error::Error>(pending(map, k)))?;
+        sources.push(by_runs(keys, found, |k| Ok(pending(map, k)), &mut looked_at)?);
     }
     let mut earlier_at = Vec::new();
-    for map in maps.iter().filter(|m| m.has_earlier()) {
-        earlier_at.extend((0..len).filter(|&i| !map.earlier(&keys[i]).is_empty()));
+    for (map, source) in maps.iter().zip(&sources[1..]).filter(|(m, _)| m.has_earlier()) {
+        // Only a block the batch wrote can have earlier writers in it.
+        let covered = source.iter().take_while(|s| s.is_some()).count();
+        earlier_at.extend((0..covered).filter(|&i| !map.earlier(&keys[i]).is_empty()));
     }
     let others = committed_others(front, keys)?;
     for &i in others.keys().chain(&earlier_at) {
@@ -114,19 +123,19 @@ pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDep
 }
 
 /// The (node, clock) `probe` gives each block of a prefix-closed chain whose clocks never
-/// increase, found from its runs of equal clocks (a few probes a run); the last block of each
-/// run is pushed onto `ends`.
+/// increase (`found`: what [`search`] found of it), from its runs of equal clocks (a few probes
+/// a run); the last block of each run is pushed onto `ends`.
 fn by_runs(
     keys: &[BlockKey],
-    mut probe: impl FnMut(&BlockKey) -> Result<Option<(u32, u64)>>,
+    found: Longest<(u32, u64)>,
+    probe: impl FnMut(&BlockKey) -> Result<Option<(u32, u64)>>,
     ends: &mut Vec<usize>,
 ) -> Result<Vec<Option<(u32, u64)>>> {
     let mut owners = vec![None; keys.len()];
     let mut start = 0;
-    for (clock, n) in clock_runs(keys, |k| probe(k).map(|f| f.map(|(_, c)| c)))? {
-        let owner = probe(&keys[start])?.map(|(node, _)| (node, clock));
+    for (owner, n) in runs(keys, found, probe, |&(_, c)| c)? {
         let end = start + n as usize;
-        owners[start..end].fill(owner);
+        owners[start..end].fill(Some(owner));
         ends.push(end - 1);
         start = end;
     }
@@ -152,6 +161,9 @@ fn committed_others(front: &Front, keys: &[BlockKey]) -> Result<std::collections
         let end = start + keys[start..].iter().take_while(|k| table_key(k) >> 64 == hi).count();
         let segment = start..end;
         start = end;
+        if front.segments_with_others.as_ref().is_some_and(|known| !known.contains(&(hi as u64))) {
+            continue;
+        }
         let mut rows = Vec::new();
         let range =
             table.range((hi << 64)..=((hi << 64) | u128::from(u64::MAX))).map_err(redb_err("reading the others"))?;
@@ -184,28 +196,40 @@ pub(crate) fn clock_runs<E>(
     keys: &[BlockKey],
     mut clock_of: impl FnMut(&BlockKey) -> Result<Option<u64>, E>,
 ) -> Result<Vec<(u64, u64)>, E> {
-    let Some((last, len)) = search(keys, &mut clock_of)? else { return Ok(Vec::new()) };
+    let found = search(keys, &mut clock_of)?;
+    runs(keys, found, clock_of, |&c| c)
+}
+
+/// [`clock_runs`] given what [`search`] found (`found`), with what `probe` gives each run's
+/// first block: `(value, blocks)`.
+pub(crate) fn runs<T: Copy, E>(
+    keys: &[BlockKey],
+    found: Longest<T>,
+    mut probe: impl FnMut(&BlockKey) -> Result<Option<T>, E>,
+    clock: impl Fn(&T) -> u64,
+) -> Result<Vec<(T, u64)>, E> {
+    let Some((last, len)) = found else { return Ok(Vec::new()) };
     let mut runs = Vec::new();
     let mut start = 0;
     while start < len {
-        let Some(clock) = clock_of(&keys[start])? else { break };
-        if clock == last {
+        let Some(first) = probe(&keys[start])? else { break };
+        if clock(&first) == clock(&last) {
             // The search ended on the last remembered block's clock: one run to the end (the
             // usual turn, which re-touches one earlier turn's blocks), with no more probes.
-            runs.push((clock, (len - start) as u64));
+            runs.push((first, (len - start) as u64));
             break;
         }
-        // keys[start..=lo] have `clock`; keys[hi + 1..len] have an older one.
+        // keys[start..=lo] have `first`'s clock; keys[hi + 1..len] have an older one.
         let (mut lo, mut hi) = (start, len - 1);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
-            if clock_of(&keys[mid])? == Some(clock) {
+            if probe(&keys[mid])?.is_some_and(|v| clock(&v) == clock(&first)) {
                 lo = mid;
             } else {
                 hi = mid - 1;
             }
         }
-        runs.push((clock, (lo + 1 - start) as u64));
+        runs.push((first, (lo + 1 - start) as u64));
         start = lo + 1;
     }
     Ok(runs)

@@ -82,6 +82,9 @@ pub(crate) struct Nodes {
     pub held: Vec<u64>,
     /// Ids whose `held` changed in the batch.
     dirty: BTreeSet<u32>,
+    /// Segments (the first half of their blocks' keys) given an others row in the batch, for
+    /// the callers' index of the segments that have any (`index/front.rs`).
+    pub segments_with_others: Vec<u64>,
 }
 
 impl Nodes {
@@ -210,7 +213,7 @@ impl Writer {
             .filter(|&(_, id)| retired[id as usize].is_none())
             .map(|(n, id)| (n.clone(), id))
             .collect();
-        self.nodes = Nodes { names, ids, retired, held, dirty: BTreeSet::new() };
+        self.nodes = Nodes { names, ids, retired, held, dirty: BTreeSet::new(), segments_with_others: Vec::new() };
         let ns_table = read.open_table(NAMESPACE_IDS).map_err(redb_err("reading namespaces"))?;
         self.namespaces = ns_table
             .iter()
@@ -658,6 +661,9 @@ fn change_others(
             others.remove(w.key).map_err(redb_err("writing the others"))?;
         }
     } else if after != before {
+        if before.is_empty() {
+            nodes.segments_with_others.push((w.key >> 64) as u64);
+        }
         others.insert(w.key, members_row(&after).as_slice()).map_err(redb_err("writing the others"))?;
     }
     Ok(())

@@ -13,7 +13,7 @@ use redb::ReadableTable;
 use super::front::Front;
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
-use crate::store::tables::{Entry, members, table_key};
+use crate::store::tables::{Entry, members, newest_members, table_key};
 
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
@@ -101,16 +101,7 @@ pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDep
             named.extend_from_slice(row);
         }
         named.retain(|&(_, clock)| front.holds(clock));
-        // Usually one node, or the same node twice (pending and committed): nothing to sort.
-        if named.iter().any(|m| m.0 != named[0].0) {
-            named.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-            named.dedup_by_key(|m| m.0);
-            named.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-            named.truncate(front.nodes_per_prefix);
-        } else if let Some(newest) = named.iter().copied().max_by_key(|m| m.1) {
-            named.clear();
-            named.push(newest);
-        }
+        newest_members(&mut named, front.nodes_per_prefix);
         for &(node, clock) in named.iter().filter(|(node, _)| !front.is_retired(*node)) {
             match deepest.iter_mut().find(|d| d.node == node) {
                 Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },

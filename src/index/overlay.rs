@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use crate::keys::BlockKey;
+use crate::store::tables::add_member;
 
 /// Hashes an overlay key as itself: it is already 8 bytes of a uniform hash, so there is nothing
 /// left to mix.
@@ -82,24 +83,15 @@ impl Map {
                 && others
                 && old.0 != write.0
             {
-                note_earlier(&mut before, old);
+                add_member(&mut before, old);
             }
             for later in earlier.remove(&t).unwrap_or_default() {
-                note_earlier(&mut before, later);
+                add_member(&mut before, later);
             }
             if !before.is_empty() {
                 self.earlier.insert(t, before);
             }
         }
-    }
-}
-
-/// Adds an earlier write to a key's list, which holds each node once, with its newest clock
-/// (so it stays as short as the nodes are few, however often a batch moves the key).
-fn note_earlier(list: &mut Vec<(u32, u64)>, (node, clock): (u32, u64)) {
-    match list.iter_mut().find(|w| w.0 == node) {
-        Some(w) => w.1 = w.1.max(clock),
-        None => list.push((node, clock)),
     }
 }
 
@@ -120,7 +112,7 @@ impl Overlay {
                 && others
                 && old.0 != node
             {
-                note_earlier(self.open.earlier.entry(t).or_default(), old);
+                add_member(self.open.earlier.entry(t).or_default(), old);
             }
         }
         self.open_clock = clock;

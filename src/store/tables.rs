@@ -82,6 +82,32 @@ pub(crate) fn members_row(members: &[(u32, u64)]) -> Vec<u8> {
     row
 }
 
+/// Keeps the `k` newest of `members` (node id, clock): each node once, with its newest clock,
+/// newest first (ties by node id). What a block names, whatever order its writes came in: the
+/// writer stores it, and readers take it of everything they see.
+pub(crate) fn newest_members(members: &mut Vec<(u32, u64)>, k: usize) {
+    if members.iter().all(|m| m.0 == members[0].0) {
+        // One node (the usual block): its newest write.
+        if let Some(newest) = members.iter().copied().max_by_key(|m| m.1) {
+            members.clear();
+            members.push(newest);
+        }
+    } else {
+        members.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        members.dedup_by_key(|m| m.0);
+        members.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    }
+    members.truncate(k);
+}
+
+/// Adds `member` to `list`, which holds each node once with its newest clock.
+pub(crate) fn add_member(list: &mut Vec<(u32, u64)>, (node, clock): (u32, u64)) {
+    match list.iter_mut().find(|m| m.0 == node) {
+        Some(m) => m.1 = m.1.max(clock),
+        None => list.push((node, clock)),
+    }
+}
+
 /// One entry of the prefix table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Entry {
@@ -98,5 +124,35 @@ impl Entry {
 
     pub(crate) fn tuple(self) -> (u32, u32, u32, u64) {
         (self.node, self.namespace, self.depth, self.clock)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_names_each_node_once_with_its_newest_clock_whatever_the_order() {
+        let writes = [(3, 5), (1, 9), (3, 7), (2, 2), (1, 4), (4, 8)];
+        for rotation in 0..writes.len() {
+            let mut all: Vec<(u32, u64)> = writes.iter().cycle().skip(rotation).take(writes.len()).copied().collect();
+            newest_members(&mut all, 3);
+            assert_eq!(all, vec![(1, 9), (4, 8), (3, 7)], "rotation {rotation}");
+            let mut listed = Vec::new();
+            for &w in writes.iter().cycle().skip(rotation).take(writes.len()) {
+                add_member(&mut listed, w);
+            }
+            listed.sort_unstable();
+            assert_eq!(listed, vec![(1, 9), (2, 2), (3, 7), (4, 8)]);
+        }
+        let mut one = vec![(5, 1), (5, 3), (5, 2)];
+        newest_members(&mut one, 4);
+        assert_eq!(one, vec![(5, 3)]);
+        let mut none: Vec<(u32, u64)> = Vec::new();
+        newest_members(&mut none, 4);
+        assert!(none.is_empty());
+        let row = members_row(&[(7, 1 << 40), (u32::MAX, 3)]);
+        assert_eq!(row.len(), 2 * MEMBER_BYTES);
+        assert_eq!(members(&row).collect::<Vec<_>>(), vec![(7, 1 << 40), (u32::MAX, 3)]);
     }
 }

@@ -14,7 +14,7 @@ use super::records::{
 };
 use super::tables::{
     Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, PREFIXES,
-    RETIRED, STATE, generation_keys, members, members_row, table_key,
+    RETIRED, STATE, add_member, generation_keys, members, members_row, newest_members, table_key,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, check_len, is_legacy};
@@ -189,22 +189,12 @@ impl Writer {
         }
         let names = read_nodes(&read.open_table(NODES).map_err(redb_err("reading nodes"))?)?;
         let mut retired = vec![None; names.len()];
-        let table = read.open_table(RETIRED).map_err(redb_err("reading retired nodes"))?;
-        for item in table.iter().map_err(redb_err("reading retired nodes"))? {
-            let (id, clock) = item.map_err(redb_err("reading retired nodes"))?;
-            let slot = retired.get_mut(id.value() as usize).ok_or_else(|| Error::Corrupted {
-                detail: format!("retired node {} has no node record", id.value()),
-            })?;
-            *slot = Some(clock.value());
+        for (id, clock) in by_node(&read.open_table(RETIRED).map_err(redb_err("reading retired nodes"))?, &names)? {
+            retired[id] = Some(clock);
         }
         let mut held = vec![0; names.len()];
-        let table = read.open_table(HELD).map_err(redb_err("reading node counts"))?;
-        for item in table.iter().map_err(redb_err("reading node counts"))? {
-            let (id, n) = item.map_err(redb_err("reading node counts"))?;
-            let slot = held.get_mut(id.value() as usize).ok_or_else(|| Error::Corrupted {
-                detail: format!("node {} has a count and no node record", id.value()),
-            })?;
-            *slot = n.value();
+        for (id, n) in by_node(&read.open_table(HELD).map_err(redb_err("reading node counts"))?, &names)? {
+            held[id] = n;
         }
         // The newest live incarnation of each name is its current id.
         let ids = names
@@ -350,13 +340,9 @@ impl Writer {
                 // Each other node once, with its newest clock (the list stays as short as the
                 // nodes are few, however often the batch moved the key).
                 let (node, clock) = (later.entry.node, later.entry.clock);
-                let (keep, list) = (earlier.entry.node, &mut earlier.earlier);
-                for (n, c) in later.earlier.drain(..).chain([(node, clock)]) {
-                    match list.iter_mut().find(|w| w.0 == n) {
-                        _ if n == keep => {}
-                        Some(w) => w.1 = w.1.max(c),
-                        None => list.push((n, c)),
-                    }
+                let keep = earlier.entry.node;
+                for member in later.earlier.drain(..).chain([(node, clock)]).filter(|m| m.0 != keep) {
+                    add_member(&mut earlier.earlier, member);
                 }
                 true
             } else {
@@ -644,10 +630,7 @@ fn change_others(
     after.extend(old.map(|o| (o.node, o.clock)));
     after.extend_from_slice(&w.earlier);
     after.retain(|&(node, clock)| node != w.entry.node && clock > floor);
-    after.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-    after.dedup_by_key(|m| m.0);
-    after.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    after.truncate(k.saturating_sub(1));
+    newest_members(&mut after, k.saturating_sub(1));
     let named_before: BTreeSet<u32> = before.iter().map(|m| m.0).chain(old.map(|o| o.node)).collect();
     let named_after: BTreeSet<u32> = after.iter().map(|m| m.0).chain([w.entry.node]).collect();
     for &gone in named_before.difference(&named_after) {
@@ -771,6 +754,24 @@ fn list_in_generation(txn: &WriteTransaction, clock: u64, keys: &[u8]) -> Result
     }
     live.insert(clock, count.saturating_add(added)).map_err(redb_err("writing the live counts"))?;
     Ok(())
+}
+
+/// The rows of a table keyed by node id (retired nodes, node counts), each id checked against
+/// the node records `names`.
+///
+/// # Errors
+/// [`Error::Corrupted`] for an id with no node record; [`Error::Storage`].
+fn by_node(table: &impl ReadableTable<u32, u64>, names: &[String]) -> Result<Vec<(usize, u64)>> {
+    let mut rows = Vec::new();
+    for item in table.iter().map_err(redb_err("reading a node table"))? {
+        let (id, value) = item.map_err(redb_err("reading a node table"))?;
+        let id = id.value() as usize;
+        if id >= names.len() {
+            return Err(Error::Corrupted { detail: format!("node id {id} has a row and no node record") });
+        }
+        rows.push((id, value.value()));
+    }
+    Ok(rows)
 }
 
 /// The eviction floor in `table` (the state table), 0 if none was written.

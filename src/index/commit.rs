@@ -79,6 +79,7 @@ pub(crate) fn ensure_horizon<'a>(db: &Database, front: &'a mut Front) -> Result<
         Some(h) => h,
         None => horizon(db, front.published)?,
     };
+    front.searched = None;
     Ok(front.horizon.insert(horizon))
 }
 
@@ -170,6 +171,11 @@ fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>
         _ => None,
     };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
+    // A search reads the file's floor until the horizon is read (a new view is dealt with
+    // below).
+    if front.horizon.is_none() {
+        front.searched = None;
+    }
     front.adopt(&back.nodes);
     front.published = published(back);
     // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
@@ -180,10 +186,8 @@ fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>
             front.failed = None;
             match fresh {
                 Some((fresh, fresh_others)) => {
-                    let added = std::mem::take(&mut back.nodes.segments_with_others);
-                    if let Some(segments) = front.segments_with_others.as_mut() {
-                        segments.extend(added);
-                    }
+                    front.others.committed(&std::mem::take(&mut back.nodes.others_changed));
+                    front.searched = None;
                     let old = std::mem::replace(&mut front.committed, fresh);
                     let old_others = std::mem::replace(&mut front.committed_others, fresh_others);
                     (Ok(()), Some((old, old_others)), front.drop_committed(&committed))
@@ -211,7 +215,7 @@ fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>
 /// rows of the batch join at the commit that makes them visible (`publish`). A failure leaves
 /// the callers reading every segment.
 fn index_segments(inner: &Inner) {
-    let Ok(mut back) = inner.back.lock() else { return };
+    let Ok(_writer) = inner.back.lock() else { return };
     let found = (|| -> Result<std::collections::HashSet<u64>> {
         let read = inner.db.begin_read().map_err(redb_err("starting a read"))?;
         let others = read.open_table(OTHERS).map_err(redb_err("opening the others"))?;
@@ -222,9 +226,8 @@ fn index_segments(inner: &Inner) {
         }
         Ok(segments)
     })();
-    back.nodes.segments_with_others.clear();
     if let (Ok(segments), Ok(mut front)) = (found, inner.front.lock()) {
-        front.segments_with_others = Some(segments);
+        front.others.segments = Some(segments);
     }
 }
 

@@ -7,8 +7,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::horizon::Horizon;
+use super::others::OthersCache;
 use super::overlay::{Map, Overlay};
 use crate::error::Error;
+use crate::keys::BlockKey;
 use crate::store::writer::{Change, Nodes};
 
 /// The prefix table as of the last commit, shared with the callers.
@@ -22,6 +24,14 @@ pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
 /// Blocks in one batch above which it is committed without waiting for the window: bounds the
 /// dirty pages a write transaction holds in memory when the commit thread is saturated.
 pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
+
+/// A search's result, for the chain whose last key and length it names.
+#[derive(Clone, Copy)]
+pub(crate) struct Searched {
+    pub last: BlockKey,
+    pub len: usize,
+    pub found: Option<((u32, u64), usize)>,
+}
 
 /// What the commit thread last told the callers about the file.
 #[derive(Clone, Copy, Default)]
@@ -62,10 +72,11 @@ pub(crate) struct Front {
     pub retired: Vec<bool>,
     /// Nodes a block keeps.
     pub nodes_per_prefix: usize,
-    /// The segments (first half of their keys) of the last commit that have an others row, or
-    /// more: a segment missing here has none, so `warm_nodes` does not read it. Read by the
-    /// commit thread when it starts (`None` until then: every segment is read).
-    pub segments_with_others: Option<std::collections::HashSet<u64>>,
+    /// What the callers know of `committed_others`.
+    pub others: OthersCache,
+    /// The last search's result (`lookup::searched`), while nothing it read has changed: a
+    /// `ran` that follows the `warmest` or `warm_nodes` of its prompt does not search again.
+    pub searched: Option<Searched>,
     pub published: Published,
     /// What is live by 0.1.7's eviction rule, as of the last `ran` that returned; read from the
     /// file before the first `ran` (until then the file's entries are exactly what is live).
@@ -98,7 +109,8 @@ impl Front {
             ids: HashMap::new(),
             retired: Vec::new(),
             nodes_per_prefix,
-            segments_with_others: None,
+            others: OthersCache::default(),
+            searched: None,
             published,
             horizon: None,
             importing: false,
@@ -169,6 +181,7 @@ impl Front {
 
     /// Queues a change; a `ran` is visible to `warmest` at once.
     pub(crate) fn push(&mut self, change: Change) {
+        self.searched = None;
         if let Change::Ran(ran) = &change {
             self.overlay.push(ran.clock, &ran.blocks, ran.node, self.nodes_per_prefix > 1);
         }
@@ -196,6 +209,7 @@ impl Front {
     /// Drops from the overlay the `ran`s up to the newest of `rans`, now committed: every `ran`
     /// with a clock up to it was taken with them. Returns the maps to drop outside the lock.
     pub(crate) fn drop_committed(&mut self, changes: &[Change]) -> Vec<Map> {
+        self.searched = None;
         let gone = match changes.iter().map(Change::clock).max() {
             Some(newest) => self.overlay.forget_through(newest),
             None => Vec::new(),

@@ -8,12 +8,10 @@
 //! reads instead of one per block. 0.1.7's imported entries promise no such thing, so their
 //! chain is walked block by block as 0.1.7 did.
 
-use redb::ReadableTable;
-
-use super::front::Front;
+use super::front::{Front, Searched};
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
-use crate::store::tables::{Entry, members, newest_members, table_key};
+use crate::store::tables::{Entry, newest_members, table_key};
 
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
@@ -27,6 +25,18 @@ pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>>
         Some(found) => Ok(Some(found).filter(|&(_, clock)| front.holds(clock))),
         None => committed_probe(front, key),
     }
+}
+
+/// [`search`] of `keys` with [`probe`], or its result from the last time, if it was of the same
+/// chain and nothing it read has changed since (`Front::searched` is cleared at every change).
+pub(crate) fn searched(front: &mut Front, keys: &[BlockKey]) -> Result<Longest<(u32, u64)>> {
+    let Some(&last) = keys.last() else { return Ok(None) };
+    if let Some(s) = front.searched.filter(|s| s.last == last && s.len == keys.len()) {
+        return Ok(s.found);
+    }
+    let found = search(keys, |k| probe(front, k))?;
+    front.searched = Some(Searched { last, len: keys.len(), found });
+    Ok(found)
 }
 
 /// [`probe`] of the last commit alone.
@@ -53,10 +63,15 @@ pub(crate) struct NodeDepth {
 /// deepest block it is named on, longest first, ties newest first. A block names the node of the
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes are left out.
-pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
-    let found = search(keys, |k| probe(front, k))?;
+pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
+    let found = searched(front, keys)?;
     let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];
+    let others = match front.nodes_per_prefix {
+        1 => Default::default(),
+        _ => front.others.read(&front.committed_others, keys)?,
+    };
+    let front = &*front;
     // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
     // node): the last commit, and each pending batch. Where no source changes and no block has
     // others, every block names the same nodes, so only the last block of such a stretch is
@@ -82,7 +97,6 @@ pub(crate) fn warm_nodes(front: &Front, keys: &[BlockKey]) -> Result<Vec<NodeDep
         let covered = source.iter().take_while(|s| s.is_some()).count();
         earlier_at.extend((0..covered).filter(|&i| !map.earlier(&keys[i]).is_empty()));
     }
-    let others = committed_others(front, keys)?;
     for &i in others.keys().chain(&earlier_at) {
         looked_at.extend([i.saturating_sub(1), i]);
     }
@@ -133,56 +147,11 @@ fn by_runs(
     Ok(owners)
 }
 
-/// Rows a segment's range read may meet before its blocks are read one by one instead (a
-/// system prompt's segment is every conversation's).
-const SEGMENT_ROWS: usize = 32;
-
-/// The committed others of each block of `keys` that has any, by block index. A segment's
-/// blocks share the first half of their keys, so one range read finds its rows, unless it meets
-/// more than [`SEGMENT_ROWS`] (a segment many conversations share): then a read a block.
-fn committed_others(front: &Front, keys: &[BlockKey]) -> Result<std::collections::HashMap<usize, Vec<(u32, u64)>>> {
-    let mut found = std::collections::HashMap::new();
-    let table = &front.committed_others;
-    if front.nodes_per_prefix < 2 || table.first().map_err(redb_err("reading the others"))?.is_none() {
-        return Ok(found);
-    }
-    let mut start = 0;
-    while start < keys.len() {
-        let hi = table_key(&keys[start]) >> 64;
-        let end = start + keys[start..].iter().take_while(|k| table_key(k) >> 64 == hi).count();
-        let segment = start..end;
-        start = end;
-        if front.segments_with_others.as_ref().is_some_and(|known| !known.contains(&(hi as u64))) {
-            continue;
-        }
-        let mut rows = Vec::new();
-        let range =
-            table.range((hi << 64)..=((hi << 64) | u128::from(u64::MAX))).map_err(redb_err("reading the others"))?;
-        for item in range.take(SEGMENT_ROWS + 1) {
-            let (key, row) = item.map_err(redb_err("reading the others"))?;
-            rows.push((key.value(), members(row.value()).collect::<Vec<_>>()));
-        }
-        if rows.len() <= SEGMENT_ROWS {
-            for (key, row) in rows {
-                if let Some(i) = segment.clone().find(|&i| table_key(&keys[i]) == key) {
-                    found.insert(i, row);
-                }
-            }
-            continue;
-        }
-        for i in segment {
-            if let Some(row) = table.get(table_key(&keys[i])).map_err(redb_err("reading the others"))? {
-                found.insert(i, members(row.value()).collect());
-            }
-        }
-    }
-    Ok(found)
-}
-
 /// The remembered prefix of a prefix-closed chain as runs of equal clocks, `(clock, blocks)`
 /// from the first block on. Clocks never increase along a chain (a `ran` writes every block
 /// before the ones it writes), so each run is found by a binary search for its end: a few
 /// probes a run, not one a block.
+#[cfg(test)]
 pub(crate) fn clock_runs<E>(
     keys: &[BlockKey],
     mut clock_of: impl FnMut(&BlockKey) -> Result<Option<u64>, E>,

@@ -6,5 +6,6 @@ pub(crate) mod commit;
 pub(crate) mod front;
 pub(crate) mod horizon;
 pub(crate) mod lookup;
+pub(crate) mod others;
 pub(crate) mod overlay;
 pub(crate) mod warm;

@@ -205,12 +205,12 @@ impl Warm {
         if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
             return Ok(None);
         }
-        let front = self.front()?;
-        let found = lookup::search(&prefix.blocks, |k| lookup::probe(&front, k))?;
+        let mut front = self.front()?;
+        let found = lookup::searched(&mut front, &prefix.blocks)?;
         // The last block's node was forgotten: the next node that ran the most of the prompt.
         let found = match found {
             Some(((node, _), _)) if front.is_retired(node) => {
-                lookup::warm_nodes(&front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
+                lookup::warm_nodes(&mut front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
             }
             found => found,
         };
@@ -244,8 +244,8 @@ impl Warm {
     /// As [`Warm::warmest_prefix`].
     pub fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
         self.same_scheme(prefix)?;
-        let front = self.front()?;
-        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&front, &prefix.blocks)?;
+        let mut front = self.front()?;
+        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, &prefix.blocks)?;
         if !prefix.legacy.is_empty()
             && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
         {
@@ -319,9 +319,13 @@ impl Warm {
             // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
             // chain, in runs of equal clocks) and the floor after it.
             // (Until the horizon is read, nothing has been evicted since the file was opened.)
-            let runs = lookup::clock_runs(&prefix.blocks, |k| {
-                lookup::probe(&front, k).map(|found| found.map(|(_, clock)| clock))
-            })?;
+            let found = lookup::searched(&mut front, &prefix.blocks)?.map(|((_, clock), n)| (clock, n));
+            let runs = lookup::runs(
+                &prefix.blocks,
+                found,
+                |k| lookup::probe(&front, k).map(|found| found.map(|(_, clock)| clock)),
+                |&c| c,
+            )?;
             let clock = front.clock + 1;
             let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, prefix.blocks.len() as u64, &runs);
             front.clock = clock;
@@ -408,6 +412,7 @@ impl Warm {
         front.importing = false;
         if imported.is_ok() {
             front.horizon = None;
+            front.searched = None;
         }
         drop(front);
         self.inner.drained.notify_all();

@@ -82,9 +82,10 @@ pub(crate) struct Nodes {
     pub held: Vec<u64>,
     /// Ids whose `held` changed in the batch.
     dirty: BTreeSet<u32>,
-    /// Segments (the first half of their blocks' keys) given an others row in the batch, for
-    /// the callers' index of the segments that have any (`index/front.rs`).
-    pub segments_with_others: Vec<u64>,
+    /// Keys whose others row the batch wrote or removed, for the callers' copy of the rows
+    /// (`index/others.rs`), dropped once a commit holding them is the callers' view (kept
+    /// across a roll back: a superset only costs a read).
+    pub others_changed: Vec<u128>,
 }
 
 impl Nodes {
@@ -203,7 +204,7 @@ impl Writer {
             .filter(|&(_, id)| retired[id as usize].is_none())
             .map(|(n, id)| (n.clone(), id))
             .collect();
-        self.nodes = Nodes { names, ids, retired, held, dirty: BTreeSet::new(), segments_with_others: Vec::new() };
+        self.nodes = Nodes { names, ids, retired, held, dirty: BTreeSet::new(), others_changed: std::mem::take(&mut self.nodes.others_changed) };
         let ns_table = read.open_table(NAMESPACE_IDS).map_err(redb_err("reading namespaces"))?;
         self.namespaces = ns_table
             .iter()
@@ -286,6 +287,7 @@ impl Writer {
             }
         }
         for (key, all) in stale {
+            nodes.others_changed.push(key);
             let (keep, gone): (Vec<_>, Vec<_>) = all.into_iter().partition(|&(_, c)| c > floor);
             for (node, _) in gone {
                 nodes.add_held(node, -1);
@@ -644,10 +646,10 @@ fn change_others(
             others.remove(w.key).map_err(redb_err("writing the others"))?;
         }
     } else if after != before {
-        if before.is_empty() {
-            nodes.segments_with_others.push((w.key >> 64) as u64);
-        }
         others.insert(w.key, members_row(&after).as_slice()).map_err(redb_err("writing the others"))?;
+    }
+    if after != before {
+        nodes.others_changed.push(w.key);
     }
     Ok(())
 }
@@ -696,6 +698,7 @@ fn remove_through((txn, nodes): (&WriteTransaction, &mut Nodes), cut: u64) -> Re
                 for (node, _) in members(row.value()) {
                     nodes.add_held(node, -1);
                 }
+                nodes.others_changed.push(key);
             }
             n += 1;
             legacy += u64::from(is_legacy(&key.to_be_bytes()));

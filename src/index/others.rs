@@ -1,0 +1,108 @@
+//! The callers' copy of what they need of the last commit's others table (`others/v4`): which
+//! segments have rows at all, and the rows of segments read lately, decoded. `warm_nodes` reads
+//! a conversation's segments at every turn, and a turn on the same node changes none of them,
+//! so most reads are answered here. Kept in step with each commit: the writer lists the keys
+//! whose rows a batch changed, and the entries of those keys go when the commit that holds
+//! them becomes the callers' view.
+
+use std::collections::{HashMap, HashSet};
+
+use super::front::CommittedOthers;
+use crate::error::{Result, redb_err};
+use crate::keys::BlockKey;
+use crate::store::tables::{members, table_key};
+
+/// Rows a segment's range read may meet before its blocks are read one by one instead (a
+/// system prompt's segment is every conversation's).
+const SEGMENT_ROWS: usize = 32;
+
+/// Entries kept (segments and single keys) before the copy starts over.
+const MAX_CACHED: usize = 1 << 16;
+
+/// A block's others: (node id, clock), as stored.
+pub(crate) type Row = Vec<(u32, u64)>;
+
+/// What the callers know of the last commit's others.
+#[derive(Default)]
+pub(crate) struct OthersCache {
+    /// The segments (first half of their keys) that have a row, or more; `None` until the
+    /// commit thread has read them (then every segment is read).
+    pub segments: Option<HashSet<u64>>,
+    /// Every row of a segment with few, by segment.
+    by_segment: HashMap<u64, Vec<(u128, Row)>>,
+    /// The row (or its absence) of single keys of segments with many.
+    by_key: HashMap<u128, Option<Row>>,
+}
+
+impl OthersCache {
+    /// A commit whose batch changed the rows of `changed` is now the callers' view.
+    pub(crate) fn committed(&mut self, changed: &[u128]) {
+        for &key in changed {
+            let hi = (key >> 64) as u64;
+            if let Some(segments) = self.segments.as_mut() {
+                segments.insert(hi);
+            }
+            self.by_segment.remove(&hi);
+            self.by_key.remove(&key);
+        }
+    }
+
+    /// The others of each block of `keys` that has any, by block index, as of `table`'s
+    /// commit. A segment not cached is read in one range read, or a read a block if it has
+    /// many rows.
+    pub(crate) fn read(&mut self, table: &CommittedOthers, keys: &[BlockKey]) -> Result<HashMap<usize, Row>> {
+        let mut found = HashMap::new();
+        if self.by_segment.len() + self.by_key.len() > MAX_CACHED {
+            self.by_segment.clear();
+            self.by_key.clear();
+        }
+        let mut start = 0;
+        while start < keys.len() {
+            let hi = table_key(&keys[start]) >> 64;
+            let end = start + keys[start..].iter().take_while(|k| table_key(k) >> 64 == hi).count();
+            let segment = start..end;
+            start = end;
+            let short = hi as u64;
+            if self.segments.as_ref().is_some_and(|known| !known.contains(&short)) {
+                continue;
+            }
+            if !self.by_segment.contains_key(&short) && !self.by_key.contains_key(&table_key(&keys[segment.start])) {
+                let mut rows = Vec::new();
+                let range = table
+                    .range((hi << 64)..=((hi << 64) | u128::from(u64::MAX)))
+                    .map_err(redb_err("reading the others"))?;
+                for item in range.take(SEGMENT_ROWS + 1) {
+                    let (key, row) = item.map_err(redb_err("reading the others"))?;
+                    rows.push((key.value(), members(row.value()).collect::<Row>()));
+                }
+                if rows.len() <= SEGMENT_ROWS {
+                    self.by_segment.insert(short, rows);
+                }
+            }
+            if let Some(rows) = self.by_segment.get(&short) {
+                for (key, row) in rows {
+                    if let Some(i) = segment.clone().find(|&i| table_key(&keys[i]) == *key) {
+                        found.insert(i, row.clone());
+                    }
+                }
+                continue;
+            }
+            for i in segment {
+                let key = table_key(&keys[i]);
+                let row = match self.by_key.get(&key) {
+                    Some(row) => row.clone(),
+                    None => {
+                        let row = table.get(key).map_err(redb_err("reading the others"))?;
+                        let row: Option<Row> = row.map(|g| members(g.value()).collect());
+                        self.by_key.insert(key, row.clone());
+                        row
+                    }
+                };
+                if let Some(row) = row {
+                    found.insert(i, row);
+                }
+            }
+        }
+        Ok(found)
+    }
+}

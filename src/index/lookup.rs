@@ -67,11 +67,14 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
     let found = searched(front, keys)?;
     let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];
+    if front.nodes_per_prefix > 1 {
+        front.others.fill(&front.committed_others, keys)?;
+    }
+    let front = &*front;
     let others = match front.nodes_per_prefix {
         1 => Default::default(),
-        _ => front.others.read(&front.committed_others, keys)?,
+        _ => front.others.rows(keys),
     };
-    let front = &*front;
     // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
     // node): the last commit, and each pending batch. Where no source changes and no block has
     // others, every block names the same nodes, so only the last block of such a stretch is
@@ -80,9 +83,9 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
     let pending = |map: &super::overlay::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
     let mut looked_at: Vec<usize> = Vec::new();
     let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
-    // A chain no pending batch has (its first block is not in one) is the last commit's alone,
-    // as the search just found it.
-    let committed_found = match maps.iter().any(|m| pending(m, &keys[0]).is_some()) {
+    // If no pending batch has the last remembered block, the search found it in the last
+    // commit: that is the last commit's remembered prefix too (it is prefix-closed).
+    let committed_found = match maps.iter().any(|m| m.newest(&keys[len - 1]).is_some()) {
         true => search(keys, |k| committed_probe(front, k))?,
         false => found,
     };
@@ -97,9 +100,16 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
         let covered = source.iter().take_while(|s| s.is_some()).count();
         earlier_at.extend((0..covered).filter(|&i| !map.earlier(&keys[i]).is_empty()));
     }
-    for &i in others.keys().chain(&earlier_at) {
+    for &i in &earlier_at {
         looked_at.extend([i.saturating_sub(1), i]);
     }
+    // Neighbours with the same others (a moved conversation's blocks mostly list the same
+    // nodes) are one stretch.
+    let mut rows: Vec<Option<&[(u32, u64)]>> = vec![None; len];
+    for (&i, &row) in &others {
+        rows[i] = Some(row);
+    }
+    looked_at.extend((1..len).filter(|&i| rows[i] != rows[i - 1]).map(|i| i - 1));
     looked_at.push(len - 1);
     looked_at.sort_unstable();
     looked_at.dedup();
@@ -111,7 +121,7 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
         for map in &maps {
             named.extend_from_slice(map.earlier(&keys[i]));
         }
-        if let Some(row) = others.get(&i) {
+        if let Some(row) = rows[i] {
             named.extend_from_slice(row);
         }
         named.retain(|&(_, clock)| front.holds(clock));
@@ -179,8 +189,20 @@ pub(crate) fn runs<T: Copy, E>(
             runs.push((first, (len - start) as u64));
             break;
         }
-        // keys[start..=lo] have `first`'s clock; keys[hi + 1..len] have an older one.
+        // keys[start..=lo] have `first`'s clock; keys[hi + 1..len] have an older one. Galloping
+        // first: the runs before the last are usually short (a system prompt's blocks, which
+        // every conversation re-touches), found in a few probes rather than log2(blocks).
         let (mut lo, mut hi) = (start, len - 1);
+        let mut step = 1;
+        while lo + step < hi {
+            if probe(&keys[lo + step])?.is_some_and(|v| clock(&v) == clock(&first)) {
+                lo += step;
+                step *= 2;
+            } else {
+                hi = lo + step - 1;
+                break;
+            }
+        }
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
             if probe(&keys[mid])?.is_some_and(|v| clock(&v) == clock(&first)) {
@@ -315,7 +337,7 @@ mod tests {
                     }
                 }
                 assert_eq!(runs, Ok(want.clone()), "{shape:?}, {remembered} remembered");
-                assert!(probes <= 7 * (want.len() + 1), "{probes} probes for {} runs", want.len());
+                assert!(probes <= 12 * (want.len() + 1), "{probes} probes for {} runs", want.len());
                 if want.len() == 1 {
                     assert!(probes <= 7, "a single run costs the search and one probe: {probes}");
                 }

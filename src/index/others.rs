@@ -47,26 +47,20 @@ impl OthersCache {
         }
     }
 
-    /// The others of each block of `keys` that has any, by block index, as of `table`'s
-    /// commit. A segment not cached is read in one range read, or a read a block if it has
-    /// many rows.
-    pub(crate) fn read(&mut self, table: &CommittedOthers, keys: &[BlockKey]) -> Result<HashMap<usize, Row>> {
-        let mut found = HashMap::new();
+    /// Reads into the copy what it lacks of the others of `keys`, as of `table`'s commit: a
+    /// segment in one range read, or a read a block if it has many rows.
+    pub(crate) fn fill(&mut self, table: &CommittedOthers, keys: &[BlockKey]) -> Result<()> {
         if self.by_segment.len() + self.by_key.len() > MAX_CACHED {
             self.by_segment.clear();
             self.by_key.clear();
         }
-        let mut start = 0;
-        while start < keys.len() {
-            let hi = table_key(&keys[start]) >> 64;
-            let end = start + keys[start..].iter().take_while(|k| table_key(k) >> 64 == hi).count();
-            let segment = start..end;
-            start = end;
+        for segment in segments(keys) {
+            let hi = table_key(&keys[segment.start]) >> 64;
             let short = hi as u64;
-            if self.segments.as_ref().is_some_and(|known| !known.contains(&short)) {
+            if !self.may_have(short) || self.by_segment.contains_key(&short) {
                 continue;
             }
-            if !self.by_segment.contains_key(&short) && !self.by_key.contains_key(&table_key(&keys[segment.start])) {
+            if !self.by_key.contains_key(&table_key(&keys[segment.start])) {
                 let mut rows = Vec::new();
                 let range = table
                     .range((hi << 64)..=((hi << 64) | u128::from(u64::MAX)))
@@ -77,32 +71,63 @@ impl OthersCache {
                 }
                 if rows.len() <= SEGMENT_ROWS {
                     self.by_segment.insert(short, rows);
+                    continue;
                 }
+            }
+            for i in segment {
+                let key = table_key(&keys[i]);
+                if let std::collections::hash_map::Entry::Vacant(slot) = self.by_key.entry(key) {
+                    let row = table.get(key).map_err(redb_err("reading the others"))?;
+                    slot.insert(row.map(|g| members(g.value()).collect()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The others of each block of `keys` that has any, by block index, from the copy (after
+    /// [`OthersCache::fill`] of the same keys).
+    pub(crate) fn rows(&self, keys: &[BlockKey]) -> HashMap<usize, &[(u32, u64)]> {
+        let mut found = HashMap::new();
+        for segment in segments(keys) {
+            let short = (table_key(&keys[segment.start]) >> 64) as u64;
+            if !self.may_have(short) {
+                continue;
             }
             if let Some(rows) = self.by_segment.get(&short) {
                 for (key, row) in rows {
                     if let Some(i) = segment.clone().find(|&i| table_key(&keys[i]) == *key) {
-                        found.insert(i, row.clone());
+                        found.insert(i, row.as_slice());
                     }
                 }
                 continue;
             }
             for i in segment {
-                let key = table_key(&keys[i]);
-                let row = match self.by_key.get(&key) {
-                    Some(row) => row.clone(),
-                    None => {
-                        let row = table.get(key).map_err(redb_err("reading the others"))?;
-                        let row: Option<Row> = row.map(|g| members(g.value()).collect());
-                        self.by_key.insert(key, row.clone());
-                        row
-                    }
-                };
-                if let Some(row) = row {
-                    found.insert(i, row);
+                if let Some(Some(row)) = self.by_key.get(&table_key(&keys[i])) {
+                    found.insert(i, row.as_slice());
                 }
             }
         }
-        Ok(found)
+        found
     }
+
+    /// Whether segment `short` may have rows.
+    fn may_have(&self, short: u64) -> bool {
+        self.segments.as_ref().is_none_or(|known| known.contains(&short))
+    }
+}
+
+/// The index ranges of `keys` that share a segment (the first half of their keys).
+fn segments(keys: &[BlockKey]) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let mut start = 0;
+    std::iter::from_fn(move || {
+        if start >= keys.len() {
+            return None;
+        }
+        let hi = table_key(&keys[start]) >> 64;
+        let end = start + keys[start..].iter().take_while(|k| table_key(k) >> 64 == hi).count();
+        let range = start..end;
+        start = end;
+        Some(range)
+    })
 }

@@ -204,7 +204,14 @@ impl Writer {
             .filter(|&(_, id)| retired[id as usize].is_none())
             .map(|(n, id)| (n.clone(), id))
             .collect();
-        self.nodes = Nodes { names, ids, retired, held, dirty: BTreeSet::new(), others_changed: std::mem::take(&mut self.nodes.others_changed) };
+        self.nodes = Nodes {
+            names,
+            ids,
+            retired,
+            held,
+            dirty: BTreeSet::new(),
+            others_changed: std::mem::take(&mut self.nodes.others_changed),
+        };
         let ns_table = read.open_table(NAMESPACE_IDS).map_err(redb_err("reading namespaces"))?;
         self.namespaces = ns_table
             .iter()

@@ -325,3 +325,67 @@ fn forget_drops_a_node_from_every_answer_and_never_creates_a_file() -> Result<()
     assert!(!missing.exists(), "a typo must not create an index");
     Ok(())
 }
+
+/// `dump` lists every node of a block and marks a forgotten one; `stats` counts the other nodes
+/// and what is reclaimable.
+#[test]
+fn dump_and_stats_show_every_node_of_a_block_and_what_forgetting_left() -> Result<(), superfluid_warm::Error> {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let first: Vec<u32> = (0..320).collect();
+    let mut moved = first.clone();
+    moved.extend(5000..5128);
+    {
+        let warm = superfluid_warm::Warm::open(&path)?;
+        warm.ran("m", &first, "a")?;
+        warm.ran("m", &moved, "b")?;
+        warm.forget_node("a")?;
+        warm.close()?;
+    }
+    let p = path.to_str().expect("utf-8 path");
+    let out = run(&["dump", p, "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        text(&out.stdout).lines().map(|l| serde_json::from_str(l).expect("a dump line")).collect();
+    assert_eq!(rows.len(), 7, "7 blocks");
+    let with_a: Vec<&serde_json::Value> =
+        rows.iter().filter(|r| r["others"].as_array().is_some_and(|o| !o.is_empty())).collect();
+    assert_eq!(with_a.len(), 5, "a ran the first 5 blocks before b");
+    for r in &with_a {
+        assert_eq!(r["node"], "b");
+        assert_eq!(r["others"][0]["node"], "a");
+        assert_eq!(r["others"][0]["forgotten"], true);
+    }
+    let out = run(&["dump", p]);
+    assert!(text(&out.stdout).contains("a (forgotten)@"), "{}", text(&out.stdout));
+    let out = run(&["stats", p, "--json"]);
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    assert_eq!((stats["entries"].as_u64(), stats["others"].as_u64()), (Some(7), Some(5)));
+    assert_eq!((stats["reclaimable"].as_u64(), stats["forgotten_nodes"].as_u64()), (Some(5), Some(1)));
+    let out = run(&["check", p]);
+    assert!(out.status.success(), "{}", text(&out.stdout));
+    Ok(())
+}
+
+/// `replay --restart-every`: told of each restart, the index never routes warm to a node that
+/// lost the prefix; not told, it does. `--no-forget` without restarts is a usage error.
+#[test]
+fn replay_with_restarts_counts_warm_tokens_sent_to_a_restarted_node() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/mooncake-conversation.jsonl");
+    let once = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["replay", "--trace", trace, "--requests", "1500", "--json", "--no-baseline"];
+        args.extend_from_slice(extra);
+        let out = run(&args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("replay JSON")
+    };
+    let told = once(&["--restart-every", "100"]);
+    let not_told = once(&["--restart-every", "100", "--no-forget"]);
+    assert_eq!(told["restarts"], 14);
+    assert_eq!(told["warm_tokens_to_restarted"], 0, "{told}");
+    assert!(not_told["warm_tokens_to_restarted"].as_u64().is_some_and(|t| t > 0), "{not_told}");
+    let one = once(&["--nodes-per-prefix", "1"]);
+    assert!(one["restarts"].is_null() && one["warm_tokens_to_restarted"].is_null());
+    let bad = run(&["replay", "--requests", "10", "--no-forget"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
+}

@@ -114,7 +114,9 @@ fn stat(path: &Path) -> std::io::Result<(u64, u128)> {
 /// core, each thread reading its own with positioned reads; the digest depends only on the
 /// bytes, never on the thread count. A file that is not `len` bytes long is an error.
 fn digest(path: &Path, len: u64) -> std::io::Result<u128> {
-    digest_on(path, len, std::thread::available_parallelism().map_or(1, |n| n.get()))
+    // Asked once: on Linux it reads the cgroup's CPU quota from files (~0.1 ms).
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    digest_on(path, len, *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get())))
 }
 
 /// [`digest`] with at most `threads` threads.

@@ -146,12 +146,9 @@ impl Builder {
             .redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages)
             .create(path)
             .map_err(|e| open_error(path, e))?;
-        // The seal no longer describes the file once it is written. Only marked now, so that a
-        // refused file (a newer schema, say) keeps its seal.
-        let side = lock.side_file().try_clone().map_err(|e| Error::io(seal::seal_path(path), e))?;
-        let warm = self.start(db, legacy, check, Some((lock, path.to_path_buf())))?;
-        seal::write_open(&side);
-        Ok(warm)
+        // The side file is marked open by the started `Warm` (`Warm::start`), so that a refused
+        // file (a newer schema, say) keeps its seal.
+        self.start(db, legacy, check, Some((lock, path.to_path_buf())))
     }
 
     /// Opens the index on a custom redb storage backend (for fault injection and in-memory use),

@@ -55,6 +55,15 @@ impl Drop for Sealer {
     }
 }
 
+/// Marks the side file: the seal no longer describes the file once it is written. Not needed
+/// for safety (a seal is only trusted if the file's length, time and digest match), so done off
+/// the open's path, by the commit thread as it starts (at once without one).
+pub(crate) fn mark_open(inner: &Inner) {
+    if let Some((lock, _)) = &inner.sealer.lock {
+        seal::write_open(lock.side_file());
+    }
+}
+
 /// A read of the prefix table and the others as of the last commit.
 pub(crate) fn committed(db: &Database) -> Result<(Committed, CommittedOthers)> {
     let read = db.begin_read().map_err(redb_err("starting a read"))?;
@@ -236,6 +245,7 @@ fn index_segments(inner: &Inner) {
 pub(crate) fn flush_loop(inner: &Inner) {
     // Read the horizon now, while the head is likely still starting up; a failure is met
     // again, and reported, by the first `ran`.
+    mark_open(inner);
     if let Ok(mut front) = inner.front.lock() {
         let _ = ensure_horizon(&inner.db, &mut front);
     }

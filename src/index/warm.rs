@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use redb::Database;
 
 use super::builder::Builder;
-use super::commit::{Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, published};
+use super::commit::{
+    Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, mark_open, published,
+};
 use super::front::{Front, MAX_QUEUED_BLOCKS};
 use super::lookup::{self, NodeDepth};
 use crate::error::{Error, Result};
@@ -147,6 +149,7 @@ impl Warm {
             sealer: Sealer { lock, sealable: opened.check != OpenCheck::Skipped, clean: AtomicBool::new(false) },
         });
         let flusher = if window.is_zero() {
+            mark_open(&inner);
             None
         } else {
             let for_thread = Arc::clone(&inner);

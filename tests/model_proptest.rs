@@ -33,8 +33,7 @@ fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Baseline) -> Resul
         match op {
             Op::Ran { conversation, grow, node } => {
                 let p = &mut prompts[conversation];
-                let start = p.len() as u32;
-                p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+                common::next_turn(p, conversation, grow);
                 let node = ["a", "b", "c"][node];
                 model.ran("m", p, node);
                 warm.ran("m", p, node).expect("ran");

@@ -104,8 +104,7 @@ fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Model) -> Result<(
         match op {
             Op::Ran { conversation, grow, node } => {
                 let p = &mut prompts[conversation];
-                let start = p.len() as u32;
-                p.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+                common::next_turn(p, conversation, grow);
                 model.ran(p, NODES[node]);
                 warm.ran("m", p, NODES[node]).expect("ran");
             }
@@ -223,9 +222,7 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
             steps.push((None, node));
         } else {
             let c = rng.below(4) as usize;
-            let start_len = prompts[c].len() as u32;
-            let grow = 30 + rng.below(200) as u32;
-            prompts[c].extend((0..grow).map(|t| (c as u32 + 1) * 100_000 + start_len + t));
+            common::next_turn(&mut prompts[c], c, 30 + rng.below(200) as usize);
             warm.ran("m", &prompts[c], node)?;
             steps.push((Some(prompts[c].clone()), node));
         }

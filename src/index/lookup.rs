@@ -59,6 +59,13 @@ pub(crate) struct NodeDepth {
     pub clock: u64,
 }
 
+impl NodeDepth {
+    /// `warm_nodes`' order: the longest first, ties the newest first.
+    pub(crate) fn longest_first(a: &NodeDepth, b: &NodeDepth) -> std::cmp::Ordering {
+        b.blocks.cmp(&a.blocks).then(b.clock.cmp(&a.clock))
+    }
+}
+
 /// Every remembered node that ran a prefix of `keys` (a prefix-closed chain), each with the
 /// deepest block it is named on, longest first, ties newest first. A block names the node of the
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
@@ -71,8 +78,8 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
         front.others.fill(&front.committed_others, keys)?;
     }
     let front = &*front;
-    let others = match front.nodes_per_prefix {
-        1 => Default::default(),
+    let rows = match front.nodes_per_prefix {
+        1 => vec![None; len],
         _ => front.others.rows(keys),
     };
     // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
@@ -105,10 +112,6 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
     }
     // Neighbours with the same others (a moved conversation's blocks mostly list the same
     // nodes) are one stretch.
-    let mut rows: Vec<Option<&[(u32, u64)]>> = vec![None; len];
-    for (&i, &row) in &others {
-        rows[i] = Some(row);
-    }
     looked_at.extend((1..len).filter(|&i| rows[i] != rows[i - 1]).map(|i| i - 1));
     looked_at.push(len - 1);
     looked_at.sort_unstable();
@@ -133,7 +136,7 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
             }
         }
     }
-    deepest.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(b.clock.cmp(&a.clock)));
+    deepest.sort_unstable_by(NodeDepth::longest_first);
     Ok(deepest)
 }
 
@@ -157,21 +160,10 @@ fn by_runs(
     Ok(owners)
 }
 
-/// The remembered prefix of a prefix-closed chain as runs of equal clocks, `(clock, blocks)`
-/// from the first block on. Clocks never increase along a chain (a `ran` writes every block
-/// before the ones it writes), so each run is found by a binary search for its end: a few
-/// probes a run, not one a block.
-#[cfg(test)]
-pub(crate) fn clock_runs<E>(
-    keys: &[BlockKey],
-    mut clock_of: impl FnMut(&BlockKey) -> Result<Option<u64>, E>,
-) -> Result<Vec<(u64, u64)>, E> {
-    let found = search(keys, &mut clock_of)?;
-    runs(keys, found, clock_of, |&c| c)
-}
-
-/// [`clock_runs`] given what [`search`] found (`found`), with what `probe` gives each run's
-/// first block: `(value, blocks)`.
+/// The remembered prefix of a prefix-closed chain (`found`: what [`search`] found of it) as runs
+/// of equal clocks, `(what probe gives the run's first block, blocks)` from the first block on.
+/// Clocks never increase along a chain (a `ran` writes every block before the ones it writes),
+/// so each run is found by a search for its end: a few probes a run, not one a block.
 pub(crate) fn runs<T: Copy, E>(
     keys: &[BlockKey],
     found: Longest<T>,
@@ -314,7 +306,7 @@ mod tests {
     /// Chains whose clocks never increase, in runs of every shape: the runs are found whole, in
     /// a few probes each.
     #[test]
-    fn clock_runs_splits_a_chain_at_every_change_of_clock() {
+    fn runs_split_a_chain_at_every_change_of_clock() {
         let chain = keys(40);
         for shape in [vec![], vec![(9, 40)], vec![(9, 3), (5, 30)], vec![(9, 1), (8, 1), (7, 1), (2, 20)]] {
             for remembered in [0, 1, 5, 17, 40] {
@@ -325,10 +317,11 @@ mod tests {
                 clocks.truncate(remembered);
                 let by_key: HashMap<BlockKey, u64> = chain.iter().copied().zip(clocks.iter().copied()).collect();
                 let mut probes = 0;
-                let runs = clock_runs(&chain, |k| {
+                let mut clock_of = |k: &BlockKey| {
                     probes += 1;
                     Ok::<_, Infallible>(by_key.get(k).copied())
-                });
+                };
+                let runs = search(&chain, &mut clock_of).and_then(|found| runs(&chain, found, clock_of, |&c| c));
                 let mut want: Vec<(u64, u64)> = Vec::new();
                 for &c in &clocks {
                     match want.last_mut() {

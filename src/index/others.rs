@@ -85,10 +85,10 @@ impl OthersCache {
         Ok(())
     }
 
-    /// The others of each block of `keys` that has any, by block index, from the copy (after
+    /// The others of each block of `keys` (`None` where it has none), from the copy (after
     /// [`OthersCache::fill`] of the same keys).
-    pub(crate) fn rows(&self, keys: &[BlockKey]) -> HashMap<usize, &[(u32, u64)]> {
-        let mut found = HashMap::new();
+    pub(crate) fn rows(&self, keys: &[BlockKey]) -> Vec<Option<&[(u32, u64)]>> {
+        let mut found = vec![None; keys.len()];
         for segment in segments(keys) {
             let short = (table_key(&keys[segment.start]) >> 64) as u64;
             if !self.may_have(short) {
@@ -97,14 +97,14 @@ impl OthersCache {
             if let Some(rows) = self.by_segment.get(&short) {
                 for (key, row) in rows {
                     if let Some(i) = segment.clone().find(|&i| table_key(&keys[i]) == *key) {
-                        found.insert(i, row.as_slice());
+                        found[i] = Some(row.as_slice());
                     }
                 }
                 continue;
             }
             for i in segment {
                 if let Some(Some(row)) = self.by_key.get(&table_key(&keys[i])) {
-                    found.insert(i, row.as_slice());
+                    found[i] = Some(row.as_slice());
                 }
             }
         }

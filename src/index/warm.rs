@@ -258,7 +258,7 @@ impl Warm {
                 Some(i) => found[i] = NodeDepth { node, blocks, clock },
                 None => found.push(NodeDepth { node, blocks, clock }),
             }
-            found.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(b.clock.cmp(&a.clock)));
+            found.sort_by(NodeDepth::longest_first);
         }
         Ok(found
             .into_iter()
@@ -321,7 +321,7 @@ impl Warm {
             }
             // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
             // chain, in runs of equal clocks) and the floor after it.
-            // (Until the horizon is read, nothing has been evicted since the file was opened.)
+            // (Until the horizon is read, the file's own floor is what has been evicted.)
             let found = lookup::searched(&mut front, &prefix.blocks)?.map(|((_, clock), n)| (clock, n));
             let runs = lookup::runs(
                 &prefix.blocks,

@@ -21,6 +21,13 @@ impl Rng {
     }
 }
 
+/// Appends `grow` tokens of conversation `conversation`'s own to its prompt `prompt` (the
+/// property tests' turns: distinct per conversation and position).
+pub fn next_turn(prompt: &mut Vec<u32>, conversation: usize, grow: usize) {
+    let start = prompt.len() as u32;
+    prompt.extend((0..grow as u32).map(|i| (conversation as u32 + 1) * 100_000 + start + i));
+}
+
 /// A workload of conversations: each turn extends the last one's prompt.
 pub struct Conversations {
     pub prompts: Vec<Vec<u32>>,

@@ -3,7 +3,7 @@
 //! view of the last commit, and the overlay maps it made redundant dropped).
 
 use std::path::PathBuf;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -11,11 +11,12 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published};
 use super::horizon::Horizon;
+use super::presence::Filters;
 use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
 use crate::file::seal;
-use crate::keys::Scheme;
+use crate::keys::{BlockKey, Scheme};
 use crate::store::tables::{LIVE, OTHERS, PREFIXES, STATE};
 use crate::store::writer::{Change, RolledBack, Writer, read_floor};
 
@@ -32,6 +33,11 @@ pub(crate) struct Inner {
     pub opened: Opened,
     /// How the file's keys are made (from its meta record; fixed for its life).
     pub scheme: Scheme,
+    /// Whether the file holds 0.1.7's imported entries (`Published::legacy_entries > 0`), kept
+    /// beside it so that hashing a prompt never waits for the callers' lock.
+    pub legacy: AtomicBool,
+    /// The filter of the committed keys, and its rebuild; touched only with the writer held.
+    pub presence: Mutex<Filters>,
     pub db: Database,
     pub sealer: Sealer,
 }
@@ -157,6 +163,14 @@ fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Change>) -> Result<()
     if rans.is_empty() {
         return Ok(());
     }
+    // Into the filters before any commit can hold them.
+    let filters = lock_filters(inner);
+    for change in &rans {
+        if let Change::Ran(ran) = change {
+            filters.insert_all(&ran.blocks);
+        }
+    }
+    drop(filters);
     match back.apply(&inner.db, &rans) {
         Ok(()) => {
             back.applied.extend(rans);
@@ -187,6 +201,7 @@ fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>
     }
     front.adopt(&back.nodes);
     front.published = published(back);
+    inner.legacy.store(front.published.legacy_entries > 0, Ordering::Relaxed);
     // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
     front.clock = front.clock.max(back.meta.clock);
     // What is replaced is dropped after the lock is released.
@@ -219,6 +234,62 @@ fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>
     inner.drained.notify_all();
     result
 }
+/// The filters (a panic while they were held cannot have left them wrong: each insert is one
+/// atomic word).
+pub(crate) fn lock_filters(inner: &Inner) -> std::sync::MutexGuard<'_, Filters> {
+    inner.presence.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Builds the presence filter, a step at a time with the writer held, until it is whole or
+/// `ran`s are queued (the next flush comes first; the build goes on after it). Starts one when
+/// there is none or the callers' is full. A failed read drops the build (the callers keep what
+/// they have; the next call starts over).
+fn build_presence(inner: &Inner) {
+    loop {
+        let Ok(back) = inner.back.lock() else { return };
+        let step_started = std::time::Instant::now();
+        let mut filters = lock_filters(inner);
+        if filters.wants_build() {
+            let Ok((table, _)) = committed(&inner.db) else { return };
+            let applied: Vec<&[BlockKey]> = back
+                .applied
+                .iter()
+                .filter_map(|c| match c {
+                    Change::Ran(ran) => Some(&ran.blocks[..]),
+                    Change::Forget { .. } => None,
+                })
+                .collect();
+            let keys = back.meta.capacity.max(back.meta.entries);
+            filters.start(table, usize::try_from(keys).unwrap_or(usize::MAX), &applied);
+        }
+        match filters.step() {
+            Ok(Some(whole)) => {
+                if let Ok(mut front) = inner.front.lock() {
+                    front.presence = Some(whole);
+                }
+                return;
+            }
+            Ok(None) if filters.building.is_some() => {}
+            _ => return,
+        }
+        drop(filters);
+        drop(back);
+        // A pause of several steps' time between steps: the scan reads the whole table through
+        // redb's cache, and the head's reads must keep their share of it and of the machine.
+        let Ok(front) = inner.front.lock() else { return };
+        let front = match inner.wake.wait_timeout(front, step_started.elapsed() * BUILD_PAUSE) {
+            Ok((front, _)) => front,
+            Err(_) => return,
+        };
+        if !front.queue.is_empty() || front.closing {
+            return;
+        }
+    }
+}
+
+/// A rebuild pauses this many times a step's time after each step.
+const BUILD_PAUSE: u32 = 8;
+
 /// Reads which segments of the last commit have others rows, for `warm_nodes` to skip the
 /// rest. Holding the writer, so no commit lands between the read and the callers getting it;
 /// rows of the batch join at the commit that makes them visible (`publish`). A failure leaves
@@ -250,6 +321,7 @@ pub(crate) fn flush_loop(inner: &Inner) {
         let _ = ensure_horizon(&inner.db, &mut front);
     }
     index_segments(inner);
+    build_presence(inner);
     loop {
         let how = {
             let Ok(mut front) = inner.front.lock() else { return };
@@ -296,5 +368,6 @@ pub(crate) fn flush_loop(inner: &Inner) {
         };
         // A failure is kept by `flush` (in `failed`) for the callers, and retried.
         let _ = flush(inner, how);
+        build_presence(inner);
     }
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 use super::horizon::Horizon;
 use super::others::OthersCache;
 use super::overlay::{Map, Overlay};
+use super::presence::Presence;
 use crate::error::Error;
 use crate::keys::BlockKey;
 use crate::store::writer::{Change, Nodes};
@@ -74,6 +75,9 @@ pub(crate) struct Front {
     pub nodes_per_prefix: usize,
     /// What the callers know of `committed_others`.
     pub others: OthersCache,
+    /// A filter of the keys `committed` holds (and more), once the commit thread has built
+    /// one: a key it does not hold is not read from the file.
+    pub presence: Option<Arc<Presence>>,
     /// The last search's result (`lookup::searched`), while nothing it read has changed: a
     /// `ran` that follows the `warmest` or `warm_nodes` of its prompt does not search again.
     pub searched: Option<Searched>,
@@ -111,6 +115,7 @@ impl Front {
             nodes_per_prefix,
             others: OthersCache::default(),
             searched: None,
+            presence: None,
             published,
             horizon: None,
             importing: false,

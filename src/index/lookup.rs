@@ -41,6 +41,9 @@ pub(crate) fn searched(front: &mut Front, keys: &[BlockKey]) -> Result<Longest<(
 
 /// [`probe`] of the last commit alone.
 fn committed_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
+    if front.presence.as_ref().is_some_and(|p| !p.may_hold(key)) {
+        return Ok(None);
+    }
     let entry = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
     Ok(entry.map(|g| Entry::from_tuple(g.value())).map(|e| (e.node, e.clock)).filter(|&(_, c)| front.holds(c)))
 }

@@ -8,4 +8,5 @@ pub(crate) mod horizon;
 pub(crate) mod lookup;
 pub(crate) mod others;
 pub(crate) mod overlay;
+pub(crate) mod presence;
 pub(crate) mod warm;

@@ -55,6 +55,11 @@ pub(crate) struct Overlay {
 }
 
 impl Map {
+    /// An empty map with room for `blocks` keys.
+    fn with_room(blocks: usize) -> Map {
+        Map { newest: Tails::with_capacity_and_hasher(blocks, Default::default()), earlier: Tails::default() }
+    }
+
     /// The newest write of `key` in this batch.
     pub(crate) fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
         self.newest.get(&tail(key)).copied()
@@ -75,9 +80,10 @@ impl Map {
 
     /// Takes in `newer`'s writes: each newer write wins, and (with `others`) the write it
     /// replaces, if of another node, joins the key's earlier writers.
-    fn absorb(&mut self, newer: Map, others: bool) {
-        let Map { newest, mut earlier } = newer;
-        for (t, write) in newest {
+    /// `newer` is left empty, with its room kept for the next batch.
+    fn absorb(&mut self, newer: &mut Map, others: bool) {
+        let Map { newest, earlier } = newer;
+        for (t, write) in newest.drain() {
             let mut before = self.earlier.remove(&t).unwrap_or_default();
             if let Some(old) = self.newest.insert(t, write)
                 && others
@@ -129,14 +135,20 @@ impl Overlay {
         if self.open_blocks == 0 {
             return;
         }
-        let open = std::mem::take(&mut self.open);
+        // The next open map starts with the room this one needed: grown from empty, each
+        // batch's first `ran`s would rehash it several times.
         match self.sealed.back_mut() {
             Some((newest, blocks, map)) => {
-                map.absorb(open, others);
+                map.absorb(&mut self.open, others);
+                self.open.earlier = Tails::default();
                 *newest = self.open_clock;
                 *blocks += self.open_blocks;
             }
-            None => self.sealed.push_back((self.open_clock, self.open_blocks, open)),
+            None => {
+                let room = self.open.newest.len();
+                let open = std::mem::replace(&mut self.open, Map::with_room(room));
+                self.sealed.push_back((self.open_clock, self.open_blocks, open));
+            }
         }
         self.open_blocks = 0;
     }

@@ -21,6 +21,7 @@ use super::commit::{
 };
 use super::front::{Front, MAX_QUEUED_BLOCKS};
 use super::lookup::{self, NodeDepth};
+use super::presence::Filters;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
@@ -138,6 +139,8 @@ impl Warm {
             Front::new(writer.meta.clock, &writer.nodes, published(&writer), committed(&db)?, writer.nodes_per_prefix);
         let inner = Arc::new(Inner {
             scheme,
+            legacy: AtomicBool::new(writer.meta.legacy_entries > 0),
+            presence: Mutex::default(),
             back: Mutex::new(writer),
             front: Mutex::new(front),
             wake: Condvar::new(),
@@ -181,7 +184,7 @@ impl Warm {
     /// [`Error::Poisoned`] only.
     pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Result<Prefix> {
         let mut prefix = Prefix::in_scheme(self.inner.scheme, namespace, tokens);
-        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.front()?.published.legacy_entries > 0 {
+        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.inner.legacy.load(Ordering::Relaxed) {
             prefix.legacy = legacy_chain(namespace.model(), tokens);
         }
         Ok(prefix)
@@ -410,6 +413,10 @@ impl Warm {
         // from the file as the import committed it (with everything before it). A failed
         // import changed nothing the horizon counts.
         self.front()?.importing = true;
+        // The import writes keys no batch carries: the callers read the file until a filter
+        // is rebuilt from it.
+        self.front()?.presence = None;
+        *self.inner.presence.lock().map_err(|_| Error::Poisoned)? = Filters::default();
         let imported = self.import_locked(&mut back, &file);
         let mut front = self.front()?;
         front.importing = false;
@@ -482,5 +489,66 @@ impl Drop for Warm {
     fn drop(&mut self) {
         // Best effort: a caller who needs to know uses `close`.
         let _ = self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod presence_tests {
+    use std::time::{Duration, Instant};
+
+    use redb::{ReadableDatabase, ReadableTable};
+
+    use super::*;
+    use crate::error::redb_err;
+    use crate::index::commit::lock_filters;
+    use crate::store::tables::PREFIXES;
+
+    /// With the commit thread, a small file whose filter fills and is rebuilt many times: after
+    /// every round, once the build is whole, every key of the committed table is in the
+    /// callers' filter, and the answers are those of a file read without one.
+    #[test]
+    fn the_filter_holds_every_committed_key_through_rebuilds() -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let dir = std::env::temp_dir().join(format!("sfw-presence-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let warm = Warm::builder().capacity(200).sync_window(Duration::from_millis(2)).open(dir.join("w.redb"))?;
+        for round in 0..30u32 {
+            // Conversations of this round and the last: half the keys are new each round.
+            let prompts: Vec<Vec<u32>> = (0..40u32)
+                .map(|c| c + 20 * round)
+                .map(|c| (0..(64 * (2 + c % 9))).map(|t| if t < 128 { t } else { t * 31 + c }).collect())
+                .collect();
+            for (i, tokens) in prompts.iter().enumerate() {
+                warm.ran("m", tokens, &format!("node-{}", (i as u32 + round) % 5))?;
+            }
+            warm.sync()?;
+            let started = Instant::now();
+            let settling =
+                || lock_filters(&warm.inner).building.is_some() || warm.front().is_ok_and(|f| f.presence.is_none());
+            while settling() && started.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let front = warm.front()?;
+            let Some(filter) = front.presence.clone() else { panic!("round {round}: no filter") };
+            let read = warm.inner.db.begin_read().map_err(redb_err("read"))?;
+            let table = read.open_table(PREFIXES).map_err(redb_err("table"))?;
+            for item in table.iter().map_err(redb_err("iter"))? {
+                let (key, _) = item.map_err(redb_err("item"))?;
+                assert!(filter.may_hold(&key.value().to_be_bytes()), "round {round}: a committed key is missing");
+            }
+            drop(front);
+            for tokens in &prompts {
+                let with = warm.warmest("m", tokens)?;
+                let hold = warm.front()?.presence.take();
+                let without = warm.warmest("m", tokens)?;
+                warm.front()?.presence = hold;
+                assert_eq!(with, without, "round {round}: the filter changed an answer");
+            }
+        }
+        let built = lock_filters(&warm.inner).built;
+        assert!(built >= 3, "the filter filled and was rebuilt: {built} builds");
+        warm.close()?;
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
     }
 }

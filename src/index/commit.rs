@@ -247,8 +247,24 @@ pub(crate) fn lock_filters(inner: &Inner) -> std::sync::MutexGuard<'_, Filters> 
 fn build_presence(inner: &Inner) {
     loop {
         let Ok(back) = inner.back.lock() else { return };
-        let step_started = std::time::Instant::now();
         let mut filters = lock_filters(inner);
+        let now = std::time::Instant::now();
+        let wait = filters.due.and_then(|due| due.checked_duration_since(now)).filter(|w| !w.is_zero());
+        if let Some(wait) = wait.filter(|_| filters.building.is_some()) {
+            // Paused between steps: the scan reads the whole table through redb's cache, and
+            // the head's reads must keep their share of it and of the machine.
+            drop(filters);
+            drop(back);
+            let Ok(front) = inner.front.lock() else { return };
+            let front = match inner.wake.wait_timeout(front, wait) {
+                Ok((front, _)) => front,
+                Err(_) => return,
+            };
+            if !front.queue.is_empty() || front.closing {
+                return;
+            }
+            continue;
+        }
         if filters.wants_build() {
             let Ok((table, _)) = committed(&inner.db) else { return };
             let applied: Vec<&[BlockKey]> = back
@@ -262,7 +278,9 @@ fn build_presence(inner: &Inner) {
             let keys = back.meta.capacity.max(back.meta.entries);
             filters.start(table, usize::try_from(keys).unwrap_or(usize::MAX), &applied);
         }
-        match filters.step() {
+        let stepped = filters.step();
+        filters.due = Some(now + now.elapsed() * BUILD_PAUSE);
+        match stepped {
             Ok(Some(whole)) => {
                 if let Ok(mut front) = inner.front.lock() {
                     front.presence = Some(whole);
@@ -274,21 +292,14 @@ fn build_presence(inner: &Inner) {
         }
         drop(filters);
         drop(back);
-        // A pause of several steps' time between steps: the scan reads the whole table through
-        // redb's cache, and the head's reads must keep their share of it and of the machine.
-        let Ok(front) = inner.front.lock() else { return };
-        let front = match inner.wake.wait_timeout(front, step_started.elapsed() * BUILD_PAUSE) {
-            Ok((front, _)) => front,
-            Err(_) => return,
-        };
-        if !front.queue.is_empty() || front.closing {
+        if inner.front.lock().map_or(true, |front| !front.queue.is_empty() || front.closing) {
             return;
         }
     }
 }
 
 /// A rebuild pauses this many times a step's time after each step.
-const BUILD_PAUSE: u32 = 8;
+const BUILD_PAUSE: u32 = 32;
 
 /// Reads which segments of the last commit have others rows, for `warm_nodes` to skip the
 /// rest. Holding the writer, so no commit lands between the read and the callers getting it;

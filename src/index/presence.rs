@@ -86,6 +86,8 @@ pub(crate) struct Filters {
     pub building: Option<Building>,
     /// Filters built whole since the start (or the last import).
     pub built: u64,
+    /// When the next step of a build may run (steps are paced).
+    pub due: Option<std::time::Instant>,
 }
 
 /// A rebuild in progress: a read of the committed table as of its start, read up to `next`.

@@ -112,7 +112,10 @@ fn open_and_durable(label: &str, entries: u64) {
         theirs.as_secs_f64() / ours.as_secs_f64(),
         their_bytes as f64 / our_bytes.max(1) as f64
     );
+    let before_close = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let closing = Instant::now();
     warm.close().expect("close");
+    let closed = closing.elapsed();
     let file = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     // Open only (the close, and the seal it writes, are not timed): what a restarted head waits.
     let open_with = |builder: &superfluid_warm::Builder, unseal: bool, expect: OpenCheck| {
@@ -141,6 +144,12 @@ fn open_and_durable(label: &str, entries: u64) {
             .collect::<Vec<_>>(),
     );
     let ratio = |d: Duration| d.as_secs_f64() / load.as_secs_f64();
+    println!(
+        "{label}: close {} (the file {:.1} -> {:.1} MiB: compacted when a quarter of it is free pages, then sealed)",
+        ms(closed),
+        before_close as f64 / 1048576.0,
+        file as f64 / 1048576.0
+    );
     println!(
         "{label}: open after a clean close {} (default: the seal verified) vs 0.1.7 load {}: {:.3}x; without a seal (every page verified by redb) {} ({:.3}x); unchecked {} ({:.3}x); file {:.1} MiB",
         ms(sealed),
@@ -203,11 +212,16 @@ fn ten_million() {
     let warm = fill(&path, entries);
     let filled = t.elapsed();
     let (_, peak) = rss();
+    let before_close = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let closing = Instant::now();
     warm.close().expect("close");
+    let closed = closing.elapsed();
     let file = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     println!(
-        "10M: filled {entries} entries in {:.1} s from one thread (file {:.0} MiB; peak resident while filling {peak:.0} MiB)",
+        "10M: filled {entries} entries in {:.1} s from one thread (peak resident while filling {peak:.0} MiB); close {} (file {:.0} -> {:.0} MiB)",
         filled.as_secs_f64(),
+        ms(closed),
+        before_close as f64 / 1048576.0,
         file as f64 / 1048576.0
     );
     let status = Command::new(std::env::current_exe().expect("exe"))

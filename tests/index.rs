@@ -260,3 +260,80 @@ fn a_merged_batch_leaves_the_same_entries_as_one_ran_at_a_time() -> Result<(), E
     assert!(a == b, "the merged file differs ({} vs {} entries)", a.len(), b.len());
     Ok(())
 }
+
+/// A churned file's free pages, in bytes, and its length: read from a copy, since opening the
+/// file itself would change it (and so void its seal).
+fn free_pages(path: &std::path::Path) -> (u64, u64) {
+    let dir = tempdir();
+    let copy = dir.path().join("copy.redb");
+    std::fs::copy(path, &copy).expect("copy");
+    let len = std::fs::metadata(&copy).expect("len").len();
+    let db = redb::Builder::new().open(&copy).expect("open the copy");
+    let txn = db.begin_write().expect("write");
+    let stats = txn.stats().expect("stats");
+    txn.abort().expect("abort");
+    (len - stats.allocated_pages() * stats.page_size() as u64, len)
+}
+
+/// A churned file (redb reuses freed pages but never shrinks the file) comes out of a clean
+/// close compacted, with the same answers, and the next open trusts its seal. While a reader
+/// holds the file, the close leaves it and the reader reads on; nor when told not to.
+#[test]
+fn a_clean_close_compacts_a_churned_file_unless_a_reader_holds_it() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let prompt = |c: u32| -> Vec<u32> { (0..64 * 24).map(|t| c * 10_000 + t).collect() };
+    type Answers = Vec<(Vec<u32>, Option<Hit>)>;
+    let churn = |warm: &Warm, from: u32| -> Result<Answers, Error> {
+        for c in from..from + 2000 {
+            warm.ran("m", &prompt(c), NODES[c as usize % 4])?;
+        }
+        warm.sync()?;
+        (from + 1800..from + 2000).map(|c| Ok((prompt(c), warm.warmest("m", &prompt(c))?))).collect()
+    };
+    let reopen_and_compare = |answers: &[(Vec<u32>, Option<Hit>)]| -> Result<(), Error> {
+        let warm = Warm::open(&path)?;
+        assert_eq!(warm.stats()?.open_check, superfluid_warm::OpenCheck::Seal);
+        for (prompt, want) in answers {
+            assert_eq!(&warm.warmest("m", prompt)?, want);
+        }
+        assert!(answers.iter().all(|(_, hit)| hit.as_ref().is_some_and(|h| h.tokens == 64 * 24)));
+        Ok(())
+    };
+    let open = |compact: bool| {
+        Warm::builder().capacity(8192).sync_window(Duration::from_millis(1)).compact_on_close(compact).open(&path)
+    };
+    // 48,000 blocks through a capacity of 8,192, one commit every few milliseconds.
+    let warm = open(true)?;
+    let answers = churn(&warm, 0)?;
+    let (churned_free, churned_len) = free_pages(&path);
+    warm.close()?;
+    let (free, len) = free_pages(&path);
+    println!("churned: {churned_free} of {churned_len} bytes free; closed: {free} of {len}");
+    assert!(churned_free * 4 >= churned_len, "the workload leaves a sparse file");
+    assert!(free * 4 < len || free < 1 << 20, "compacted: {free} of {len} bytes free");
+    reopen_and_compare(&answers)?;
+
+    // Told not to: left sparse.
+    let warm = open(false)?;
+    let answers = churn(&warm, 10_000)?;
+    warm.close()?;
+    let (free, len) = free_pages(&path);
+    println!("compact_on_close(false): {free} of {len} bytes free");
+    assert!(free * 4 >= len && free >= 1 << 20, "{free} of {len} bytes free");
+    reopen_and_compare(&answers)?;
+
+    // With a reader holding a transaction through the close: left sparse, read on.
+    let warm = open(true)?;
+    let answers = churn(&warm, 20_000)?;
+    let reader = Snapshot::open(&path)?;
+    let read_before = reader.stats()?.entries;
+    warm.close()?;
+    let (free, len) = free_pages(&path);
+    println!("under a reader: {free} of {len} bytes free");
+    assert!(free * 4 >= len && free >= 1 << 20, "{free} of {len} bytes free");
+    assert_eq!(reader.stats()?.entries, read_before, "the reader reads on");
+    assert!(reader.check()?.problems.is_empty());
+    drop(reader);
+    reopen_and_compare(&answers)
+}

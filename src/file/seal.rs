@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
 
 use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::store::codec;
 
@@ -27,6 +28,9 @@ use crate::store::codec;
 const SEAL_VERSION: u32 = 2;
 /// Bytes of the file hashed on their own (and read at once).
 const PIECE_BYTES: usize = 1 << 20;
+/// Bytes read at once: small enough that the copy out of the page cache is still in the core's
+/// cache when it is hashed (reading whole pieces at once was slower by a third).
+const READ_BYTES: usize = 128 << 10;
 
 /// The side file: a version, then what it says of the index file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -134,13 +138,21 @@ fn digest_on(path: &Path, len: u64, threads: usize) -> std::io::Result<u128> {
         let workers: Vec<_> = (0..threads)
             .map(|t| {
                 scope.spawn(move || -> std::io::Result<Vec<(usize, u128)>> {
-                    let mut buf = vec![0u8; PIECE_BYTES];
+                    let mut buf = vec![0u8; READ_BYTES];
                     let mut out = Vec::new();
                     for piece in (t..pieces).step_by(threads) {
-                        let at = piece as u64 * PIECE_BYTES as u64;
-                        let n = usize::try_from((len - at).min(PIECE_BYTES as u64)).map_err(std::io::Error::other)?;
-                        read_exact_at(file, &mut buf[..n], at)?;
-                        out.push((piece, xxhash_rust::xxh3::xxh3_128(&buf[..n])));
+                        let start = piece as u64 * PIECE_BYTES as u64;
+                        let end = (start + PIECE_BYTES as u64).min(len);
+                        let mut hasher = Xxh3::new();
+                        let mut at = start;
+                        while at < end {
+                            let n =
+                                usize::try_from((end - at).min(READ_BYTES as u64)).map_err(std::io::Error::other)?;
+                            read_exact_at(file, &mut buf[..n], at)?;
+                            hasher.update(&buf[..n]);
+                            at += n as u64;
+                        }
+                        out.push((piece, hasher.digest128()));
                     }
                     Ok(out)
                 })

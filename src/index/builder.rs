@@ -29,6 +29,7 @@ pub struct Builder {
     check_integrity: bool,
     import: Option<PathBuf>,
     nodes_per_prefix: usize,
+    compact_on_close: bool,
 }
 
 impl Default for Builder {
@@ -48,6 +49,7 @@ impl Builder {
             check_integrity: true,
             import: None,
             nodes_per_prefix: DEFAULT_NODES_PER_PREFIX,
+            compact_on_close: true,
         }
     }
 
@@ -79,6 +81,17 @@ impl Builder {
     /// runs: only for storage that checksums itself.
     pub fn check_integrity_on_open(&mut self, check: bool) -> &mut Self {
         self.check_integrity = check;
+        self
+    }
+
+    /// Whether a clean close compacts the file when it is sparse (default on): at least a
+    /// quarter of it free pages, at most 128 MiB of them in use and at most 512 MiB in all
+    /// (a bigger file would hold the close for seconds: use [`crate::compact`]). A head's
+    /// commits leave the file several times its live data, and the next open's seal check reads
+    /// every byte of it; compacting costs the close about what a durable write of the live pages
+    /// costs. Skipped while a reader holds a transaction on the file.
+    pub fn compact_on_close(&mut self, compact: bool) -> &mut Self {
+        self.compact_on_close = compact;
         self
     }
 
@@ -192,6 +205,6 @@ impl Builder {
             writer.import(&db, file)?;
             writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
         }
-        Warm::start(db, writer, self.sync_window, check, scheme, lock)
+        Warm::start(db, writer, self.sync_window, check, scheme, lock, self.compact_on_close)
     }
 }

@@ -15,7 +15,7 @@ use super::presence::Filters;
 use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
-use crate::file::seal;
+use crate::file::{compact, seal};
 use crate::keys::{BlockKey, Scheme};
 use crate::store::tables::{LIVE, OTHERS, PREFIXES, STATE};
 use crate::store::writer::{Change, RolledBack, Writer, read_floor};
@@ -49,13 +49,19 @@ pub(crate) struct Sealer {
     /// Whether the file may be sealed: only a file verified at open, closed with everything
     /// committed (a seal vouches for every byte).
     pub sealable: bool,
+    /// Whether to compact a sparse file first ([`crate::Builder::compact_on_close`]).
+    pub compact: bool,
     pub clean: AtomicBool,
 }
 
 impl Drop for Sealer {
     fn drop(&mut self) {
         if let (Some((lock, path)), true, true) = (&self.lock, self.sealable, *self.clean.get_mut()) {
-            // Best effort: without a seal the next open verifies every page instead.
+            // Best effort: an uncompacted file opens as safely, only slower; without a seal the
+            // next open verifies every page instead.
+            if self.compact {
+                compact::compact_if_sparse(path);
+            }
             let _ = seal::write_sealed(lock.side_file(), path);
         }
     }

@@ -134,6 +134,7 @@ impl Warm {
         opened: Opened,
         scheme: Scheme,
         lock: Option<(HeadLock, PathBuf)>,
+        compact_on_close: bool,
     ) -> Result<Warm> {
         let front =
             Front::new(writer.meta.clock, &writer.nodes, published(&writer), committed(&db)?, writer.nodes_per_prefix);
@@ -149,7 +150,12 @@ impl Warm {
             opened,
             db,
             // Only a file verified at open may be sealed: a seal vouches for every byte.
-            sealer: Sealer { lock, sealable: opened.check != OpenCheck::Skipped, clean: AtomicBool::new(false) },
+            sealer: Sealer {
+                lock,
+                sealable: opened.check != OpenCheck::Skipped,
+                compact: compact_on_close,
+                clean: AtomicBool::new(false),
+            },
         });
         let flusher = if window.is_zero() {
             mark_open(&inner);

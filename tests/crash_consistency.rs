@@ -100,6 +100,72 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
     Ok(())
 }
 
+/// Kill -9 while a head closes a churned file, at random moments of the close (which compacts
+/// such a file before it seals it): the file always recovers, with every `ran` (all durable
+/// before the close began) answered as the model answers.
+#[test]
+fn kill_9_during_the_compacting_close_loses_nothing() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let mut rng = Rng(0xc105e);
+    let (rounds, capacity, rans) = (16, 2048u64, 1500usize);
+    let (mut killed_closing, mut closed, mut compared) = (0, 0, 0);
+    for round in 0..rounds {
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_file(superfluid_warm::seal_path(&path));
+        let seed = 100 + round as u64;
+        let mut child = Command::new(torture_writer())
+            .args(["--db", path.to_str().expect("utf-8"), "--capacity", &capacity.to_string()])
+            .args(["--seed", &seed.to_string(), "--rans", &rans.to_string(), "--distinct"])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("writer starts");
+        let mut lines = BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        let closing_clock = loop {
+            line.clear();
+            assert!(lines.read_line(&mut line).expect("read") > 0, "round {round}: the writer ended early");
+            if let Some(rest) = line.strip_prefix("closing ") {
+                break rest.split_whitespace().nth(1).and_then(|c| c.parse::<u64>().ok()).expect("clock");
+            }
+        };
+        let file_at_close = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        std::thread::sleep(Duration::from_micros(rng.below(20_000)));
+        let finished = child.try_wait().expect("wait").is_some();
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reaped");
+        if finished {
+            closed += 1;
+        } else {
+            killed_closing += 1;
+        }
+        let (clock, _) = recover_and_check(&path)?;
+        assert_eq!(clock, closing_clock, "round {round}: every ran was durable before the close");
+        let mut model = Baseline::in_memory(capacity as usize);
+        let prompts: Vec<Vec<u32>> =
+            torture::prompts(seed).iter().take(rans).enumerate().map(|(i, p)| torture::distinct(p, i)).collect();
+        for (i, tokens) in prompts.iter().enumerate() {
+            model.ran("torture", tokens, &superfluid_warm::tools::replay::node_name(i % 5));
+        }
+        let warm = Warm::open(&path)?;
+        for tokens in prompts.iter().rev().take(40) {
+            let want = model.warmest("torture", tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+            assert_eq!(warm.warmest("torture", tokens)?, want, "round {round}");
+            compared += 1;
+        }
+        warm.close()?;
+        if round == 0 {
+            let now = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            println!("the file was {file_at_close} bytes as the close began, {now} after recovery and a close");
+        }
+    }
+    println!(
+        "kill -9 during the close: {rounds} rounds, {killed_closing} killed while closing, {closed} after the close returned, {compared} answers compared"
+    );
+    assert!(killed_closing >= rounds / 4, "{killed_closing} of {rounds} rounds killed mid-close");
+    Ok(())
+}
+
 #[test]
 fn power_loss_at_every_write_and_sync_leaves_a_prefix_of_the_history() -> Result<(), Error> {
     power_loss_leaves_a_prefix_of_the_history(None)

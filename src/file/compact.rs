@@ -57,7 +57,7 @@ pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
 }
 
 /// The least free space, in bytes, that makes [`compact_if_sparse`] compact.
-const SPARSE_MIN_FREE: u64 = 1 << 20;
+const SPARSE_MIN_FREE: u64 = 256 << 10;
 /// The largest file [`compact_if_sparse`] measures (redb's count of pages in use walks every
 /// tree: about 80 ms for 285 MB here).
 const SPARSE_MAX_BYTES: u64 = 512 << 20;

@@ -21,3 +21,9 @@ pub fn prompts(seed: u64) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+/// Ran `i`'s prompt when the writer runs `--distinct`: `prompt` with every token past the first
+/// two blocks made unique to `i`, so that each ran writes 22 new blocks (churn and eviction).
+pub fn distinct(prompt: &[u32], i: usize) -> Vec<u32> {
+    prompt.iter().enumerate().map(|(t, &tok)| if t < 128 { tok } else { tok ^ ((i as u32 + 1) << 20) }).collect()
+}

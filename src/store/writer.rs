@@ -2,7 +2,7 @@
 //! copies of the cold records, and every change to the tables. Only the holder of the writer
 //! lock (see `index/warm.rs`) writes to redb.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,7 +14,7 @@ use super::records::{
 };
 use super::tables::{
     Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, PREFIXES,
-    RETIRED, STATE, add_member, generation_keys, members, members_row, newest_members, table_key,
+    RETIRED, STATE, add_member, members, members_row, newest_members, table_key,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, check_len, is_legacy};
@@ -676,45 +676,53 @@ fn eviction_cut(txn: &WriteTransaction, skip: u64) -> Result<u64> {
     Err(Error::Corrupted { detail: "the live counts add up to fewer entries than the meta record counts".into() })
 }
 
-/// Removes every generation up to `cut` and each key it lists that still has a clock up to the
-/// cut (a later write keeps it), with the block's others. Keys are removed in key order:
-/// neighbours share leaf pages, so each page is copied once per eviction, not once per key.
-/// Returns (entries removed, of which 0.1.7's).
+/// Removes every entry with a clock up to `cut`, with its block's others, and every generation
+/// and live count up to it. 0.1.7's rule removes an eighth of the entries at a time, from nearly
+/// every leaf page of the prefix table: one pass over the table (redb's `retain`, which rewrites
+/// each page once) costs a few comparisons an entry, where a lookup and a removal per victim
+/// walked the tree twice each. Returns (entries removed, of which 0.1.7's).
 fn remove_through((txn, nodes): (&WriteTransaction, &mut Nodes), cut: u64) -> Result<(u64, u64)> {
     let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
+    let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
     let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
     let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
-    let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-    let mut victims = Vec::new();
-    let mut gone = Vec::new();
-    for item in generations.extract_from_if(..=cut, |_, _| true).map_err(redb_err("evicting"))? {
-        let (clock, keys) = item.map_err(redb_err("evicting"))?;
-        gone.push(clock.value());
-        victims.extend(generation_keys(keys.value()));
-    }
-    victims.sort_unstable();
-    victims.dedup();
-    let any_others = others.first().map_err(redb_err("evicting"))?.is_some();
-    let (mut n, mut legacy) = (0u64, 0u64);
-    for key in victims {
-        let old = primary.get(key).map_err(redb_err("evicting"))?.map(|g| Entry::from_tuple(g.value()));
-        if let Some(old) = old.filter(|e| e.clock <= cut) {
-            primary.remove(key).map_err(redb_err("evicting"))?;
-            nodes.add_held(old.node, -1);
-            if any_others && let Some(row) = others.remove(key).map_err(redb_err("evicting"))? {
-                for (node, _) in members(row.value()) {
-                    nodes.add_held(node, -1);
-                }
-                nodes.others_changed.push(key);
+    generations.retain_in(..=cut, |_, _| false).map_err(redb_err("evicting"))?;
+    live.retain_in(..=cut, |_, _| false).map_err(redb_err("evicting"))?;
+    let mut removed: Vec<(u128, u32)> = Vec::new();
+    primary
+        .retain(|key, (node, _, _, clock)| {
+            let keep = clock > cut;
+            if !keep {
+                removed.push((key, node));
             }
-            n += 1;
-            legacy += u64::from(is_legacy(&key.to_be_bytes()));
+            keep
+        })
+        .map_err(redb_err("evicting"))?;
+    let mut legacy = 0u64;
+    for &(key, node) in &removed {
+        nodes.add_held(node, -1);
+        legacy += u64::from(is_legacy(&key.to_be_bytes()));
+    }
+    if others.first().map_err(redb_err("evicting"))?.is_some() {
+        let gone: HashSet<u128> = removed.iter().map(|&(key, _)| key).collect();
+        let mut members_gone: Vec<u32> = Vec::new();
+        let mut changed: Vec<u128> = Vec::new();
+        others
+            .retain(|key, row| {
+                let keep = !gone.contains(&key);
+                if !keep {
+                    members_gone.extend(members(row).map(|(node, _)| node));
+                    changed.push(key);
+                }
+                keep
+            })
+            .map_err(redb_err("evicting"))?;
+        for node in members_gone {
+            nodes.add_held(node, -1);
         }
+        nodes.others_changed.extend(changed);
     }
-    for clock in gone {
-        live.remove(clock).map_err(redb_err("evicting"))?;
-    }
-    Ok((n, legacy))
+    Ok((removed.len() as u64, legacy))
 }
 
 /// Takes `n` live keys from each generation in `left` (their keys were rewritten at a newer

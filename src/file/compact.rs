@@ -66,16 +66,27 @@ const SPARSE_MAX_BYTES: u64 = 512 << 20;
 /// for seconds (use `compact`).
 const SPARSE_MAX_USED: u64 = 128 << 20;
 
+/// What [`compact_if_sparse`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Compaction {
+    /// Nothing: not sparse, too big, a reader holds a transaction, or it could not be read.
+    Skipped,
+    /// Compacted and closed cleanly.
+    Compacted,
+    /// A compaction or its close failed once it had begun: redb's two-phase commits leave a
+    /// consistent file, but it must not be sealed (its next open checks every page).
+    Failed,
+}
+
 /// Compacts the file at `path`, which its head (the caller, holding its lock) has just closed
 /// cleanly, when at least a quarter of it and [`SPARSE_MIN_FREE`] bytes are free pages, at most
-/// [`SPARSE_MAX_USED`] are in use and it is at most [`SPARSE_MAX_BYTES`] long. A head's group commits leave the file several times its
-/// live data (redb reuses freed pages but never shrinks the file), and the next open's seal
-/// check reads every byte. Returns whether it compacted. Best effort: if a reader holds a transaction, or anything fails, the file is left
-/// as redb closed it (a failed compaction is rolled back by redb's two-phase commits).
-pub(crate) fn compact_if_sparse(path: &Path) -> bool {
-    let Ok(len) = size(path) else { return false };
+/// [`SPARSE_MAX_USED`] are in use and it is at most [`SPARSE_MAX_BYTES`] long. A head's group
+/// commits leave the file several times its live data (redb reuses freed pages but never shrinks
+/// the file), and the next open's seal check reads every byte.
+pub(crate) fn compact_if_sparse(path: &Path) -> Compaction {
+    let Ok(len) = size(path) else { return Compaction::Skipped };
     if !(2 * SPARSE_MIN_FREE..=SPARSE_MAX_BYTES).contains(&len) {
-        return false;
+        return Compaction::Skipped;
     }
     // The head verified this file at open and has just closed it: no check is needed again.
     let Ok(mut db) = redb::Builder::new()
@@ -83,21 +94,31 @@ pub(crate) fn compact_if_sparse(path: &Path) -> bool {
         .set_check_integrity_on_open(false)
         .open(path)
     else {
-        return false;
+        return Compaction::Failed;
     };
     let used = db.begin_write().ok().and_then(|txn| {
         let stats = txn.stats().ok();
         let _ = txn.abort();
         stats.map(|s| s.allocated_pages() * s.page_size() as u64)
     });
-    let Some(used) = used else { return false };
+    let Some(used) = used else { return Compaction::Failed };
     let free = len.saturating_sub(used);
     if free < SPARSE_MIN_FREE || free < len / 4 || used > SPARSE_MAX_USED {
-        return false;
+        return Compaction::Skipped;
     }
     let mut compacted = false;
-    while let Ok(true) = db.compact() {
-        compacted = true;
+    loop {
+        match db.compact() {
+            Ok(true) => compacted = true,
+            Ok(false) => break,
+            // Refused before anything moved: a reader (in any process) holds a transaction.
+            Err(redb::CompactionError::TransactionInProgress) if !compacted => return Compaction::Skipped,
+            Err(_) => return Compaction::Failed,
+        }
     }
-    db.close().is_ok() && compacted
+    match (db.close(), compacted) {
+        (Err(_), _) => Compaction::Failed,
+        (Ok(()), true) => Compaction::Compacted,
+        (Ok(()), false) => Compaction::Skipped,
+    }
 }

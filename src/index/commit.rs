@@ -59,8 +59,10 @@ impl Drop for Sealer {
         if let (Some((lock, path)), true, true) = (&self.lock, self.sealable, *self.clean.get_mut()) {
             // Best effort: an uncompacted file opens as safely, only slower; without a seal the
             // next open verifies every page instead.
-            if self.compact {
-                compact::compact_if_sparse(path);
+            if self.compact && compact::compact_if_sparse(path) == compact::Compaction::Failed {
+                // A file whose compaction failed is not vouched for.
+                let _ = lock.side_file().set_len(0);
+                return;
             }
             let _ = seal::write_sealed(lock.side_file(), path);
         }

@@ -29,6 +29,25 @@ fn recover_and_check(path: &Path) -> Result<(u64, OpenCheck), Error> {
     Ok((clock, opened))
 }
 
+/// Opens the file as a head and asserts that each of `prompts` answers as `model` does; returns
+/// how many were compared.
+fn answers_as_the_model<'a>(
+    path: &Path,
+    model: &Baseline,
+    prompts: impl Iterator<Item = &'a Vec<u32>>,
+    round: usize,
+) -> Result<usize, Error> {
+    let warm = Warm::open(path)?;
+    let mut compared = 0;
+    for tokens in prompts {
+        let want = model.warmest("torture", tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+        assert_eq!(warm.warmest("torture", tokens)?, want, "round {round}");
+        compared += 1;
+    }
+    warm.close()?;
+    Ok(compared)
+}
+
 #[test]
 fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
     let dir = tempdir();
@@ -83,13 +102,7 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
             assert!(i < survived as u64, "round {round}: durable ran {i} is there");
         }
         // Every prompt of this round answers as the model replayed up to what survived.
-        let warm = Warm::open(&path)?;
-        for tokens in prompts.iter().rev().take(8) {
-            let want = model.warmest("torture", tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
-            assert_eq!(warm.warmest("torture", tokens)?, want, "round {round}");
-            compared += 1;
-        }
-        warm.close()?;
+        compared += answers_as_the_model(&path, &model, prompts.iter().rev().take(8), round)?;
         last_clock = clock;
     }
     println!(
@@ -147,13 +160,7 @@ fn kill_9_during_the_compacting_close_loses_nothing() -> Result<(), Error> {
         for (i, tokens) in prompts.iter().enumerate() {
             model.ran("torture", tokens, &superfluid_warm::tools::replay::node_name(i % 5));
         }
-        let warm = Warm::open(&path)?;
-        for tokens in prompts.iter().rev().take(40) {
-            let want = model.warmest("torture", tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
-            assert_eq!(warm.warmest("torture", tokens)?, want, "round {round}");
-            compared += 1;
-        }
-        warm.close()?;
+        compared += answers_as_the_model(&path, &model, prompts.iter().rev().take(40), round)?;
         if round == 0 {
             let now = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
             println!("the file was {file_at_close} bytes as the close began, {now} after recovery and a close");

@@ -488,6 +488,7 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
+        "sustained_ratio": r.baseline.as_ref().map(|b| (r.index.total + r.final_sync).as_secs_f64() / b.total.as_secs_f64().max(1e-12)),
         "warm_share_cached": r.warm_share_cached(), "warm_requests_not_cached": r.warm_not_cached,
         "warm_tokens_cached": r.warm_tokens_cached, "chosen_node_cached_share": r.chosen_cached_share(),
         "node_cache_blocks": c.node_cache_blocks,
@@ -562,6 +563,16 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
         );
     }
     t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
+    if let Some(b) = &r.baseline {
+        // Back to back, the commit thread's backlog is part of the index's time.
+        let ours = r.index.total + r.final_sync;
+        t += &format!(
+            "sustained           index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {:.2}x\n",
+            ours.as_secs_f64() * 1e3,
+            b.total.as_secs_f64() * 1e3,
+            ours.as_secs_f64() / b.total.as_secs_f64().max(1e-12)
+        );
+    }
     let per_request = |b: u64| b as f64 / r.requests.max(1) as f64 / 1024.0;
     if let Some(ours) = r.bytes_written {
         t += &format!("bytes written       {:.1} KiB/request", per_request(ours));

@@ -201,6 +201,15 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
         assert!(a["bytes_per_request"].as_f64().is_some_and(|b| b > 0.0), "{a}");
     }
     assert!(a["baseline_bytes_per_request"].is_null(), "no baseline, no 0.1.7 saves");
+    assert!(a["sustained_ratio"].is_null(), "no baseline, no ratio");
+    // With the 0.1.7 design beside it: back to back, index time and the final sync against 0.1.7's total.
+    let out = run(&["replay", "--trace", trace, "--requests", "200", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let both: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
+    let ms = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    let want = (ms(&both["index"]["total_ms"]) + ms(&both["final_sync_ms"])) / ms(&both["baseline_0_1_7"]["total_ms"]);
+    let got = ms(&both["sustained_ratio"]);
+    assert!(want > 0.0 && (got - want).abs() < 1e-6 * want, "sustained_ratio {got}, by its definition {want}");
     // Three head threads: every request routed once, the same prompt tokens, throughput beside
     // 0.1.7's behind one mutex.
     let out = run(&["replay", "--trace", trace, "--requests", "500", "--json", "--threads", "3"]);

@@ -115,6 +115,23 @@ pub enum Error {
     },
     /// A thread using this index panicked while holding its lock; reopen the index.
     Poisoned,
+    /// A sharing head's own events are not yet all in the stream (the NATS server is
+    /// unreachable, or slow): they stay buffered, answered locally, and are published when it
+    /// answers again.
+    Unpublished {
+        /// Events still buffered.
+        events: u64,
+        /// How long the call waited.
+        waited: std::time::Duration,
+    },
+    /// A sharing head cannot go on applying the stream (its position was dropped by the
+    /// stream's retention, the file is ahead of the stream, or a setting is refused).
+    Sharing {
+        /// What is wrong and what to do.
+        detail: String,
+        /// The NATS client's error underneath, if any.
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+    },
 }
 
 impl fmt::Display for Error {
@@ -169,6 +186,16 @@ impl fmt::Display for Error {
                 f,
                 "storage failed while {context}: {source}; what was committed before is intact, retry or reopen the index"
             ),
+            Error::Unpublished { events, waited } => write!(
+                f,
+                "{events} events of this head are not yet in the NATS stream after {waited:?} (is the server up?); \
+                 they stay buffered and answered here, and are published when it answers"
+            ),
+            Error::Sharing { detail, source } => write!(
+                f,
+                "sharing through NATS: {detail}{}",
+                source.as_ref().map(|e| format!(" ({e})")).unwrap_or_default()
+            ),
             Error::CommitFailed { source } => write!(
                 f,
                 "the last background commit failed ({source}) and none has succeeded since; this call did nothing, the rans before it are kept and retried; check the disk, and reopen the index if it persists"
@@ -211,6 +238,7 @@ impl std::error::Error for Error {
             Error::Codec { source, .. } => Some(source.as_ref()),
             Error::UnknownFormat { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
             Error::LegacyJson { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
+            Error::Sharing { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
             _ => None,
         }
     }

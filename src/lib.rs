@@ -20,6 +20,8 @@
 //!
 //! # Features
 //! - `cli` (default): the `superfluid-warm` binary, and `tools`.
+//! - `nats` (with `cli`): [`SharedWarm`], several heads sharing one view through a NATS
+//!   JetStream stream (async-nats, on a tokio runtime of its own thread).
 //! - `tools`: the 0.1.7 design, request traces and the replay, for the binary, the tests and
 //!   the benches. Hidden from these docs and outside semver: not for production use. A head
 //!   that links only the library sets `default-features = false`.
@@ -29,6 +31,8 @@ mod error;
 mod file;
 mod index;
 mod keys;
+#[cfg(feature = "nats")]
+mod share;
 mod store;
 
 #[cfg(feature = "tools")]
@@ -46,6 +50,8 @@ pub use index::warm::{Hit, OpenCheck, Stats, Warm};
 pub use keys::{
     BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix,
 };
+#[cfg(feature = "nats")]
+pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::import::ImportReport;
 pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, SCHEMA_VERSION};
 pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};

@@ -10,7 +10,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("store", &["error", "keys"]),
     ("file", &["error", "keys", "store"]),
     ("index", &["error", "keys", "store", "file"]),
-    ("tools", &["error", "keys", "store"]),
+    ("share", &["error", "keys", "store", "index"]),
+    ("tools", &["error", "keys", "store", "share"]),
 ];
 /// Layers that may also use the public API (any root re-export of `lib.rs`).
 const PUBLIC_API_USERS: &[&str] = &["tools"];

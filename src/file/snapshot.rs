@@ -18,7 +18,7 @@ use crate::store::tables::{
     Entry, GENERATIONS, HELD, LIVE, MEMBER_BYTES, META, NAMESPACES, NODES, OTHERS, PREFIXES, RETIRED, STATE,
     generation_keys, members,
 };
-use crate::store::writer::{count, read_floor};
+use crate::store::writer::{count, read_floor, read_position};
 
 /// One entry of the index, as `dump` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,6 +75,9 @@ pub struct SnapshotStats {
     pub hash_scheme: String,
     /// Process id of a writer that has the file open.
     pub writer: Option<u32>,
+    /// For a file a sharing head writes: the stream sequence of the last shared event it
+    /// applied (0 if it never shared).
+    pub stream_position: u64,
 }
 
 /// The verdict on the invariants of a file's tables.
@@ -111,6 +114,8 @@ pub struct Snapshot {
     retired: Vec<bool>,
     /// The eviction floor (0 before schema 4).
     floor: u64,
+    /// The stream position of the last shared event applied (0 if it never shared).
+    position: u64,
     namespaces: HashMap<u32, NamespaceRecord>,
     /// Whether opening it ran redb's full check (on a copy), and it passed.
     pages_verified: bool,
@@ -207,9 +212,9 @@ impl Snapshot {
                 }
             }
         }
-        let floor = match optional(txn.open_table(STATE))? {
-            Some(table) => read_floor(&table)?,
-            None => 0,
+        let (floor, position) = match optional(txn.open_table(STATE))? {
+            Some(table) => (read_floor(&table)?, read_position(&table)?),
+            None => (0, 0),
         };
         let mut namespaces = HashMap::new();
         let table = txn.open_table(NAMESPACES).map_err(redb_err("opening namespaces"))?;
@@ -225,6 +230,7 @@ impl Snapshot {
             nodes,
             retired,
             floor,
+            position,
             namespaces,
             pages_verified,
             head_live,
@@ -359,6 +365,7 @@ impl Snapshot {
             schema: self.meta.schema,
             hash_scheme: self.meta.hash_scheme.clone(),
             writer: self.writer(),
+            stream_position: self.position,
         })
     }
 

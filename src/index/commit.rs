@@ -3,7 +3,7 @@
 //! view of the last commit, and the overlay maps it made redundant dropped).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
@@ -40,6 +40,8 @@ pub(crate) struct Inner {
     pub presence: Mutex<Filters>,
     pub db: Database,
     pub sealer: Sealer,
+    /// The writer's stream position as of its last durable commit (what a sharing head acks).
+    pub durable_position: AtomicU64,
 }
 
 /// Holds the head's lock of its file; when dropped, after redb has closed the file, seals it
@@ -216,6 +218,7 @@ fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>
     let (result, _old_view, _gone) = match outcome {
         Ok(Some(committed)) => {
             front.failed = None;
+            inner.durable_position.store(back.position, Ordering::Release);
             match fresh {
                 Some((fresh, fresh_others)) => {
                     front.others.committed(&std::mem::take(&mut back.nodes.others_changed));

@@ -8,7 +8,7 @@
 //! behind).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -139,6 +139,7 @@ impl Warm {
         let front =
             Front::new(writer.meta.clock, &writer.nodes, published(&writer), committed(&db)?, writer.nodes_per_prefix);
         let inner = Arc::new(Inner {
+            durable_position: AtomicU64::new(writer.position),
             scheme,
             legacy: AtomicBool::new(writer.meta.legacy_entries > 0),
             presence: Mutex::default(),
@@ -300,6 +301,12 @@ impl Warm {
     /// # Errors
     /// As [`Warm::ran`].
     pub fn ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<()> {
+        self.ran_at(prefix, node, 0)
+    }
+
+    /// [`Warm::ran_prefix`], applying a shared event at stream sequence `position` (0: a head's
+    /// own `ran`); the position is committed with it.
+    pub(crate) fn ran_at(&self, prefix: &Prefix, node: &str, position: u64) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.same_scheme(prefix)?;
         if prefix.blocks.is_empty() {
@@ -350,6 +357,7 @@ impl Warm {
                 clock,
                 floor,
                 at: Instant::now(),
+                position,
             };
             let was_idle = front.oldest_pending.is_none();
             front.push(Change::Ran(ran));
@@ -377,6 +385,13 @@ impl Warm {
     /// fails (answers already leave the node out, and the forget is retried with the next
     /// commit, but it is not durable).
     pub fn forget_node(&self, name: &str) -> Result<()> {
+        self.forget_at(name, 0)?;
+        self.sync()
+    }
+
+    /// Queues a forget of `name` (answers leave it out at once), applying a shared event at
+    /// stream sequence `position` (0: a head's own); durable with the next commit.
+    pub(crate) fn forget_at(&self, name: &str, position: u64) -> Result<()> {
         check_len("node", name.len(), MAX_NODE_BYTES)?;
         {
             let mut front = self.front()?;
@@ -386,13 +401,28 @@ impl Warm {
             if let Some(node) = front.forget(name) {
                 let clock = front.clock;
                 let was_idle = front.oldest_pending.is_none();
-                front.push(Change::Forget { node, clock, at: Instant::now() });
+                front.push(Change::Forget { node, clock, at: Instant::now(), position });
                 if was_idle {
                     self.inner.wake.notify_one();
                 }
             }
         }
-        self.sync()
+        Ok(())
+    }
+
+    /// The stream sequence of the last shared event committed durably (0 if none).
+    pub(crate) fn durable_position(&self) -> u64 {
+        self.inner.durable_position.load(Ordering::Acquire)
+    }
+
+    /// The hash scheme of the file's keys.
+    pub(crate) fn scheme(&self) -> Scheme {
+        self.inner.scheme
+    }
+
+    /// Whether a commit thread writes the file (the sync window is not zero).
+    pub(crate) fn threaded(&self) -> bool {
+        self.flusher.is_some()
     }
 
     /// Makes every `ran` so far durable (0.1.7's `save`): `Ok` means every `ran` that returned

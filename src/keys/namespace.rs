@@ -81,6 +81,21 @@ impl Namespace {
         })
     }
 
+    /// A namespace as another head's event names it: its model, whether it is a tenant's and
+    /// its public id, without the tenant salt or the chain key (it can name entries, never
+    /// hash tokens). Without a tenant the id must be the model's.
+    ///
+    /// `None` for an empty or over-long model name, or an id that is not the model's.
+    pub(crate) fn received(model: &str, tenant: bool, id: [u8; 8]) -> Option<Namespace> {
+        let plain = Namespace::new(model).ok()?;
+        if !tenant {
+            return (plain.id() == id).then_some(plain);
+        }
+        Some(Namespace {
+            inner: Arc::new(NamespaceInner { model: model.to_string(), tenant: Some(Vec::new()), key: [0; 32], id }),
+        })
+    }
+
     /// The model name.
     pub fn model(&self) -> &str {
         &self.inner.model

@@ -30,6 +30,9 @@ pub(crate) const HELD: TableDefinition<u32, u64> = TableDefinition::new("held/v4
 pub(crate) const STATE: TableDefinition<&str, u64> = TableDefinition::new("state/v4");
 /// The key of the eviction floor in [`STATE`].
 pub(crate) const FLOOR_KEY: &str = "floor";
+/// The key in [`STATE`] of the stream sequence of the last shared event applied (a head sharing
+/// through NATS JetStream); absent for a file that never shared.
+pub(crate) const POSITION_KEY: &str = "stream";
 /// Node id → bincode [`super::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
 /// Node name → node id.

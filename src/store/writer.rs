@@ -13,8 +13,8 @@ use super::records::{
     DEFAULT_CAPACITY, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta, read_nodes,
 };
 use super::tables::{
-    Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, PREFIXES,
-    RETIRED, STATE, add_member, members, members_row, newest_members, table_key,
+    Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, POSITION_KEY,
+    PREFIXES, RETIRED, STATE, add_member, members, members_row, newest_members, table_key,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, check_len, is_legacy};
@@ -32,6 +32,9 @@ pub(crate) struct Ran {
     pub floor: u64,
     /// When the caller made it (for the sync window).
     pub at: Instant,
+    /// For a head sharing through a stream: the stream sequence of the event this is (written
+    /// with the batch that applies it); 0 for a head's own `ran`.
+    pub position: u64,
 }
 
 /// A change queued for the writer, in the callers' order.
@@ -42,6 +45,8 @@ pub(crate) enum Change {
         node: u32,
         clock: u64,
         at: Instant,
+        /// As [`Ran::position`].
+        position: u64,
     },
 }
 
@@ -50,6 +55,14 @@ impl Change {
         match self {
             Change::Ran(r) => r.clock,
             Change::Forget { clock, .. } => *clock,
+        }
+    }
+
+    /// The stream sequence it applies, 0 if none ([`Ran::position`]).
+    pub(crate) fn position(&self) -> u64 {
+        match self {
+            Change::Ran(r) => r.position,
+            Change::Forget { position, .. } => *position,
         }
     }
 
@@ -127,6 +140,9 @@ pub(crate) struct Writer {
     /// below it is evicted (kept in the file, so that the others a block still lists from before
     /// it stay evicted across a restart).
     pub floor: u64,
+    /// The stream sequence of the last shared event applied, as of the batch (0 for a file that
+    /// never shared): written in the same transaction as the event's effects.
+    pub position: u64,
 }
 
 /// One write to the prefix table.
@@ -163,6 +179,7 @@ impl Writer {
             nodes_per_prefix: DEFAULT_NODES_PER_PREFIX,
             marked: false,
             floor: 0,
+            position: 0,
         };
         writer.reload(db)?;
         Ok(writer)
@@ -182,7 +199,10 @@ impl Writer {
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?;
         self.meta = meta.ok_or_else(|| Error::unknown_format("no meta record"))?;
         self.marked = self.meta.writer.is_some();
-        self.floor = read_floor(&read.open_table(STATE).map_err(redb_err("reading the floor"))?)?;
+        let state = read.open_table(STATE).map_err(redb_err("reading the floor"))?;
+        self.floor = read_floor(&state)?;
+        self.position = read_position(&state)?;
+        drop(state);
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
         if let Some((last, _)) = generations.last().map_err(redb_err("reading the generations"))? {
@@ -253,6 +273,14 @@ impl Writer {
             }
         }
         self.apply_merged(db, &rans, floor)?;
+        let position = changes.iter().map(Change::position).max().unwrap_or(0);
+        if position > self.position {
+            self.batch(db)?
+                .open_table(STATE)
+                .and_then(|mut t| t.insert(POSITION_KEY, position).map(drop).map_err(Into::into))
+                .map_err(redb_err("writing the stream position"))?;
+            self.position = position;
+        }
         if floor > self.floor {
             let (n, legacy) = remove_through(self.txn_and_nodes(db)?, floor)?;
             self.meta.entries = self.meta.entries.saturating_sub(n);
@@ -798,6 +826,14 @@ fn by_node(table: &impl ReadableTable<u32, u64>, names: &[String]) -> Result<Vec
 /// [`Error::Storage`].
 pub(crate) fn read_floor(table: &impl ReadableTable<&'static str, u64>) -> Result<u64> {
     Ok(table.get(FLOOR_KEY).map_err(redb_err("reading the floor"))?.map_or(0, |g| g.value()))
+}
+
+/// The stream sequence of the last shared event a file applied (0 if it never shared).
+///
+/// # Errors
+/// [`Error::Storage`].
+pub(crate) fn read_position(table: &impl ReadableTable<&'static str, u64>) -> Result<u64> {
+    Ok(table.get(POSITION_KEY).map_err(redb_err("reading the stream position"))?.map_or(0, |g| g.value()))
 }
 
 /// Entries in a table, for checks (redb counts by walking the tree).

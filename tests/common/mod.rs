@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod backend;
+pub mod nats;
 pub mod torture;
 
 use std::path::PathBuf;
@@ -70,9 +71,14 @@ pub fn bin() -> PathBuf {
 /// The torture writer (`tests/helpers/torture_writer.rs`), which `cargo test` builds as an
 /// example beside the test binaries: `target/<profile>/examples`.
 pub fn torture_writer() -> PathBuf {
+    example("torture-writer")
+}
+
+/// An example target that `cargo test` builds beside the test binaries.
+pub fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     let profile = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>/deps");
-    let writer = profile.join("examples").join(format!("torture-writer{}", std::env::consts::EXE_SUFFIX));
-    assert!(writer.is_file(), "{} is missing: run the tests with `cargo test`, which builds it", writer.display());
-    writer
+    let path = profile.join("examples").join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
+    assert!(path.is_file(), "{} is missing: run the tests with `cargo test`, which builds it", path.display());
+    path
 }

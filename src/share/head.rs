@@ -1,0 +1,416 @@
+//! `SharedWarm`: a head's index shared with other heads through a NATS JetStream stream.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime};
+
+use super::event::{EVENT_VERSION, Event, Origin, What};
+use super::link::{self, Shared, Status, unix_ns};
+use super::outbox::{Out, Outbox};
+use super::pending::Pending;
+use super::sharing::Sharing;
+use crate::error::{Error, Result};
+use crate::index::builder::Builder;
+use crate::index::warm::{Hit, Stats, Warm};
+use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, check_len};
+
+/// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers
+/// it ([`SharedWarm::wait_for`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ticket {
+    head: Arc<str>,
+    boot: u64,
+    local: u64,
+}
+
+/// How a sharing head stands with the stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShareStats {
+    /// This head's name.
+    pub head: String,
+    /// The stream.
+    pub stream: String,
+    /// Whether the client is connected to the server now.
+    pub connected: bool,
+    /// The stream sequence of the last event applied here.
+    pub applied: u64,
+    /// Of the file: the stream sequence of the last event committed durably.
+    pub durable: u64,
+    /// Events in the stream not yet applied here (as last seen).
+    pub unapplied: u64,
+    /// How long ago the oldest of those was stored (as last seen).
+    pub oldest_unapplied_age: Option<Duration>,
+    /// This head's events not yet in the stream (buffered while the server is unreachable).
+    pub buffered: u64,
+    /// This head's events the stream acknowledged.
+    pub published: u64,
+    /// This head's events dropped because the buffer was full.
+    pub dropped: u64,
+    /// Events applied here (this head's and others').
+    pub applied_events: u64,
+    /// Redelivered events at or below the position, skipped (never applied twice).
+    pub skipped: u64,
+    /// Events no head can apply (garbage, another version or hash scheme), skipped by all.
+    pub rejected: u64,
+    /// This head's own events answered here but not yet back from the stream.
+    pub pending_own: u64,
+    /// The last transient error (the link retries it).
+    pub error: Option<String>,
+    /// Why the head stopped applying the stream, if it did (it still routes and publishes).
+    pub halted: Option<String>,
+}
+
+/// A head's index, shared with the other heads of the stream.
+///
+/// Every head publishes its `ran`s and forgets to one stream and applies every event of the
+/// stream, its own included, in stream order, to its own file: heads that have applied the same
+/// prefix of the stream answer every query alike. A head's own `ran` is answered at once,
+/// before it comes back from the stream, and never waits on the network. See `ARCHITECTURE.md`,
+/// "Sharing".
+pub struct SharedWarm {
+    shared: Arc<Shared>,
+    link: Option<JoinHandle<()>>,
+    next_local: AtomicU64,
+}
+
+impl std::fmt::Debug for SharedWarm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedWarm")
+            .field("head", &self.shared.sharing.head)
+            .field("stream", &self.shared.sharing.stream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SharedWarm {
+    /// Opens the head's file with `builder`'s settings and starts sharing. Returns without
+    /// waiting for the server: until it answers, the head routes on its file and buffers its
+    /// events. Every head of a stream must use the same capacity and nodes per prefix, and start
+    /// from a new file, or a copy of another head's file of the stream.
+    ///
+    /// # Errors
+    /// As [`Builder::open`]; [`Error::Sharing`] for names NATS would refuse;
+    /// [`Error::InvalidConfig`] for a zero sync window (a sharing head has a commit thread).
+    pub fn open(builder: &Builder, path: impl AsRef<Path>, sharing: Sharing) -> Result<SharedWarm> {
+        sharing.validate()?;
+        let warm = builder.open(path)?;
+        if !warm.threaded() {
+            return Err(Error::InvalidConfig { detail: "a sharing head needs a sync window above zero".into() });
+        }
+        let boot = unix_ns(SystemTime::now()) ^ (u64::from(std::process::id()) << 32);
+        let shared = Arc::new(Shared {
+            outbox: Mutex::new(Outbox::new(sharing.buffer_events)),
+            sharing,
+            boot,
+            warm,
+            pending: Mutex::new(Pending::default()),
+            wake: tokio::sync::Notify::new(),
+            status: Mutex::new(Status::default()),
+            progress: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let link = link::spawn(Arc::clone(&shared))?;
+        Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1) })
+    }
+
+    /// The head's own index (what it has applied from the stream), for reads.
+    pub fn local(&self) -> &Warm {
+        &self.shared.warm
+    }
+
+    /// As [`Warm::prefix`].
+    ///
+    /// # Errors
+    /// As [`Warm::prefix`].
+    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Result<Prefix> {
+        self.shared.warm.prefix(namespace, tokens)
+    }
+
+    /// As [`Warm::warmest`], with this head's own events not yet back from the stream.
+    ///
+    /// # Errors
+    /// As [`Warm::warmest`].
+    pub fn warmest(&self, model: &str, tokens: &[u32]) -> Result<Option<Hit>> {
+        self.warmest_prefix(&self.prefix(&Namespace::new(model)?, tokens)?)
+    }
+
+    /// As [`Warm::warmest_prefix`], with this head's own events not yet back from the stream.
+    ///
+    /// # Errors
+    /// As [`Warm::warmest_prefix`].
+    pub fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        // The pending events first: one applied meanwhile is then in the file's answer.
+        let (own, forgotten) = {
+            let pending = self.shared.pending();
+            if pending.is_empty() {
+                drop(pending);
+                return self.shared.warm.warmest_prefix(prefix);
+            }
+            (pending.longest(prefix.keys()), pending.forgotten())
+        };
+        let applied = if forgotten.is_empty() {
+            self.shared.warm.warmest_prefix(prefix)?
+        } else {
+            let nodes = self.shared.warm.warm_nodes_prefix(prefix)?;
+            nodes.into_iter().find(|h| !forgotten.iter().any(|f| **f == *h.node))
+        };
+        Ok(match own {
+            Some((blocks, node))
+                if blocks >= MIN_BLOCKS && applied.as_ref().is_none_or(|h| blocks * BLOCK_TOKENS >= h.tokens) =>
+            {
+                Some(Hit { node: node.to_string(), tokens: blocks * BLOCK_TOKENS })
+            }
+            _ => applied,
+        })
+    }
+
+    /// As [`Warm::warm_nodes`], with this head's own events not yet back from the stream.
+    ///
+    /// # Errors
+    /// As [`Warm::warm_nodes`].
+    pub fn warm_nodes(&self, model: &str, tokens: &[u32]) -> Result<Vec<Hit>> {
+        self.warm_nodes_prefix(&self.prefix(&Namespace::new(model)?, tokens)?)
+    }
+
+    /// As [`Warm::warm_nodes_prefix`], with this head's own events not yet back from the stream
+    /// (listed first among equal lengths: they are the newest).
+    ///
+    /// # Errors
+    /// As [`Warm::warm_nodes_prefix`].
+    pub fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        let (own, forgotten) = {
+            let pending = self.shared.pending();
+            if pending.is_empty() {
+                drop(pending);
+                return self.shared.warm.warm_nodes_prefix(prefix);
+            }
+            (pending.nodes(prefix.keys()), pending.forgotten())
+        };
+        let mut hits: Vec<Hit> = self
+            .shared
+            .warm
+            .warm_nodes_prefix(prefix)?
+            .into_iter()
+            .filter(|h| !forgotten.iter().any(|f| **f == *h.node))
+            .collect();
+        for (node, blocks) in own.into_iter().filter(|&(_, b)| b >= MIN_BLOCKS) {
+            let tokens = blocks * BLOCK_TOKENS;
+            match hits.iter().position(|h| *h.node == *node) {
+                Some(i) if hits[i].tokens > tokens => {}
+                Some(i) => {
+                    hits.remove(i);
+                    hits.insert(0, Hit { node: node.to_string(), tokens });
+                }
+                None => hits.insert(0, Hit { node: node.to_string(), tokens }),
+            }
+        }
+        // Longest first; the stable sort keeps this head's own first among equals.
+        hits.sort_by(|a, b| b.tokens.cmp(&a.tokens));
+        Ok(hits)
+    }
+
+    /// As [`Warm::ran`]: answered here at once, published to the stream in the background, and
+    /// applied (here and on every head) in stream order.
+    ///
+    /// # Errors
+    /// As [`Warm::ran`]; [`Error::Codec`] if the event cannot be encoded.
+    pub fn ran(&self, model: &str, tokens: &[u32], node: &str) -> Result<Ticket> {
+        self.ran_prefix(&self.prefix(&Namespace::new(model)?, tokens)?, node)
+    }
+
+    /// As [`SharedWarm::ran`] for a prefix hashed by [`SharedWarm::prefix`].
+    ///
+    /// # Errors
+    /// As [`SharedWarm::ran`].
+    pub fn ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<Ticket> {
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        let ns = prefix.namespace();
+        let what = What::Ran {
+            model: ns.model().to_string(),
+            tenant: ns.has_tenant(),
+            namespace: ns.id(),
+            scheme: self.shared.warm.scheme().name().to_string(),
+            node: node.to_string(),
+            keys: prefix.keys().to_vec(),
+        };
+        if prefix.scheme != self.shared.warm.scheme() {
+            // The file's own check and message.
+            self.shared.warm.warmest_prefix(prefix)?;
+        }
+        let keys: Arc<[_]> = prefix.keys().into();
+        self.send(what, |pending, local| pending.ran(local, keys, node.into()))
+    }
+
+    /// As [`Warm::forget_node`]: answers leave the node out at once; returns once the forget is
+    /// in the stream (durable there), or with [`Error::Unpublished`] after the publish timeout
+    /// (it stays buffered and is published when the server answers).
+    ///
+    /// # Errors
+    /// As [`SharedWarm::sync`].
+    pub fn forget_node(&self, name: &str) -> Result<()> {
+        check_len("node", name.len(), MAX_NODE_BYTES)?;
+        self.send(What::Forget { node: name.to_string() }, |pending, local| pending.forget(local, name.into()))?;
+        self.sync()
+    }
+
+    fn send(&self, what: What, answer: impl FnOnce(&mut Pending, u64)) -> Result<Ticket> {
+        let local = self.next_local.fetch_add(1, Ordering::Relaxed);
+        let origin = Origin {
+            head: self.shared.sharing.head.clone(),
+            boot: self.shared.boot,
+            local,
+            at_unix_ns: unix_ns(SystemTime::now()),
+        };
+        let event = Event { version: EVENT_VERSION, origin, what };
+        let out = Out { local, id: event.message_id(), payload: event.encode()? };
+        let mut pending = self.shared.pending();
+        answer(&mut pending, local);
+        if let Some(dropped) = self.shared.outbox().push(out) {
+            pending.settle(dropped);
+        }
+        drop(pending);
+        self.shared.wake.notify_one();
+        Ok(Ticket { head: self.shared.sharing.head.as_str().into(), boot: self.shared.boot, local })
+    }
+
+    /// Waits until this head has applied `ticket`'s event (and all its head made before it),
+    /// at most `timeout`; whether it has.
+    pub fn wait_for(&self, ticket: &Ticket, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut status = self.shared.status();
+        loop {
+            if status.from.get(&(ticket.head.to_string(), ticket.boot)).is_some_and(|&l| l >= ticket.local) {
+                return true;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            status = match self.shared.progress.wait_timeout(status, left.min(Duration::from_millis(50))) {
+                Ok((s, _)) => s,
+                Err(p) => p.into_inner().0,
+            };
+        }
+    }
+
+    /// Waits until this head has applied the stream up to sequence `seq`, at most `timeout`.
+    pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut status = self.shared.status();
+        while status.applied < seq {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            status = match self.shared.progress.wait_timeout(status, left.min(Duration::from_millis(50))) {
+                Ok((s, _)) => s,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        true
+    }
+
+    /// Makes this head's events durable: waits until every one made before it is in the stream
+    /// (at most the publish timeout), then commits what it applied (as [`Warm::sync`]).
+    ///
+    /// # Errors
+    /// [`Error::Unpublished`] if events are still buffered after the publish timeout (they are
+    /// kept and published when the server answers); as [`Warm::sync`].
+    pub fn sync(&self) -> Result<()> {
+        let started = Instant::now();
+        let timeout = self.shared.sharing.publish_timeout;
+        let mut status = self.shared.status();
+        loop {
+            let buffered = self.shared.outbox().len() as u64;
+            if buffered == 0 {
+                break;
+            }
+            let waited = started.elapsed();
+            if waited >= timeout {
+                return Err(Error::Unpublished { events: buffered, waited });
+            }
+            status = match self.shared.progress.wait_timeout(status, (timeout - waited).min(Duration::from_millis(20)))
+            {
+                Ok((s, _)) => s,
+                Err(p) => p.into_inner().0,
+            };
+        }
+        drop(status);
+        self.shared.warm.sync()
+    }
+
+    /// The head's index's counts ([`Warm::stats`]), and how it stands with the stream.
+    ///
+    /// # Errors
+    /// As [`Warm::stats`].
+    pub fn stats(&self) -> Result<(Stats, ShareStats)> {
+        let index = self.shared.warm.stats()?;
+        Ok((index, self.share_stats()))
+    }
+
+    /// How the head stands with the stream.
+    pub fn share_stats(&self) -> ShareStats {
+        let pending_own = self.shared.pending().len() as u64;
+        let (buffered, published, dropped) = {
+            let outbox = self.shared.outbox();
+            (outbox.len() as u64, outbox.published, outbox.dropped)
+        };
+        let status = self.shared.status();
+        ShareStats {
+            head: self.shared.sharing.head.clone(),
+            stream: self.shared.sharing.stream.clone(),
+            connected: status.connected,
+            applied: status.applied,
+            durable: self.shared.warm.durable_position(),
+            unapplied: status.unapplied,
+            oldest_unapplied_age: status.oldest_unapplied.and_then(|t| t.elapsed().ok()),
+            buffered,
+            published,
+            dropped,
+            applied_events: status.applied_events,
+            skipped: status.skipped,
+            rejected: status.rejected,
+            pending_own,
+            error: status.error.clone(),
+            halted: status.halted.clone(),
+        }
+    }
+
+    /// Publish-to-applied lags of other heads' events applied here (the newest 65,536), in ns.
+    pub fn lags_ns(&self) -> Vec<u64> {
+        self.shared.status().lags_ns.iter().copied().collect()
+    }
+
+    /// Stops sharing (publishing what is buffered, for at most the publish timeout), then
+    /// closes the file as [`Warm::close`].
+    ///
+    /// # Errors
+    /// As [`Warm::close`].
+    pub fn close(mut self) -> Result<()> {
+        self.stop();
+        let shared = Arc::clone(&self.shared);
+        drop(self);
+        match Arc::try_unwrap(shared) {
+            Ok(shared) => shared.warm.close(),
+            Err(_) => Err(Error::Poisoned),
+        }
+    }
+
+    fn stop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake.notify_one();
+        if let Some(link) = self.link.take() {
+            // A link that panicked has nothing left to do.
+            let _ = link.join();
+        }
+    }
+}
+
+impl Drop for SharedWarm {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

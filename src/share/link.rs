@@ -1,0 +1,429 @@
+//! The head's link to the stream: a thread with a tokio runtime of its own that publishes the
+//! head's events (oldest first, retried under the same `Nats-Msg-Id`) and applies the stream, in
+//! order, to the head's `Warm`, each event's sequence committed with its effects; it acks only
+//! what is durable.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy, StorageType, Stream};
+use async_nats::jetstream::{self, Context};
+use async_nats::{ConnectOptions, HeaderMap};
+use futures_util::StreamExt;
+
+use super::event::{Event, What};
+use super::outbox::Outbox;
+use super::pending::Pending;
+use super::sharing::Sharing;
+use crate::error::{Error, Result};
+use crate::index::warm::Warm;
+use crate::keys::{Namespace, Prefix};
+
+/// Events published at once before their acknowledgements are awaited.
+const PUBLISH_WINDOW: usize = 256;
+/// Events fetched from the consumer at once.
+const FETCH: usize = 512;
+/// Lag samples kept (the newest).
+const LAG_SAMPLES: usize = 1 << 16;
+
+/// What the head and its link share.
+pub(crate) struct Shared {
+    pub sharing: Sharing,
+    /// This run of the head's process (events of an earlier run are another head's to it).
+    pub boot: u64,
+    pub warm: Warm,
+    pub pending: Mutex<Pending>,
+    pub outbox: Mutex<Outbox>,
+    /// Wakes the publisher.
+    pub wake: tokio::sync::Notify,
+    pub status: Mutex<Status>,
+    /// Signalled (with `status`) when events are applied or published.
+    pub progress: Condvar,
+    pub stop: AtomicBool,
+}
+
+/// What the link knows, for `stats` and for waiters.
+#[derive(Default)]
+pub(crate) struct Status {
+    pub connected: bool,
+    /// The stream sequence of the last event applied (queued into the `Warm`).
+    pub applied: u64,
+    /// The stream's last sequence, as last seen.
+    pub stream_last: u64,
+    /// Events in the stream after `applied`, as last seen.
+    pub unapplied: u64,
+    /// When the oldest of those was stored by the server.
+    pub oldest_unapplied: Option<SystemTime>,
+    pub applied_events: u64,
+    /// Redelivered events at or below the position (never applied twice).
+    pub skipped: u64,
+    /// Events no head can apply (garbage, another version, a foreign hash scheme): every head
+    /// skips them alike.
+    pub rejected: u64,
+    /// The last transient error (the link retries).
+    pub error: Option<String>,
+    /// Why the link stopped applying (it goes on publishing).
+    pub halted: Option<String>,
+    /// Per head run (name, boot): the local number of its last event applied here.
+    pub from: HashMap<(String, u64), u64>,
+    /// Publish-to-applied lags of other heads' events, in ns (the newest [`LAG_SAMPLES`]).
+    pub lags_ns: VecDeque<u64>,
+}
+
+impl Shared {
+    pub(crate) fn status(&self) -> MutexGuard<'_, Status> {
+        self.status.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(crate) fn pending(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(crate) fn outbox(&self) -> MutexGuard<'_, Outbox> {
+        self.outbox.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn signal(&self) {
+        drop(self.status());
+        self.progress.notify_all();
+    }
+
+    fn note_error(&self, what: &str, e: impl std::fmt::Display) {
+        self.status().error = Some(format!("{what}: {e}"));
+    }
+}
+
+pub(crate) fn unix_ns(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// Starts the link thread.
+///
+/// # Errors
+/// [`Error::Thread`] if it cannot be started.
+pub(crate) fn spawn(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("superfluid-warm-share".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(r) => r,
+                Err(e) => {
+                    shared.status().halted = Some(format!("cannot start the NATS runtime: {e}"));
+                    return;
+                }
+            };
+            runtime.block_on(run(&shared));
+        })
+        .map_err(|source| Error::Thread { source: Arc::new(source) })
+}
+
+async fn run(shared: &Arc<Shared>) {
+    let options = ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(2))
+        .reconnect_delay_callback(|attempts| Duration::from_millis((50 * attempts as u64).min(1000)))
+        .name(format!("superfluid-warm {}", shared.sharing.head));
+    let client = match options.connect(&shared.sharing.url).await {
+        Ok(client) => client,
+        Err(e) => {
+            shared.status().halted = Some(format!("cannot connect to {}: {e}", shared.sharing.url));
+            return;
+        }
+    };
+    let js = jetstream::new(client.clone());
+    let connected = {
+        let shared = Arc::clone(shared);
+        let client = client.clone();
+        async move {
+            while !shared.stop.load(Ordering::Acquire) {
+                shared.status().connected = client.connection_state() == async_nats::connection::State::Connected;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    tokio::join!(publish_loop(shared, &js), consume_loop(shared, &js), connected);
+    let _ = client.flush().await;
+}
+
+/// Publishes the outbox oldest first, a window at a time; what is not acknowledged is sent again
+/// under the same message id (the stream stores it once). On stop, it drains what it can within
+/// the publish timeout.
+async fn publish_loop(shared: &Shared, js: &Context) {
+    let subject = shared.sharing.subject();
+    let mut stopping: Option<Instant> = None;
+    loop {
+        if shared.stop.load(Ordering::Acquire) {
+            let since = *stopping.get_or_insert_with(Instant::now);
+            if shared.outbox().len() == 0 || since.elapsed() > shared.sharing.publish_timeout {
+                return;
+            }
+        }
+        let window = shared.outbox().peek(PUBLISH_WINDOW);
+        if window.is_empty() {
+            tokio::select! {
+                _ = shared.wake.notified() => {}
+                _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+            continue;
+        }
+        let mut acks = Vec::with_capacity(window.len());
+        for out in &window {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", out.id.as_str());
+            match js.publish_with_headers(subject.clone(), headers, out.payload.clone().into()).await {
+                Ok(ack) => acks.push((out.local, ack)),
+                Err(e) => {
+                    shared.note_error("publishing", e);
+                    break;
+                }
+            }
+        }
+        let mut all = acks.len() == window.len();
+        for (local, ack) in acks {
+            match tokio::time::timeout(shared.sharing.publish_timeout, ack).await {
+                Ok(Ok(_)) => shared.outbox().acked(local),
+                Ok(Err(e)) => {
+                    shared.note_error("publishing", e);
+                    all = false;
+                    break;
+                }
+                Err(_) => {
+                    shared.note_error("publishing", "no acknowledgement in time");
+                    all = false;
+                    break;
+                }
+            }
+        }
+        shared.signal();
+        if !all {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// The stream's settings for a stream this head creates.
+fn stream_config(sharing: &Sharing) -> StreamConfig {
+    StreamConfig {
+        name: sharing.stream.clone(),
+        subjects: vec![sharing.subject()],
+        storage: StorageType::File,
+        retention: RetentionPolicy::Limits,
+        max_age: sharing.max_age,
+        max_bytes: sharing.max_bytes,
+        duplicate_window: sharing.max_age.min(Duration::from_secs(120)),
+        ..Default::default()
+    }
+}
+
+/// Applies the stream from the position on, recreating the head's durable consumer from the
+/// position after any failure (the file's position, not the server's, says what was applied).
+async fn consume_loop(shared: &Shared, js: &Context) {
+    let mut applied = shared.warm.durable_position();
+    shared.status().applied = applied;
+    // Delivered events waiting for a durable commit before they are acked.
+    let mut to_ack: VecDeque<(u64, jetstream::Message)> = VecDeque::new();
+    'connect: while !shared.stop.load(Ordering::Acquire) {
+        if shared.status().halted.is_some() {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        let mut stream = match js.get_or_create_stream(stream_config(&shared.sharing)).await {
+            Ok(s) => s,
+            Err(e) => {
+                shared.note_error("opening the stream", e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        match stream.info().await {
+            Ok(info) => {
+                let (first, last) = (info.state.first_sequence, info.state.last_sequence);
+                let mut status = shared.status();
+                status.stream_last = last;
+                if applied > last {
+                    status.halted = Some(format!(
+                        "this file has applied the stream up to {applied}, but stream {} ends at {last}: it belongs to \
+                         another stream (or one that was deleted); start this head from a new file or a copy of another head's",
+                        shared.sharing.stream
+                    ));
+                    continue;
+                }
+                if last > applied && first > applied + 1 {
+                    status.halted = Some(gap(&shared.sharing, applied, first));
+                    continue;
+                }
+            }
+            Err(e) => {
+                shared.note_error("reading the stream", e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        }
+        let name = shared.sharing.consumer();
+        let _ = stream.delete_consumer(&name).await;
+        let config = pull::Config {
+            durable_name: Some(name),
+            deliver_policy: if applied == 0 {
+                DeliverPolicy::All
+            } else {
+                DeliverPolicy::ByStartSequence { start_sequence: applied + 1 }
+            },
+            ack_policy: AckPolicy::All,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: -1,
+            ..Default::default()
+        };
+        let consumer = match stream.create_consumer(config).await {
+            Ok(c) => c,
+            Err(e) => {
+                shared.note_error("creating the consumer", e);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        to_ack.clear();
+        while !shared.stop.load(Ordering::Acquire) {
+            let mut batch =
+                match consumer.batch().max_messages(FETCH).expires(Duration::from_millis(200)).messages().await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        shared.note_error("fetching", e);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue 'connect;
+                    }
+                };
+            let mut last_pending = None;
+            while let Some(message) = batch.next().await {
+                let message = match message {
+                    Ok(m) => m,
+                    Err(e) => {
+                        shared.note_error("fetching", e);
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue 'connect;
+                    }
+                };
+                let Ok((seq, pending)) = message.info().map(|i| (i.stream_sequence, i.pending)) else {
+                    continue;
+                };
+                last_pending = Some(pending);
+                if seq <= applied {
+                    shared.status().skipped += 1;
+                    continue;
+                }
+                if seq != applied + 1 {
+                    shared.status().halted = Some(gap(&shared.sharing, applied, seq));
+                    continue 'connect;
+                }
+                match apply(shared, seq, &message.payload) {
+                    Ok(()) => {
+                        applied = seq;
+                        to_ack.push_back((seq, message));
+                    }
+                    Err(e) => {
+                        // Not the event's fault (a failed commit): from the position again.
+                        shared.note_error("applying", e);
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue 'connect;
+                    }
+                }
+            }
+            {
+                let mut status = shared.status();
+                status.applied = applied;
+                status.stream_last = status.stream_last.max(applied);
+                if let Some(pending) = last_pending {
+                    status.unapplied = pending;
+                    status.stream_last = applied + pending;
+                }
+                if status.unapplied == 0 {
+                    status.oldest_unapplied = None;
+                }
+            }
+            shared.progress.notify_all();
+            if shared.status().unapplied > 0 && shared.status().oldest_unapplied.is_none() {
+                oldest_unapplied(shared, &stream, applied).await;
+            }
+            ack_durable(shared, &mut to_ack).await;
+        }
+    }
+    ack_durable(shared, &mut to_ack).await;
+}
+
+fn gap(sharing: &Sharing, applied: u64, first: u64) -> String {
+    format!(
+        "stream {} no longer holds events {}..{} that this head has not applied (its retention dropped them): \
+         start this head from a copy of another head's file, which carries its position",
+        sharing.stream,
+        applied + 1,
+        first - 1
+    )
+}
+
+async fn oldest_unapplied(shared: &Shared, stream: &Stream, applied: u64) {
+    if let Ok(m) = stream.get_raw_message(applied + 1).await {
+        let at = UNIX_EPOCH + Duration::from_nanos(u64::try_from(m.time.unix_timestamp_nanos()).unwrap_or(0));
+        shared.status().oldest_unapplied = Some(at);
+    }
+}
+
+/// Acks (all up to) the newest delivered event the file holds durably.
+async fn ack_durable(shared: &Shared, to_ack: &mut VecDeque<(u64, jetstream::Message)>) {
+    let durable = shared.warm.durable_position();
+    let mut newest = None;
+    while to_ack.front().is_some_and(|&(seq, _)| seq <= durable) {
+        newest = to_ack.pop_front();
+    }
+    if let Some((_, message)) = newest
+        && let Err(e) = message.ack().await
+    {
+        shared.note_error("acknowledging", e);
+    }
+}
+
+/// Applies the event at stream sequence `seq` to the head's `Warm`. An event no head can apply is
+/// counted and skipped alike by every head.
+///
+/// # Errors
+/// What the `Warm` reports for a valid event (a failed commit): the caller retries from the
+/// position.
+fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
+    let Some(event) = Event::decode(payload) else {
+        shared.status().rejected += 1;
+        return Ok(());
+    };
+    let warm = &shared.warm;
+    let done = match &event.what {
+        What::Ran { model, tenant, namespace, scheme, node, keys } => {
+            match Namespace::received(model, *tenant, *namespace).filter(|_| scheme == warm.scheme().name()) {
+                Some(ns) => warm.ran_at(&Prefix::from_keys(warm.scheme(), ns, keys.clone()), node, seq),
+                None => Err(Error::InvalidConfig { detail: "a foreign namespace or hash scheme".into() }),
+            }
+        }
+        What::Forget { node } => warm.forget_at(node, seq),
+    };
+    let origin = &event.origin;
+    let own = origin.head == shared.sharing.head && origin.boot == shared.boot;
+    match done {
+        Ok(()) => {}
+        Err(Error::InvalidName { .. } | Error::InvalidConfig { .. }) => {
+            shared.status().rejected += 1;
+        }
+        Err(e) => return Err(e),
+    }
+    if own {
+        shared.pending().settle(origin.local);
+    }
+    let mut status = shared.status();
+    status.applied_events += 1;
+    status.from.insert((origin.head.clone(), origin.boot), origin.local);
+    if origin.head != shared.sharing.head {
+        if status.lags_ns.len() == LAG_SAMPLES {
+            status.lags_ns.pop_front();
+        }
+        status.lags_ns.push_back(unix_ns(SystemTime::now()).saturating_sub(origin.at_unix_ns));
+    }
+    Ok(())
+}

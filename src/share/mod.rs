@@ -1,0 +1,12 @@
+//! Several heads, one view: every head's `ran`s and forgets shared through a NATS JetStream
+//! stream (feature `nats`). Each head applies the whole stream, in order, to its own file.
+
+mod event;
+mod head;
+mod link;
+mod outbox;
+mod pending;
+mod sharing;
+
+pub use head::{ShareStats, SharedWarm, Ticket};
+pub use sharing::{DEFAULT_BUFFER_EVENTS, Sharing};

@@ -1,0 +1,324 @@
+//! Several heads sharing one view through a real NATS JetStream server: convergence, exactly
+//! once across a head's kill -9, a server restart, bootstrap from a copied file, and a head
+//! whose position the stream dropped.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::Rng;
+use common::nats::NatsServer;
+use superfluid_warm::{Builder, DumpEntry, SharedWarm, Sharing, Snapshot, Warm};
+
+const MODEL: &str = "m";
+
+fn builder() -> Builder {
+    let mut b = Warm::builder();
+    b.capacity(3_000).sync_window(Duration::from_millis(10));
+    b
+}
+
+fn head(dir: &Path, server: &NatsServer, stream: &str, name: &str) -> SharedWarm {
+    SharedWarm::open(&builder(), dir.join(format!("{name}.redb")), Sharing::nats(&server.url(), stream, name))
+        .expect("a sharing head opens")
+}
+
+/// Conversation `c`'s prompt at turn `t` (each turn extends the last).
+fn prompt(c: u32, t: u32) -> Vec<u32> {
+    (0..(64 * (3 + 2 * t) + 17)).map(|i| if i < 128 { i } else { (c + 1) * 1_000_000 + i }).collect()
+}
+
+/// Waits until every head has applied the stream up to `seq`.
+fn converge(heads: &[&SharedWarm], seq: u64) {
+    for h in heads {
+        assert!(h.wait_applied(seq, Duration::from_secs(30)), "a head applied {seq}: {:?}", h.share_stats());
+    }
+}
+
+/// The stream's last sequence, as the heads see it once everything they made is in it.
+fn last_seq(heads: &[&SharedWarm]) -> u64 {
+    for h in heads {
+        h.sync().expect("events published");
+    }
+    // Every head's events are in; give the heads a fetch to see the end.
+    std::thread::sleep(Duration::from_millis(300));
+    heads.iter().map(|h| h.share_stats().applied + h.share_stats().unapplied).max().unwrap_or(0)
+}
+
+/// Every head answers every query alike.
+fn same_answers(heads: &[&SharedWarm], queries: &[Vec<u32>]) -> usize {
+    let mut warm_answers = 0;
+    for q in queries {
+        let first = heads[0].warm_nodes(MODEL, q).expect("warm_nodes");
+        let best = heads[0].warmest(MODEL, q).expect("warmest");
+        warm_answers += usize::from(best.is_some());
+        for h in &heads[1..] {
+            assert_eq!(h.warm_nodes(MODEL, q).expect("warm_nodes"), first, "warm_nodes differ");
+            assert_eq!(h.warmest(MODEL, q).expect("warmest"), best, "warmest differs");
+        }
+    }
+    warm_answers
+}
+
+/// Every entry of a file, in key order (`dump`), and its invariants checked.
+fn dump(path: &Path) -> Vec<DumpEntry> {
+    let snapshot = Snapshot::open(path).expect("a snapshot");
+    let check = snapshot.check().expect("check");
+    assert!(check.problems.is_empty(), "{:?}", check.problems);
+    let mut out = Vec::new();
+    snapshot
+        .visit(false, |e| {
+            out.push(e);
+            true
+        })
+        .expect("dump");
+    out.sort_by_key(|e| e.key);
+    out
+}
+
+#[test]
+fn three_heads_with_interleaved_rans_and_forgets_converge() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let names = ["a", "b", "c"];
+    let heads: Vec<SharedWarm> = names.iter().map(|n| head(dir.path(), &server, "conv", n)).collect();
+    let refs: Vec<&SharedWarm> = heads.iter().collect();
+    let mut rng = Rng(7);
+    let mut last_node = vec![None; 40];
+    let (mut rans, mut forgets) = (0, 0);
+    for i in 0..600u32 {
+        let c = rng.below(40) as u32;
+        let t = (i / 40) % 6;
+        let h = &heads[(i % 3) as usize];
+        if i % 97 == 96 {
+            let gone = format!("node-{}", rng.below(6));
+            h.forget_node(&gone).expect("forget");
+            for n in last_node.iter_mut().filter(|n| n.as_deref() == Some(gone.as_str())) {
+                *n = None;
+            }
+            forgets += 1;
+        }
+        let node = format!("node-{}", rng.below(6));
+        h.ran(MODEL, &prompt(c, t), &node).expect("ran");
+        // A head answers its own `ran` at once.
+        assert_eq!(h.warmest(MODEL, &prompt(c, t)).expect("warmest").map(|hit| hit.node), Some(node.clone()));
+        last_node[c as usize] = Some(node);
+        rans += 1;
+    }
+    let seq = last_seq(&refs);
+    assert_eq!(seq, rans + forgets, "every event is in the stream once");
+    converge(&refs, seq);
+    let queries: Vec<Vec<u32>> = (0..40).flat_map(|c| (0..6).map(move |t| prompt(c, t))).collect();
+    let warm = same_answers(&refs, &queries);
+    // What one head ran, the others answer (but where the node was forgotten since).
+    let mut seen = 0;
+    for (c, node) in last_node.iter().enumerate() {
+        let Some(node) = node else { continue };
+        let hits: Vec<_> = heads.iter().map(|h| h.warm_nodes(MODEL, &prompt(c as u32, 0)).expect("nodes")).collect();
+        assert!(hits[0].iter().any(|hit| hit.node == *node), "conversation {c}: {node} is known to every head");
+        seen += 1;
+    }
+    for h in &heads {
+        let s = h.share_stats();
+        assert_eq!((s.applied, s.buffered, s.dropped, s.pending_own, s.rejected), (seq, 0, 0, 0, 0), "{s:?}");
+    }
+    println!(
+        "3 heads: {rans} rans + {forgets} forgets = {seq} events; {warm} of {} queries warm, the same on every head; {seen} cross-head checks",
+        queries.len()
+    );
+    let paths: Vec<_> = names.iter().map(|n| dir.path().join(format!("{n}.redb"))).collect();
+    for h in heads {
+        h.close().expect("close");
+    }
+    let first = dump(&paths[0]);
+    assert!(!first.is_empty());
+    for p in &paths[1..] {
+        assert_eq!(dump(p), first, "the files hold the same entries");
+    }
+}
+
+/// Starts the `shared-head` helper; returns it and its stdout lines.
+fn spawn_head(
+    file: &Path,
+    server: &NatsServer,
+    stream: &str,
+    name: &str,
+    rans: u32,
+    until: Option<u64>,
+) -> (std::process::Child, std::io::Lines<std::io::BufReader<std::process::ChildStdout>>) {
+    use std::io::BufRead;
+    let mut cmd = std::process::Command::new(common::example("shared-head"));
+    cmd.arg(file).arg(server.url()).arg(stream).arg(name).arg(rans.to_string());
+    if let Some(until) = until {
+        cmd.arg(until.to_string());
+    }
+    let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().expect("shared-head starts");
+    let lines = std::io::BufReader::new(child.stdout.take().expect("stdout")).lines();
+    (child, lines)
+}
+
+fn line_with(lines: &mut impl Iterator<Item = std::io::Result<String>>, prefix: &str) -> String {
+    lines
+        .map(|l| l.expect("a line"))
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_else(|| panic!("no line starting with {prefix:?}"))
+}
+
+fn number(line: &str, word: &str) -> u64 {
+    let mut words = line.split_whitespace();
+    words.find(|w| *w == word).and_then(|_| words.next()).and_then(|n| n.parse().ok()).expect("a number")
+}
+
+#[test]
+fn a_head_killed_mid_stream_resumes_after_what_it_made_durable() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let a = head(dir.path(), &server, "kill", "a");
+    let b = head(dir.path(), &server, "kill", "b");
+    let c_file = dir.path().join("c.redb");
+    let mut rounds = Vec::new();
+    for round in 0..3u32 {
+        let (mut child, mut lines) = spawn_head(&c_file, &server, "kill", "c", 5_000, None);
+        let start = number(&line_with(&mut lines, "start"), "start");
+        // The others write while c does; c is killed mid-run.
+        for i in 0..150u32 {
+            let h = if i % 2 == 0 { &a } else { &b };
+            h.ran(MODEL, &prompt(i % 31 + 100 * round, i % 5), &format!("node-{}", i % 4)).expect("ran");
+        }
+        let ran = line_with(&mut lines, &format!("ran {}", 200 + 150 * round));
+        child.kill().expect("kill -9");
+        child.wait().expect("reaped");
+        rounds.push((start, ran));
+    }
+    let seq = last_seq(&[&a, &b]);
+    // c again: it resumes from its file's position and applies the rest, once.
+    let (mut child, mut lines) = spawn_head(&c_file, &server, "kill", "c", 0, Some(seq));
+    let start = number(&line_with(&mut lines, "start"), "start");
+    let done = line_with(&mut lines, "applied");
+    assert!(child.wait().expect("c exits").success());
+    assert_eq!(number(&done, "applied"), seq);
+    assert_eq!(number(&done, "events"), seq - start, "applied after its position exactly once each: {done}");
+    converge(&[&a, &b], seq);
+    println!(
+        "kill -9: 3 rounds killed at {:?}; the stream holds {seq} events; restarted at position {start}, applied {} \
+         (skipped {} redelivered)",
+        rounds,
+        seq - start,
+        number(&done, "skipped")
+    );
+    let (a_file, b_file) = (dir.path().join("a.redb"), dir.path().join("b.redb"));
+    a.close().expect("close");
+    b.close().expect("close");
+    let first = dump(&a_file);
+    assert_eq!(dump(&b_file), first);
+    assert_eq!(
+        dump(&c_file),
+        first,
+        "the killed head's file holds what the others hold: nothing twice, nothing skipped"
+    );
+}
+
+#[test]
+fn heads_converge_after_the_server_restarts_and_buffer_meanwhile() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut server = NatsServer::start(&dir.path().join("js"));
+    let a = head(dir.path(), &server, "restart", "a");
+    let b = head(dir.path(), &server, "restart", "b");
+    for i in 0..100u32 {
+        [&a, &b][(i % 2) as usize].ran(MODEL, &prompt(i % 17, i % 4), &format!("node-{}", i % 3)).expect("ran");
+    }
+    a.sync().expect("published");
+    server.kill();
+    std::thread::sleep(Duration::from_millis(300));
+    for i in 0..100u32 {
+        let h = [&a, &b][(i % 2) as usize];
+        h.ran(MODEL, &prompt(i % 17 + 50, i % 4), "node-9").expect("a ran never waits on the network");
+        assert_eq!(
+            h.warmest(MODEL, &prompt(i % 17 + 50, i % 4)).expect("warmest").map(|h| h.node),
+            Some("node-9".into())
+        );
+    }
+    let during = (a.share_stats(), b.share_stats());
+    assert!(!during.0.connected && during.0.buffered > 0, "{:?}", during.0);
+    assert!(matches!(a.sync(), Err(superfluid_warm::Error::Unpublished { .. })) || during.0.buffered == 0);
+    server.restart();
+    let seq = last_seq(&[&a, &b]);
+    assert_eq!(seq, 200, "every event once, the retried ones too");
+    converge(&[&a, &b], seq);
+    let after = a.share_stats();
+    assert!(after.connected && after.dropped == 0 && after.buffered == 0, "{after:?}");
+    println!(
+        "server restart: {} + {} events buffered while it was down, then {seq} in the stream",
+        during.0.buffered, during.1.buffered
+    );
+    let (a_file, b_file) = (dir.path().join("a.redb"), dir.path().join("b.redb"));
+    a.close().expect("close");
+    b.close().expect("close");
+    assert_eq!(dump(&a_file), dump(&b_file));
+}
+
+#[test]
+fn a_new_head_starts_from_a_copied_file_or_the_whole_stream_but_not_from_a_dropped_position() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let a = head(dir.path(), &server, "boot", "a");
+    let b = head(dir.path(), &server, "boot", "b");
+    for i in 0..120u32 {
+        [&a, &b][(i % 2) as usize].ran(MODEL, &prompt(i % 23, i % 5), &format!("node-{}", i % 4)).expect("ran");
+    }
+    let seq = last_seq(&[&a, &b]);
+    converge(&[&a, &b], seq);
+    a.sync().expect("durable");
+    // d starts from a copy of a's file (a head stopped for the copy), e from nothing.
+    let a_file = dir.path().join("a.redb");
+    a.close().expect("close");
+    std::fs::copy(&a_file, dir.path().join("d.redb")).expect("copy");
+    let d = head(dir.path(), &server, "boot", "d");
+    assert_eq!(d.share_stats().durable, seq, "the copy carries its position");
+    let e = head(dir.path(), &server, "boot", "e");
+    for i in 0..60u32 {
+        b.ran(MODEL, &prompt(i % 23 + 30, i % 5), "node-7").expect("ran");
+    }
+    let seq2 = last_seq(&[&b, &d, &e]);
+    converge(&[&b, &d, &e], seq2);
+    assert_eq!(d.share_stats().applied_events, seq2 - seq, "d applied only what came after its copy");
+    assert_eq!(e.share_stats().applied_events, seq2, "e applied the whole stream");
+    let queries: Vec<Vec<u32>> = (0..53).flat_map(|c| (0..5).map(move |t| prompt(c, t))).collect();
+    let warm = same_answers(&[&b, &d, &e], &queries);
+    println!(
+        "bootstrap: copy at {seq} + {} events, and the whole {seq2} from nothing; {warm} warm answers alike",
+        seq2 - seq
+    );
+    let files: Vec<_> = ["b", "d", "e"].iter().map(|n| dir.path().join(format!("{n}.redb"))).collect();
+    for h in [b, d, e] {
+        h.close().expect("close");
+    }
+    let first = dump(&files[0]);
+    for f in &files[1..] {
+        assert_eq!(dump(f), first);
+    }
+
+    // A stream that keeps little: a new head's position (nothing) is long gone.
+    let small = |name: &str| {
+        SharedWarm::open(
+            &builder(),
+            dir.path().join(format!("{name}.redb")),
+            Sharing::nats(&server.url(), "small", name).max_bytes(64 * 1024),
+        )
+        .expect("open")
+    };
+    let f = small("f");
+    for i in 0..200u32 {
+        f.ran(MODEL, &prompt(i, 40), "node-1").expect("ran");
+    }
+    f.sync().expect("published");
+    let g = small("g");
+    let started = std::time::Instant::now();
+    while g.share_stats().halted.is_none() && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let halted = g.share_stats().halted.expect("g refuses to start past a gap");
+    assert!(halted.contains("copy of another head's file"), "{halted}");
+    assert_eq!(g.share_stats().applied_events, 0);
+}

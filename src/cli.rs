@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
+use superfluid_warm::tools::heads::{HeadsReport, run_heads};
 use superfluid_warm::tools::replay::{self, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
 use superfluid_warm::{DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
@@ -137,6 +138,19 @@ struct ReplayArgs {
     /// With --restart-every: do not tell the index (what a head without `forget_node` routes).
     #[arg(long, requires = "restart_every")]
     no_forget: bool,
+    /// Spread the requests round-robin over this many heads that share one view through NATS
+    /// JetStream (with --nats), beside as many heads that do not share, and report both warm
+    /// shares and the lag from publish to applied.
+    #[arg(
+        long,
+        requires = "nats",
+        conflicts_with_all = ["threads", "node_cache_blocks", "restart_every", "db"],
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    heads: Option<u32>,
+    /// With --heads: the NATS server (JetStream on) they share through, e.g. nats://127.0.0.1:4222.
+    #[arg(long, requires = "heads")]
+    nats: Option<String>,
     /// As one JSON object.
     #[arg(long)]
     json: bool,
@@ -355,6 +369,7 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "clock_high_water": s.clock, "capacity": s.capacity, "file_bytes": s.file_bytes,
             "schema": s.schema, "hash_scheme": s.hash_scheme, "writer_pid": s.writer,
             "others": s.others, "reclaimable": s.reclaimable, "forgotten_nodes": s.forgotten_nodes,
+            "stream_position": s.stream_position,
         });
         return emit(out, &line.to_string());
     }
@@ -372,6 +387,9 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
         s.others, s.reclaimable, s.forgotten_nodes
     );
     text += &format!("file           {} bytes\nschema         {} ({})\n", s.file_bytes, s.schema, s.hash_scheme);
+    if s.stream_position > 0 {
+        text += &format!("shared         applied a NATS stream up to sequence {}\n", s.stream_position);
+    }
     text += &match s.writer {
         Some(pid) => format!("writer         pid {pid}\n"),
         None => "writer         none (closed cleanly)\n".into(),
@@ -443,6 +461,11 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     if let Some(k) = args.nodes_per_prefix {
         builder.nodes_per_prefix(usize::try_from(k).unwrap_or(usize::MAX));
     }
+    if let (Some(heads), Some(url)) = (args.heads, args.nats.as_deref()) {
+        let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+        let r = run_heads(&builder, dir.path(), url, &workload, &config, heads as usize)?;
+        return emit(out, &if args.json { heads_json(&r, &config, &source) } else { heads_text(&r, &config, &source) });
+    }
     let warm = builder.open(&path)?;
     let bar = indicatif::ProgressBar::with_draw_target(
         Some(workload.len() as u64),
@@ -469,6 +492,57 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
         replay_text(&report, &config, &source, args.db.as_deref(), threaded.as_ref())
     };
     emit(out, &text)
+}
+
+fn heads_json(r: &HeadsReport, c: &Config, source: &str) -> String {
+    json!({
+        "source": source,
+        "requests": r.requests,
+        "heads": r.heads,
+        "nodes": c.nodes,
+        "policy": policy_name(c.policy),
+        "warm_share": r.warm_share(),
+        "warm_share_unshared": r.warm_share_unshared(),
+        "imbalance": r.imbalance,
+        "imbalance_unshared": r.imbalance_unshared,
+        "lag_p50_ms": r.lag_ms(0.5),
+        "lag_p99_ms": r.lag_ms(0.99),
+        "lag_samples": r.lags_ns.len(),
+        "waited": r.waited,
+        "waited_ms": r.waited_for.as_secs_f64() * 1e3,
+        "events": r.events,
+        "wall_s": r.wall.as_secs_f64(),
+    })
+    .to_string()
+}
+
+fn heads_text(r: &HeadsReport, c: &Config, source: &str) -> String {
+    let ms = |q| r.lag_ms(q).map_or_else(|| "-".to_string(), |v| format!("{v:.2}"));
+    format!(
+        "replay: {source}, {} requests round-robin over {} heads, {} nodes, policy {}\n\
+         warm share          {:.2}% with the heads sharing one view (NATS JetStream), {:.2}% with {} heads that do not share\n\
+         load max/min        {:.3} sharing, {:.3} not\n\
+         lag                 publish to applied on the other heads: p50 {} ms, p99 {} ms ({} events)\n\
+         turns that waited   {} for their previous turn to reach their head ({:.1} ms in all; the trace's turns are seconds apart)\n\
+         stream              {} events, applied by every head in {:.2} s{}",
+        r.requests,
+        r.heads,
+        c.nodes,
+        policy_name(c.policy),
+        100.0 * r.warm_share(),
+        100.0 * r.warm_share_unshared(),
+        r.heads,
+        r.imbalance,
+        r.imbalance_unshared,
+        ms(0.5),
+        ms(0.99),
+        r.lags_ns.len(),
+        r.waited,
+        r.waited_for.as_secs_f64() * 1e3,
+        r.events,
+        r.wall.as_secs_f64(),
+        r.errors.iter().map(|e| format!("\nretried             {e}")).collect::<String>(),
+    )
 }
 
 fn micros(d: Duration) -> f64 {

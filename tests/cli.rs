@@ -398,3 +398,46 @@ fn replay_with_restarts_counts_warm_tokens_sent_to_a_restarted_node() {
     let bad = run(&["replay", "--requests", "10", "--no-forget"]);
     assert_eq!(bad.status.code(), Some(2), "{}", text(&bad.stderr));
 }
+
+/// `replay --heads 3 --nats URL`: the heads sharing one view route more warm than three that
+/// do not, every event reaches every head, and the lag is reported; `stats` and a live `dump`
+/// read a sharing head's file as any other.
+#[test]
+fn replay_over_heads_sharing_through_nats_and_stats_of_a_sharing_heads_file() {
+    let dir = tempdir();
+    let server = common::nats::NatsServer::start(&dir.path().join("js"));
+    let url = server.url();
+    let out = run(&["replay", "--heads", "3", "--nats", &url, "--requests", "600", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r = &json_lines(&out)[0];
+    let share = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("{k} in {r}"));
+    assert_eq!((r["heads"].as_u64(), r["events"].as_u64(), r["requests"].as_u64()), (Some(3), Some(600), Some(600)));
+    assert!(share("warm_share") > share("warm_share_unshared") + 0.05, "{r}");
+    assert!(share("lag_p50_ms") > 0.0 && share("lag_p50_ms") <= share("lag_p99_ms"), "{r}");
+    assert_eq!(r["lag_samples"].as_u64(), Some(1200), "each event on the two other heads");
+    let out = run(&["replay", "--heads", "2", "--nats", &url, "--requests", "300"]);
+    assert!(text(&out.stdout).contains("with the heads sharing one view"), "{}", text(&out.stdout));
+    assert!(!run(&["replay", "--heads", "2"]).status.success(), "--heads needs --nats");
+
+    let path = dir.path().join("shared.redb");
+    let mut builder = superfluid_warm::Warm::builder();
+    builder.sync_window(Duration::from_millis(5));
+    let head = superfluid_warm::SharedWarm::open(&builder, &path, superfluid_warm::Sharing::nats(&url, "cli", "a"))
+        .expect("a sharing head");
+    for i in 0..40u32 {
+        let tokens: Vec<u32> = (0..64 * (2 + i % 5)).map(|t| t + 1_000 * i).collect();
+        head.ran("m", &tokens, &format!("node-{}", i % 3)).expect("ran");
+    }
+    head.sync().expect("published");
+    assert!(head.wait_applied(40, Duration::from_secs(30)));
+    head.local().sync().expect("durable");
+    let live = run(&["dump", path.to_str().expect("utf-8"), "--json"]);
+    assert!(live.status.success(), "{}", text(&live.stderr));
+    assert!(!json_lines(&live).is_empty(), "a live dump of a sharing head's file");
+    head.close().expect("close");
+    let stats = run(&["stats", path.to_str().expect("utf-8"), "--json"]);
+    assert!(stats.status.success(), "{}", text(&stats.stderr));
+    let s = &json_lines(&stats)[0];
+    assert_eq!(s["stream_position"].as_u64(), Some(40), "{s}");
+    assert!(text(&run(&["stats", path.to_str().expect("utf-8")]).stdout).contains("up to sequence 40"));
+}

@@ -410,16 +410,19 @@ impl Warm {
         Ok(())
     }
 
+    #[cfg(feature = "nats")]
     /// The stream sequence of the last shared event committed durably (0 if none).
     pub(crate) fn durable_position(&self) -> u64 {
         self.inner.durable_position.load(Ordering::Acquire)
     }
 
+    #[cfg(feature = "nats")]
     /// The hash scheme of the file's keys.
     pub(crate) fn scheme(&self) -> Scheme {
         self.inner.scheme
     }
 
+    #[cfg(feature = "nats")]
     /// Whether a commit thread writes the file (the sync window is not zero).
     pub(crate) fn threaded(&self) -> bool {
         self.flusher.is_some()

@@ -81,6 +81,7 @@ impl Namespace {
         })
     }
 
+    #[cfg(feature = "nats")]
     /// A namespace as another head's event names it: its model, whether it is a tenant's and
     /// its public id, without the tenant salt or the chain key (it can name entries, never
     /// hash tokens). Without a tenant the id must be the model's.

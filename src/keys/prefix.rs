@@ -26,11 +26,13 @@ impl Prefix {
         Prefix { namespace: namespace.clone(), scheme, blocks: namespace.chain_in(scheme, tokens), legacy: Vec::new() }
     }
 
+    #[cfg(feature = "nats")]
     /// A prefix of keys hashed elsewhere (another head's event), in `scheme`.
     pub(crate) fn from_keys(scheme: Scheme, namespace: Namespace, blocks: Vec<BlockKey>) -> Prefix {
         Prefix { namespace, scheme, blocks, legacy: Vec::new() }
     }
 
+    #[cfg(feature = "nats")]
     /// The block keys, in chain order.
     pub(crate) fn keys(&self) -> &[BlockKey] {
         &self.blocks

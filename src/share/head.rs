@@ -111,6 +111,7 @@ impl SharedWarm {
             status: Mutex::new(Status::default()),
             progress: Condvar::new(),
             stop: AtomicBool::new(false),
+            ready: AtomicBool::new(false),
         });
         let link = link::spawn(Arc::clone(&shared))?;
         Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1) })
@@ -208,7 +209,7 @@ impl SharedWarm {
             }
         }
         // Longest first; the stable sort keeps this head's own first among equals.
-        hits.sort_by(|a, b| b.tokens.cmp(&a.tokens));
+        hits.sort_by_key(|h| std::cmp::Reverse(h.tokens));
         Ok(hits)
     }
 

@@ -26,6 +26,8 @@ use crate::keys::{Namespace, Prefix};
 const PUBLISH_WINDOW: usize = 256;
 /// Events fetched from the consumer at once.
 const FETCH: usize = 512;
+/// How often the consumer acks what is durable and looks at the stream's age, busy or idle.
+const TICK: Duration = Duration::from_millis(50);
 /// Lag samples kept (the newest).
 const LAG_SAMPLES: usize = 1 << 16;
 
@@ -43,6 +45,8 @@ pub(crate) struct Shared {
     /// Signalled (with `status`) when events are applied or published.
     pub progress: Condvar,
     pub stop: AtomicBool,
+    /// The stream exists (a publish before would be refused).
+    pub ready: AtomicBool,
 }
 
 /// What the link knows, for `stats` and for waiters.
@@ -161,7 +165,10 @@ async fn publish_loop(shared: &Shared, js: &Context) {
                 return;
             }
         }
-        let window = shared.outbox().peek(PUBLISH_WINDOW);
+        let window = match shared.ready.load(Ordering::Acquire) {
+            true => shared.outbox().peek(PUBLISH_WINDOW),
+            false => Vec::new(),
+        };
         if window.is_empty() {
             tokio::select! {
                 _ = shared.wake.notified() => {}
@@ -238,6 +245,7 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                 continue;
             }
         };
+        shared.ready.store(true, Ordering::Release);
         match stream.info().await {
             Ok(info) => {
                 let (first, last) = (info.state.first_sequence, info.state.last_sequence);
@@ -285,68 +293,74 @@ async fn consume_loop(shared: &Shared, js: &Context) {
             }
         };
         to_ack.clear();
+        let mut messages = match consumer
+            .stream()
+            .max_messages_per_batch(FETCH)
+            .expires(Duration::from_secs(5))
+            .heartbeat(Duration::from_secs(1))
+            .messages()
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                shared.note_error("fetching", e);
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let mut last_tick = Instant::now();
         while !shared.stop.load(Ordering::Acquire) {
-            let mut batch =
-                match consumer.batch().max_messages(FETCH).expires(Duration::from_millis(200)).messages().await {
-                    Ok(b) => b,
-                    Err(e) => {
-                        shared.note_error("fetching", e);
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue 'connect;
-                    }
-                };
-            let mut last_pending = None;
-            while let Some(message) = batch.next().await {
-                let message = match message {
-                    Ok(m) => m,
-                    Err(e) => {
-                        shared.note_error("fetching", e);
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue 'connect;
-                    }
-                };
-                let Ok((seq, pending)) = message.info().map(|i| (i.stream_sequence, i.pending)) else {
-                    continue;
-                };
-                last_pending = Some(pending);
-                if seq <= applied {
-                    shared.status().skipped += 1;
-                    continue;
+            let next = tokio::time::timeout(TICK, messages.next()).await;
+            if next.is_err() || last_tick.elapsed() >= TICK {
+                // Idle, or a tick's worth of events: the counts, the age, the acks.
+                last_tick = Instant::now();
+                if shared.status().unapplied > 0 && shared.status().oldest_unapplied.is_none() {
+                    oldest_unapplied(shared, &stream, applied).await;
                 }
-                if seq != applied + 1 {
-                    shared.status().halted = Some(gap(&shared.sharing, applied, seq));
+                ack_durable(shared, &mut to_ack).await;
+            }
+            let message = match next {
+                Err(_) => continue,
+                Ok(None) => continue 'connect,
+                Ok(Some(Err(e))) => {
+                    shared.note_error("fetching", e);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     continue 'connect;
                 }
-                match apply(shared, seq, &message.payload) {
-                    Ok(()) => {
-                        applied = seq;
-                        to_ack.push_back((seq, message));
-                    }
-                    Err(e) => {
-                        // Not the event's fault (a failed commit): from the position again.
-                        shared.note_error("applying", e);
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                        continue 'connect;
-                    }
-                }
+                Ok(Some(Ok(m))) => m,
+            };
+            let Ok((seq, pending)) = message.info().map(|i| (i.stream_sequence, i.pending)) else {
+                continue;
+            };
+            if seq <= applied {
+                shared.status().skipped += 1;
+                continue;
             }
-            {
-                let mut status = shared.status();
-                status.applied = applied;
-                status.stream_last = status.stream_last.max(applied);
-                if let Some(pending) = last_pending {
+            if seq != applied + 1 {
+                shared.status().halted = Some(gap(&shared.sharing, applied, seq));
+                continue 'connect;
+            }
+            match apply(shared, seq, &message.payload) {
+                Ok(()) => {
+                    applied = seq;
+                    to_ack.push_back((seq, message));
+                    let mut status = shared.status();
+                    status.applied = seq;
                     status.unapplied = pending;
-                    status.stream_last = applied + pending;
+                    status.stream_last = status.stream_last.max(seq + pending);
+                    if pending == 0 {
+                        status.oldest_unapplied = None;
+                    }
+                    drop(status);
+                    shared.progress.notify_all();
                 }
-                if status.unapplied == 0 {
-                    status.oldest_unapplied = None;
+                Err(e) => {
+                    // Not the event's fault (a failed commit): from the position again.
+                    shared.note_error("applying", e);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue 'connect;
                 }
             }
-            shared.progress.notify_all();
-            if shared.status().unapplied > 0 && shared.status().oldest_unapplied.is_none() {
-                oldest_unapplied(shared, &stream, applied).await;
-            }
-            ack_durable(shared, &mut to_ack).await;
         }
     }
     ack_durable(shared, &mut to_ack).await;

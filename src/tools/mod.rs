@@ -4,5 +4,7 @@
 //! Uses the library's public API, and the 0.1.7 formats from `keys` and `store`.
 
 pub mod baseline;
+#[cfg(feature = "nats")]
+pub mod heads;
 pub mod replay;
 pub mod trace;

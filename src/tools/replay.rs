@@ -180,18 +180,18 @@ pub fn node_name(i: usize) -> String {
 }
 
 /// Sliding-window load per node.
-struct Load {
+pub(super) struct Load {
     per_node: Vec<u64>,
     recent: VecDeque<(usize, u64)>,
     window: usize,
 }
 
 impl Load {
-    fn new(config: &Config) -> Load {
+    pub(super) fn new(config: &Config) -> Load {
         Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) }
     }
 
-    fn add(&mut self, node: usize, tokens: u64) {
+    pub(super) fn add(&mut self, node: usize, tokens: u64) {
         self.per_node[node] += tokens;
         self.recent.push_back((node, tokens));
         if self.recent.len() > self.window
@@ -257,7 +257,7 @@ fn written_bytes() -> Option<u64> {
 }
 
 /// A request's prompt as the replay gives it (mapped into the vocabulary, if one is set).
-fn prompt(config: &Config, request: &Request) -> Vec<u32> {
+pub(super) fn prompt(config: &Config, request: &Request) -> Vec<u32> {
     let mut tokens = request.tokens();
     if let Some(vocab) = config.vocab.filter(|&v| v > 0) {
         tokens.iter_mut().for_each(|t| *t %= vocab);
@@ -269,7 +269,7 @@ fn prompt(config: &Config, request: &Request) -> Vec<u32> {
 /// tokens; longest first): `Warmest` the first; `Balanced`, unless the cluster is imbalanced,
 /// the least loaded whose warm prefix covers `min_share` of the prompt. Returns the node and the
 /// tokens it has warm.
-fn choose_among(config: &Config, load: &Load, warm: &[(usize, usize)], tokens: usize) -> (usize, usize) {
+pub(super) fn choose_among(config: &Config, load: &Load, warm: &[(usize, usize)], tokens: usize) -> (usize, usize) {
     let warm_len = |node: usize| warm.iter().find(|w| w.0 == node).map_or(0, |w| w.1);
     let chosen = match config.policy {
         Policy::Warmest => choose(config, load, warm.first().copied(), tokens),

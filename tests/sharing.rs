@@ -322,3 +322,71 @@ fn a_new_head_starts_from_a_copied_file_or_the_whole_stream_but_not_from_a_dropp
     assert!(halted.contains("copy of another head's file"), "{halted}");
     assert_eq!(g.share_stats().applied_events, 0);
 }
+
+#[test]
+fn a_partition_between_one_head_and_the_server_heals_into_one_view() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let proxy = common::nats::Proxy::to(&server);
+    let a = head(dir.path(), &server, "part", "a");
+    let c = SharedWarm::open(&builder(), dir.path().join("c.redb"), Sharing::nats(&proxy.url(), "part", "c"))
+        .expect("c opens through the proxy");
+    for i in 0..60u32 {
+        [&a, &c][(i % 2) as usize].ran(MODEL, &prompt(i % 13, i % 4), &format!("node-{}", i % 3)).expect("ran");
+    }
+    let before = last_seq(&[&a, &c]);
+    converge(&[&a, &c], before);
+    proxy.cut();
+    // Both sides go on routing; c buffers, a's events wait in the stream for c.
+    for i in 0..80u32 {
+        let h = [&a, &c][(i % 2) as usize];
+        h.ran(MODEL, &prompt(i % 13 + 20, i % 4), &format!("node-{}", 3 + i % 3)).expect("ran");
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let cut = (a.share_stats(), c.share_stats());
+    assert!(cut.1.buffered > 0 && !cut.1.connected, "{:?}", cut.1);
+    assert_eq!(cut.1.applied, before, "c applies nothing while cut off");
+    proxy.heal();
+    let seq = last_seq(&[&a, &c]);
+    assert_eq!(seq, 140);
+    converge(&[&a, &c], seq);
+    let queries: Vec<Vec<u32>> = (0..33).flat_map(|c| (0..4).map(move |t| prompt(c, t))).collect();
+    let warm = same_answers(&[&a, &c], &queries);
+    println!(
+        "partition: c buffered {} events while cut off at {before}; healed, both at {seq}, {warm} warm answers alike",
+        cut.1.buffered
+    );
+    let (a_file, c_file) = (dir.path().join("a.redb"), dir.path().join("c.redb"));
+    a.close().expect("close");
+    c.close().expect("close");
+    assert_eq!(dump(&a_file), dump(&c_file));
+}
+
+#[test]
+fn with_no_server_a_head_routes_locally_buffers_a_bounded_number_and_counts_what_it_dropped() {
+    let dir = tempfile::tempdir().expect("dir");
+    // A port nothing listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+    let sharing = Sharing::nats(&format!("nats://127.0.0.1:{port}"), "none", "a")
+        .buffer_events(10)
+        .publish_timeout(Duration::from_millis(200));
+    let h = SharedWarm::open(&builder(), dir.path().join("a.redb"), sharing).expect("opens without a server");
+    let started = std::time::Instant::now();
+    for i in 0..30u32 {
+        h.ran(MODEL, &prompt(i, 2), "node-1").expect("a ran never waits on the network");
+    }
+    assert!(started.elapsed() < Duration::from_secs(2), "nothing blocked: {:?}", started.elapsed());
+    let s = h.share_stats();
+    assert_eq!((s.buffered, s.dropped, s.published, s.connected), (10, 20, 0, false), "{s:?}");
+    assert_eq!(
+        h.warmest(MODEL, &prompt(29, 2)).expect("warmest").map(|h| h.node),
+        Some("node-1".into()),
+        "buffered: answered"
+    );
+    // Dropped: only the two blocks every prompt here shares are still answered.
+    assert_eq!(h.warmest(MODEL, &prompt(0, 2)).expect("warmest").map(|h| h.tokens), Some(128), "dropped: not answered");
+    match h.sync() {
+        Err(superfluid_warm::Error::Unpublished { events: 10, .. }) => {}
+        other => panic!("sync without a server: {other:?}"),
+    }
+}

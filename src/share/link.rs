@@ -130,11 +130,23 @@ async fn run(shared: &Arc<Shared>) {
         .connection_timeout(Duration::from_secs(2))
         .reconnect_delay_callback(|attempts| Duration::from_millis((50 * attempts as u64).min(1000)))
         .name(format!("superfluid-warm {}", shared.sharing.head));
-    let client = match options.connect(&shared.sharing.url).await {
-        Ok(client) => client,
-        Err(e) => {
-            shared.status().halted = Some(format!("cannot connect to {}: {e}", shared.sharing.url));
-            return;
+    // The first connection is retried in the background until it succeeds; a stop ends it.
+    let connect = options.connect(&shared.sharing.url);
+    tokio::pin!(connect);
+    let client = loop {
+        tokio::select! {
+            connected = &mut connect => match connected {
+                Ok(client) => break client,
+                Err(e) => {
+                    shared.status().halted = Some(format!("cannot connect to {}: {e}", shared.sharing.url));
+                    return;
+                }
+            },
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                if shared.stop.load(Ordering::Acquire) {
+                    return;
+                }
+            }
         }
     };
     let js = jetstream::new(client.clone());
@@ -148,8 +160,30 @@ async fn run(shared: &Arc<Shared>) {
             }
         }
     };
-    tokio::join!(publish_loop(shared, &js), consume_loop(shared, &js), connected);
-    let _ = client.flush().await;
+    // Each loop ends at a stop, but an await on an unreachable server may not: a stop cuts
+    // them short (the publisher after its drain time). Nothing depends on their last acks.
+    let drain = shared.sharing.publish_timeout + Duration::from_millis(100);
+    let publishing = async {
+        tokio::select! {
+            _ = publish_loop(shared, &js) => {}
+            _ = async { stopped(shared).await; tokio::time::sleep(drain).await } => {}
+        }
+    };
+    let consuming = async {
+        tokio::select! {
+            _ = consume_loop(shared, &js) => {}
+            _ = stopped(shared) => {}
+        }
+    };
+    tokio::join!(publishing, consuming, connected);
+    let _ = tokio::time::timeout(Duration::from_millis(200), client.flush()).await;
+}
+
+/// Returns once the head is stopping.
+async fn stopped(shared: &Shared) {
+    while !shared.stop.load(Ordering::Acquire) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Publishes the outbox oldest first, a window at a time; what is not acknowledged is sent again

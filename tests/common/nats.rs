@@ -77,3 +77,64 @@ impl Drop for NatsServer {
         self.kill();
     }
 }
+
+/// A TCP proxy in front of the server that can be cut (every connection through it closed, new
+/// ones refused) and healed: a network partition between one head and the server.
+pub struct Proxy {
+    pub port: u16,
+    up: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    live: std::sync::Arc<std::sync::Mutex<Vec<TcpStream>>>,
+}
+
+impl Proxy {
+    pub fn to(server: &NatsServer) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a proxy port");
+        let port = listener.local_addr().expect("address").port();
+        let target = server.port;
+        let up = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let live = std::sync::Arc::new(std::sync::Mutex::new(Vec::<TcpStream>::new()));
+        let (up2, live2) = (up.clone(), live.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                if !up2.load(Ordering::Acquire) {
+                    continue;
+                }
+                let Ok(upstream) = TcpStream::connect(("127.0.0.1", target)) else { continue };
+                let mut live = live2.lock().expect("proxy list");
+                for s in [&client, &upstream] {
+                    if let Ok(c) = s.try_clone() {
+                        live.push(c);
+                    }
+                }
+                for (mut from, mut to) in
+                    [(client.try_clone(), upstream.try_clone()), (upstream.try_clone(), client.try_clone())]
+                        .into_iter()
+                        .filter_map(|(a, b)| a.ok().zip(b.ok()))
+                {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { port, up, live }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Closes every connection through it and refuses new ones.
+    pub fn cut(&self) {
+        self.up.store(false, std::sync::atomic::Ordering::Release);
+        for s in self.live.lock().expect("proxy list").drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    pub fn heal(&self) {
+        self.up.store(true, std::sync::atomic::Ordering::Release);
+    }
+}

@@ -26,7 +26,8 @@ fn layer_of(relative: &Path) -> String {
 fn root_names(lib: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for statement in lib.split(';') {
-        let Some(path) = statement.trim().strip_prefix("pub use ") else { continue };
+        // An attribute (`#[cfg(feature = "nats")]`) may come first.
+        let Some(path) = statement.trim().split_once("pub use ").map(|(_, path)| path) else { continue };
         let layer: String = path.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
         let names = path.split(|c: char| !(c.is_alphanumeric() || c == '_')).filter(|w| !w.is_empty());
         for name in names.skip(1) {

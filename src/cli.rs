@@ -562,7 +562,7 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
-        "sustained_ratio": r.baseline.as_ref().map(|b| (r.index.total + r.final_sync).as_secs_f64() / b.total.as_secs_f64().max(1e-12)),
+        "sustained_ratio": r.sustained().map(|(_, ratio)| ratio),
         "warm_share_cached": r.warm_share_cached(), "warm_requests_not_cached": r.warm_not_cached,
         "warm_tokens_cached": r.warm_tokens_cached, "chosen_node_cached_share": r.chosen_cached_share(),
         "node_cache_blocks": c.node_cache_blocks,
@@ -637,14 +637,12 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
         );
     }
     t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
-    if let Some(b) = &r.baseline {
+    if let (Some((ours, ratio)), Some(b)) = (r.sustained(), &r.baseline) {
         // Back to back, the commit thread's backlog is part of the index's time.
-        let ours = r.index.total + r.final_sync;
         t += &format!(
-            "sustained           index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {:.2}x\n",
+            "sustained           index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {ratio:.2}x\n",
             ours.as_secs_f64() * 1e3,
             b.total.as_secs_f64() * 1e3,
-            ours.as_secs_f64() / b.total.as_secs_f64().max(1e-12)
         );
     }
     let per_request = |b: u64| b as f64 / r.requests.max(1) as f64 / 1024.0;

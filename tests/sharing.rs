@@ -390,3 +390,44 @@ fn with_no_server_a_head_routes_locally_buffers_a_bounded_number_and_counts_what
         other => panic!("sync without a server: {other:?}"),
     }
 }
+
+/// The publisher's dedup: every event carries a `Nats-Msg-Id`, and the stream stores a publish
+/// of the same id again (a retry after a lost acknowledgement) once; no head applies it twice.
+#[test]
+fn a_publish_retried_under_the_same_message_id_is_stored_once() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let a = head(dir.path(), &server, "dedup", "a");
+    let b = head(dir.path(), &server, "dedup", "b");
+    for i in 0..5u32 {
+        a.ran(MODEL, &prompt(i, 1), "node-1").expect("ran");
+    }
+    let seq = last_seq(&[&a, &b]);
+    assert_eq!(seq, 5);
+    converge(&[&a, &b], seq);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let (ids, retried) = runtime.block_on(async {
+        let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.expect("a client"));
+        let stream = js.get_stream("dedup").await.expect("the stream");
+        let mut ids = Vec::new();
+        for s in 1..=seq {
+            let m = stream.get_raw_message(s).await.expect("a message");
+            ids.push(m.headers.get("Nats-Msg-Id").map(|v| v.to_string()).expect("a message id"));
+            if s == 3 {
+                // The same message again, as a publisher retrying after a timeout would.
+                let again = js.publish_with_headers(m.subject.clone(), m.headers.clone(), m.payload.clone()).await;
+                let ack = again.expect("published").await.expect("acknowledged");
+                assert!(ack.duplicate && ack.sequence == 3, "{ack:?}");
+            }
+        }
+        let info = js.get_stream("dedup").await.expect("the stream").info().await.expect("info").state.clone();
+        (ids, info.last_sequence)
+    });
+    let mut distinct = ids.clone();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 5, "one id an event: {ids:?}");
+    assert_eq!(retried, 5, "the retry was not stored");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!((a.share_stats().applied_events, b.share_stats().applied_events), (5, 5));
+    println!("dedup: 5 events, ids {ids:?}; a retried publish of the third was acknowledged as a duplicate");
+}

@@ -145,6 +145,13 @@ pub struct Report {
 }
 
 impl Report {
+    /// Back to back, the index's time (per request, summed) plus the final `sync` that drains
+    /// the commit thread's backlog, and that over 0.1.7's total (`None` without the baseline).
+    pub fn sustained(&self) -> Option<(Duration, f64)> {
+        let ours = self.index.total + self.final_sync;
+        self.baseline.map(|b| (ours, ours.as_secs_f64() / b.total.as_secs_f64().max(1e-12)))
+    }
+
     /// Share of prompt tokens routed warm.
     pub fn warm_share(&self) -> f64 {
         if self.prompt_tokens == 0 { 0.0 } else { self.warm_tokens as f64 / self.prompt_tokens as f64 }

@@ -430,7 +430,7 @@ fn replay_over_heads_sharing_through_nats_and_stats_of_a_sharing_heads_file() {
     }
     head.sync().expect("published");
     assert!(head.wait_applied(40, Duration::from_secs(30)));
-    head.local().sync().expect("durable");
+    head.sync().expect("durable");
     let live = run(&["dump", path.to_str().expect("utf-8"), "--json"]);
     assert!(live.status.success(), "{}", text(&live.stderr));
     assert!(!json_lines(&live).is_empty(), "a live dump of a sharing head's file");

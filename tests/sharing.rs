@@ -36,14 +36,12 @@ fn converge(heads: &[&SharedWarm], seq: u64) {
     }
 }
 
-/// The stream's last sequence, as the heads see it once everything they made is in it.
-fn last_seq(heads: &[&SharedWarm]) -> u64 {
+/// The stream's last sequence, once every head's events are in it (as the server says).
+fn last_seq(server: &NatsServer, stream: &str, heads: &[&SharedWarm]) -> u64 {
     for h in heads {
         h.sync().expect("events published");
     }
-    // Every head's events are in; give the heads a fetch to see the end.
-    std::thread::sleep(Duration::from_millis(300));
-    heads.iter().map(|h| h.share_stats().applied + h.share_stats().unapplied).max().unwrap_or(0)
+    server.last_seq(stream)
 }
 
 /// Every head answers every query alike.
@@ -106,7 +104,7 @@ fn three_heads_with_interleaved_rans_and_forgets_converge() {
         last_node[c as usize] = Some(node);
         rans += 1;
     }
-    let seq = last_seq(&refs);
+    let seq = last_seq(&server, "conv", &refs);
     assert_eq!(seq, rans + forgets, "every event is in the stream once");
     converge(&refs, seq);
     let queries: Vec<Vec<u32>> = (0..40).flat_map(|c| (0..6).map(move |t| prompt(c, t))).collect();
@@ -191,7 +189,7 @@ fn a_head_killed_mid_stream_resumes_after_what_it_made_durable() {
         child.wait().expect("reaped");
         rounds.push((start, ran));
     }
-    let seq = last_seq(&[&a, &b]);
+    let seq = last_seq(&server, "kill", &[&a, &b]);
     // c again: it resumes from its file's position and applies the rest, once.
     let (mut child, mut lines) = spawn_head(&c_file, &server, "kill", "c", 0, Some(seq));
     let start = number(&line_with(&mut lines, "start"), "start");
@@ -243,9 +241,14 @@ fn heads_converge_after_the_server_restarts_and_buffer_meanwhile() {
     assert!(!during.0.connected && during.0.buffered > 0, "{:?}", during.0);
     assert!(matches!(a.sync(), Err(superfluid_warm::Error::Unpublished { .. })) || during.0.buffered == 0);
     server.restart();
-    let seq = last_seq(&[&a, &b]);
+    let seq = last_seq(&server, "restart", &[&a, &b]);
     assert_eq!(seq, 200, "every event once, the retried ones too");
     converge(&[&a, &b], seq);
+    // The connection state is looked at every 50 ms.
+    let started = std::time::Instant::now();
+    while !a.share_stats().connected && started.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let after = a.share_stats();
     assert!(after.connected && after.dropped == 0 && after.buffered == 0, "{after:?}");
     println!(
@@ -267,7 +270,7 @@ fn a_new_head_starts_from_a_copied_file_or_the_whole_stream_but_not_from_a_dropp
     for i in 0..120u32 {
         [&a, &b][(i % 2) as usize].ran(MODEL, &prompt(i % 23, i % 5), &format!("node-{}", i % 4)).expect("ran");
     }
-    let seq = last_seq(&[&a, &b]);
+    let seq = last_seq(&server, "boot", &[&a, &b]);
     converge(&[&a, &b], seq);
     a.sync().expect("durable");
     // d starts from a copy of a's file (a head stopped for the copy), e from nothing.
@@ -280,7 +283,7 @@ fn a_new_head_starts_from_a_copied_file_or_the_whole_stream_but_not_from_a_dropp
     for i in 0..60u32 {
         b.ran(MODEL, &prompt(i % 23 + 30, i % 5), "node-7").expect("ran");
     }
-    let seq2 = last_seq(&[&b, &d, &e]);
+    let seq2 = last_seq(&server, "boot", &[&b, &d, &e]);
     converge(&[&b, &d, &e], seq2);
     assert_eq!(d.share_stats().applied_events, seq2 - seq, "d applied only what came after its copy");
     assert_eq!(e.share_stats().applied_events, seq2, "e applied the whole stream");
@@ -334,7 +337,7 @@ fn a_partition_between_one_head_and_the_server_heals_into_one_view() {
     for i in 0..60u32 {
         [&a, &c][(i % 2) as usize].ran(MODEL, &prompt(i % 13, i % 4), &format!("node-{}", i % 3)).expect("ran");
     }
-    let before = last_seq(&[&a, &c]);
+    let before = last_seq(&server, "part", &[&a, &c]);
     converge(&[&a, &c], before);
     proxy.cut();
     // Both sides go on routing; c buffers, a's events wait in the stream for c.
@@ -347,7 +350,7 @@ fn a_partition_between_one_head_and_the_server_heals_into_one_view() {
     assert!(cut.1.buffered > 0 && !cut.1.connected, "{:?}", cut.1);
     assert_eq!(cut.1.applied, before, "c applies nothing while cut off");
     proxy.heal();
-    let seq = last_seq(&[&a, &c]);
+    let seq = last_seq(&server, "part", &[&a, &c]);
     assert_eq!(seq, 140);
     converge(&[&a, &c], seq);
     let queries: Vec<Vec<u32>> = (0..33).flat_map(|c| (0..4).map(move |t| prompt(c, t))).collect();
@@ -402,7 +405,7 @@ fn a_publish_retried_under_the_same_message_id_is_stored_once() {
     for i in 0..5u32 {
         a.ran(MODEL, &prompt(i, 1), "node-1").expect("ran");
     }
-    let seq = last_seq(&[&a, &b]);
+    let seq = last_seq(&server, "dedup", &[&a, &b]);
     assert_eq!(seq, 5);
     converge(&[&a, &b], seq);
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
@@ -424,6 +427,7 @@ fn a_publish_retried_under_the_same_message_id_is_stored_once() {
         (ids, info.last_sequence)
     });
     let mut distinct = ids.clone();
+    distinct.sort();
     distinct.dedup();
     assert_eq!(distinct.len(), 5, "one id an event: {ids:?}");
     assert_eq!(retried, 5, "the retry was not stored");

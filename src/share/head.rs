@@ -96,7 +96,7 @@ impl SharedWarm {
     /// [`Error::InvalidConfig`] for a zero sync window (a sharing head has a commit thread).
     pub fn open(builder: &Builder, path: impl AsRef<Path>, sharing: Sharing) -> Result<SharedWarm> {
         sharing.validate()?;
-        let warm = builder.open(path)?;
+        let warm: Warm = builder.open(path)?;
         if !warm.threaded() {
             return Err(Error::InvalidConfig { detail: "a sharing head needs a sync window above zero".into() });
         }
@@ -115,11 +115,6 @@ impl SharedWarm {
         });
         let link = link::spawn(Arc::clone(&shared))?;
         Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1) })
-    }
-
-    /// The head's own index (what it has applied from the stream), for reads.
-    pub fn local(&self) -> &Warm {
-        &self.shared.warm
     }
 
     /// As [`Warm::prefix`].
@@ -258,6 +253,9 @@ impl SharedWarm {
     }
 
     fn send(&self, what: What, answer: impl FnOnce(&mut Pending, u64)) -> Result<Ticket> {
+        // Numbered under the pending lock, so that the outbox (and the stream) has them in
+        // number order, as the pending events compare them.
+        let mut pending = self.shared.pending();
         let local = self.next_local.fetch_add(1, Ordering::Relaxed);
         let origin = Origin {
             head: self.shared.sharing.head.clone(),
@@ -267,7 +265,6 @@ impl SharedWarm {
         };
         let event = Event { version: EVENT_VERSION, origin, what };
         let out = Out { local, id: event.message_id(), payload: event.encode()? };
-        let mut pending = self.shared.pending();
         answer(&mut pending, local);
         if let Some(dropped) = self.shared.outbox().push(out) {
             pending.settle(dropped);
@@ -314,7 +311,7 @@ impl SharedWarm {
         true
     }
 
-    /// Makes this head's events durable: waits until every one made before it is in the stream
+    /// Makes this head's events durable: waits until every one made before the call is in the stream
     /// (at most the publish timeout), then commits what it applied (as [`Warm::sync`]).
     ///
     /// # Errors
@@ -323,9 +320,11 @@ impl SharedWarm {
     pub fn sync(&self) -> Result<()> {
         let started = Instant::now();
         let timeout = self.shared.sharing.publish_timeout;
+        // The events made before this call, not those made while it waits.
+        let last = self.next_local.load(Ordering::Relaxed).saturating_sub(1);
         let mut status = self.shared.status();
         loop {
-            let buffered = self.shared.outbox().len() as u64;
+            let buffered = self.shared.outbox().count_through(last);
             if buffered == 0 {
                 break;
             }

@@ -225,7 +225,13 @@ async fn publish_loop(shared: &Shared, js: &Context) {
         let mut all = acks.len() == window.len();
         for (local, ack) in acks {
             match tokio::time::timeout(shared.sharing.publish_timeout, ack).await {
-                Ok(Ok(_)) => shared.outbox().acked(local),
+                Ok(Ok(_)) => {
+                    shared.outbox().acked(local);
+                    // A head that cannot apply the stream never sees its own events again.
+                    if shared.status().halted.is_some() {
+                        shared.pending().settle(local);
+                    }
+                }
                 Ok(Err(e)) => {
                     shared.note_error("publishing", e);
                     all = false;
@@ -364,14 +370,18 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                 Ok(Some(Ok(m))) => m,
             };
             let Ok((seq, pending)) = message.info().map(|i| (i.stream_sequence, i.pending)) else {
-                continue;
+                shared.note_error("delivery", "a message without its stream sequence; resuming from the position");
+                continue 'connect;
             };
             if seq <= applied {
                 shared.status().skipped += 1;
                 continue;
             }
             if seq != applied + 1 {
-                shared.status().halted = Some(gap(&shared.sharing, applied, seq));
+                // A delivery lost on the way (a connection that broke after the server sent it:
+                // the server awaits its ack), not necessarily a gap in the stream: from the
+                // position again, where the stream's own bounds tell a real gap.
+                shared.note_error("delivery", format!("got event {seq} after {applied}; resuming from the position"));
                 continue 'connect;
             }
             match apply(shared, seq, &message.payload) {
@@ -466,7 +476,8 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
     }
     let mut status = shared.status();
     status.applied_events += 1;
-    status.from.insert((origin.head.clone(), origin.boot), origin.local);
+    let from = status.from.entry((origin.head.clone(), origin.boot)).or_default();
+    *from = (*from).max(origin.local);
     if origin.head != shared.sharing.head {
         if status.lags_ns.len() == LAG_SAMPLES {
             status.lags_ns.pop_front();

@@ -51,6 +51,11 @@ impl Outbox {
         }
     }
 
+    /// Events numbered up to `local` still to publish.
+    pub(crate) fn count_through(&self, local: u64) -> u64 {
+        self.queue.iter().take_while(|o| o.local <= local).count() as u64
+    }
+
     pub(crate) fn len(&self) -> usize {
         self.queue.len()
     }
@@ -74,5 +79,6 @@ mod tests {
         o.acked(3);
         o.acked(3);
         assert_eq!((o.len(), o.published, o.dropped), (1, 1, 1));
+        assert_eq!((o.count_through(1), o.count_through(2), o.count_through(9)), (0, 1, 1));
     }
 }

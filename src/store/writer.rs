@@ -143,6 +143,9 @@ pub(crate) struct Writer {
     /// The stream sequence of the last shared event applied, as of the batch (0 for a file that
     /// never shared): written in the same transaction as the event's effects.
     pub position: u64,
+    /// `position` as of the last commit (what a failed batch goes back to, even if reading
+    /// the file again fails too).
+    committed_position: u64,
 }
 
 /// One write to the prefix table.
@@ -180,6 +183,7 @@ impl Writer {
             marked: false,
             floor: 0,
             position: 0,
+            committed_position: 0,
         };
         writer.reload(db)?;
         Ok(writer)
@@ -202,6 +206,7 @@ impl Writer {
         let state = read.open_table(STATE).map_err(redb_err("reading the floor"))?;
         self.floor = read_floor(&state)?;
         self.position = read_position(&state)?;
+        self.committed_position = self.position;
         drop(state);
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
@@ -557,6 +562,7 @@ impl Writer {
     /// Rolls the batch back after `error`, returning it with the changes the batch held.
     pub(crate) fn roll_back(&mut self, db: &Database, error: Error) -> Box<RolledBack> {
         let rans = std::mem::take(&mut self.applied);
+        self.position = self.committed_position;
         match self.reload(db) {
             Ok(()) => Box::new(RolledBack { error, rans }),
             Err(reload) => Box::new(RolledBack { error: reload, rans }),
@@ -589,6 +595,7 @@ impl Writer {
         self.nodes.dirty.clear();
         self.meta = meta;
         self.marked = !closing;
+        self.committed_position = self.position;
         Ok(())
     }
 }

@@ -38,7 +38,7 @@ pub struct HeadsReport {
     pub waited: usize,
     /// Their waits in all.
     pub waited_for: Duration,
-    /// Events in the stream at the end.
+    /// Events every head applied (the fewest of any head).
     pub events: u64,
     /// Wall time of the sharing replay, until every head applied every event.
     pub wall: Duration,
@@ -165,9 +165,8 @@ pub fn run_heads(
         head.sync()?;
     }
     // Every head applies every event (the stream holds one per `ran`).
-    report.events = requests.len() as u64;
     for head in &shared {
-        if !head.wait_applied(report.events, Duration::from_secs(60)) {
+        if !head.wait_applied(requests.len() as u64, Duration::from_secs(60)) {
             return Err(Error::Sharing {
                 detail: format!("a head did not apply the whole stream: {:?}", head.share_stats()),
                 source: None,
@@ -175,6 +174,7 @@ pub fn run_heads(
         }
     }
     report.wall = started.elapsed();
+    report.events = shared.iter().map(|h| h.share_stats().applied_events).min().unwrap_or(0);
     report.imbalance = imbalance(&per_node);
     report.imbalance_unshared = imbalance(&per_node_alone);
     report.lags_ns = shared.iter().flat_map(SharedWarm::lags_ns).collect();

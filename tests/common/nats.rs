@@ -57,6 +57,16 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The last sequence of `stream`, as the server says.
+    pub fn last_seq(&self, stream: &str) -> u64 {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+        runtime.block_on(async {
+            let js = async_nats::jetstream::new(async_nats::connect(self.url()).await.expect("a client"));
+            let mut stream = js.get_stream(stream).await.expect("the stream");
+            stream.info().await.expect("its info").state.last_sequence
+        })
+    }
+
     /// Kills the server (-9): what JetStream synced to its store survives.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {

@@ -138,20 +138,14 @@ impl SharedWarm {
     /// # Errors
     /// As [`Warm::warmest_prefix`].
     pub fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
-        // The pending events first: one applied meanwhile is then in the file's answer.
-        let (own, forgotten) = {
-            let pending = self.shared.pending();
-            if pending.is_empty() {
-                drop(pending);
-                return self.shared.warm.warmest_prefix(prefix);
-            }
-            (pending.longest(prefix.keys()), pending.forgotten())
+        let Some((own, forgotten)) = self.own(|p| p.longest(prefix.keys())) else {
+            return self.shared.warm.warmest_prefix(prefix);
         };
         let applied = if forgotten.is_empty() {
             self.shared.warm.warmest_prefix(prefix)?
         } else {
             let nodes = self.shared.warm.warm_nodes_prefix(prefix)?;
-            nodes.into_iter().find(|h| !forgotten.iter().any(|f| **f == *h.node))
+            nodes.into_iter().find(|h| !names(&forgotten, h))
         };
         Ok(match own {
             Some((blocks, node))
@@ -161,6 +155,14 @@ impl SharedWarm {
             }
             _ => applied,
         })
+    }
+
+    /// What this head's own unapplied events say of a prompt (`read`), and the nodes it forgot
+    /// that the stream has not yet brought back; `None` when it has none (the file answers
+    /// alone). Read before the file: an event applied meanwhile is then in the file's answer.
+    fn own<T>(&self, read: impl FnOnce(&Pending) -> T) -> Option<(T, Vec<Arc<str>>)> {
+        let pending = self.shared.pending();
+        (!pending.is_empty()).then(|| (read(&pending), pending.forgotten()))
     }
 
     /// As [`Warm::warm_nodes`], with this head's own events not yet back from the stream.
@@ -177,21 +179,11 @@ impl SharedWarm {
     /// # Errors
     /// As [`Warm::warm_nodes_prefix`].
     pub fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
-        let (own, forgotten) = {
-            let pending = self.shared.pending();
-            if pending.is_empty() {
-                drop(pending);
-                return self.shared.warm.warm_nodes_prefix(prefix);
-            }
-            (pending.nodes(prefix.keys()), pending.forgotten())
+        let Some((own, forgotten)) = self.own(|p| p.nodes(prefix.keys())) else {
+            return self.shared.warm.warm_nodes_prefix(prefix);
         };
-        let mut hits: Vec<Hit> = self
-            .shared
-            .warm
-            .warm_nodes_prefix(prefix)?
-            .into_iter()
-            .filter(|h| !forgotten.iter().any(|f| **f == *h.node))
-            .collect();
+        let mut hits: Vec<Hit> =
+            self.shared.warm.warm_nodes_prefix(prefix)?.into_iter().filter(|h| !names(&forgotten, h)).collect();
         for (node, blocks) in own.into_iter().filter(|&(_, b)| b >= MIN_BLOCKS) {
             let tokens = blocks * BLOCK_TOKENS;
             match hits.iter().position(|h| *h.node == *node) {
@@ -277,38 +269,33 @@ impl SharedWarm {
     /// Waits until this head has applied `ticket`'s event (and all its head made before it),
     /// at most `timeout`; whether it has.
     pub fn wait_for(&self, ticket: &Ticket, timeout: Duration) -> bool {
+        let origin = (ticket.head.to_string(), ticket.boot);
+        self.wait_until(timeout, |status| status.from.get(&origin).is_some_and(|&l| l >= ticket.local))
+    }
+
+    /// Waits until this head has applied the stream up to sequence `seq`, at most `timeout`.
+    pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
+        self.wait_until(timeout, |status| status.applied >= seq)
+    }
+
+    /// Waits until `done` holds, looked at with the link's status held each time the link makes
+    /// progress (and every 20 ms), at most `timeout`; whether it held.
+    fn wait_until(&self, timeout: Duration, mut done: impl FnMut(&Status) -> bool) -> bool {
         let deadline = Instant::now() + timeout;
         let mut status = self.shared.status();
         loop {
-            if status.from.get(&(ticket.head.to_string(), ticket.boot)).is_some_and(|&l| l >= ticket.local) {
+            if done(&status) {
                 return true;
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
-            status = match self.shared.progress.wait_timeout(status, left.min(Duration::from_millis(50))) {
+            status = match self.shared.progress.wait_timeout(status, left.min(Duration::from_millis(20))) {
                 Ok((s, _)) => s,
                 Err(p) => p.into_inner().0,
             };
         }
-    }
-
-    /// Waits until this head has applied the stream up to sequence `seq`, at most `timeout`.
-    pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        let mut status = self.shared.status();
-        while status.applied < seq {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return false;
-            }
-            status = match self.shared.progress.wait_timeout(status, left.min(Duration::from_millis(50))) {
-                Ok((s, _)) => s,
-                Err(p) => p.into_inner().0,
-            };
-        }
-        true
     }
 
     /// Makes this head's events durable: waits until every one made before the call is in the stream
@@ -322,23 +309,13 @@ impl SharedWarm {
         let timeout = self.shared.sharing.publish_timeout;
         // The events made before this call, not those made while it waits.
         let last = self.next_local.load(Ordering::Relaxed).saturating_sub(1);
-        let mut status = self.shared.status();
-        loop {
-            let buffered = self.shared.outbox().count_through(last);
-            if buffered == 0 {
-                break;
+        if !self.wait_until(timeout, |_| self.shared.outbox().count_through(last) == 0) {
+            // (Published just after the wait gave up: then it is done.)
+            let events = self.shared.outbox().count_through(last);
+            if events > 0 {
+                return Err(Error::Unpublished { events, waited: started.elapsed() });
             }
-            let waited = started.elapsed();
-            if waited >= timeout {
-                return Err(Error::Unpublished { events: buffered, waited });
-            }
-            status = match self.shared.progress.wait_timeout(status, (timeout - waited).min(Duration::from_millis(20)))
-            {
-                Ok((s, _)) => s,
-                Err(p) => p.into_inner().0,
-            };
         }
-        drop(status);
         self.shared.warm.sync()
     }
 
@@ -413,4 +390,9 @@ impl Drop for SharedWarm {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Whether `hit` names one of `nodes`.
+fn names(nodes: &[Arc<str>], hit: &Hit) -> bool {
+    nodes.iter().any(|n| **n == *hit.node)
 }

@@ -1,6 +1,7 @@
-//! Several nodes per block and forgetting a node, against a small model of what they mean:
-//! random sequences of `ran`s (conversations moving between nodes), forgets, syncs and reopens,
-//! at capacities that evict, with and without a commit thread.
+//! Several nodes per block, forgetting a node and node caches of finite size, against a small
+//! model of what they mean: random sequences of `ran`s (conversations moving between nodes),
+//! forgets, cache sizes, syncs and reopens, at capacities that evict, with and without a commit
+//! thread.
 
 mod common;
 
@@ -14,6 +15,10 @@ use superfluid_warm::{Hit, Warm};
 /// counts blocks, evicted by 0.1.7's rule on the newest clock of each block; every node seen at
 /// or before the floor is evicted too. A forgotten incarnation still holds its place in a block
 /// until it is pushed out or evicted, but is never answered.
+///
+/// A node's cache is an engine's LRU of whole `ran`s: every block the node ran, by the clock it
+/// last ran it at (whether or not the block still names it); while it holds more than its
+/// capacity, its oldest clock leaves, and a block is answered for the node only while in it.
 /// A node incarnation (name, times forgotten before it) and the clock it last ran a block at.
 type Member = ((String, u32), u64);
 
@@ -24,11 +29,56 @@ struct Model {
     floor: u64,
     blocks: HashMap<Vec<u32>, Vec<Member>>,
     incarnation: HashMap<String, u32>,
+    /// Per incarnation: its cache (block → clock it last ran it at) and its floor.
+    caches: HashMap<(String, u32), (HashMap<Vec<u32>, u64>, u64)>,
+    /// Cache sizes by name, and the default.
+    sizes: HashMap<String, u64>,
+    default_size: Option<u64>,
 }
 
 impl Model {
     fn new(k: usize, capacity: usize) -> Model {
-        Model { k, capacity, clock: 0, floor: 0, blocks: HashMap::new(), incarnation: HashMap::new() }
+        Model {
+            k,
+            capacity,
+            clock: 0,
+            floor: 0,
+            blocks: HashMap::new(),
+            incarnation: HashMap::new(),
+            caches: HashMap::new(),
+            sizes: HashMap::new(),
+            default_size: None,
+        }
+    }
+
+    fn me(&self, node: &str) -> (String, u32) {
+        (node.to_string(), self.incarnation.get(node).copied().unwrap_or(0))
+    }
+
+    /// Drops the oldest clocks of `who`'s cache while it holds more than its size.
+    fn enforce(&mut self, who: &(String, u32)) {
+        let Some(size) = self.sizes.get(&who.0).copied().or(self.default_size) else { return };
+        let Some((cache, floor)) = self.caches.get_mut(who) else { return };
+        while cache.len() as u64 > size {
+            let Some(oldest) = cache.values().copied().min() else { break };
+            cache.retain(|_, c| *c > oldest);
+            *floor = oldest;
+        }
+    }
+
+    fn set_size(&mut self, node: &str, size: Option<u64>) {
+        match size {
+            Some(s) => self.sizes.insert(node.to_string(), s),
+            None => self.sizes.remove(node),
+        };
+        let me = self.me(node);
+        self.enforce(&me);
+    }
+
+    /// Blocks of `tokens` that `node`'s cache holds, from the first on, in tokens.
+    fn cached(&self, tokens: &[u32], node: &str) -> usize {
+        let Some((cache, _)) = self.caches.get(&self.me(node)) else { return 0 };
+        (64..=tokens.len()).step_by(64).take_while(|&end| cache.contains_key(&tokens[..end])).last().unwrap_or(0)
     }
 
     fn ran(&mut self, tokens: &[u32], node: &str) {
@@ -48,14 +98,27 @@ impl Model {
             self.blocks.retain(|_, s| s[0].1 > cut);
             self.floor = cut;
         }
+        let (clock, floor) = (self.clock, self.floor);
+        let (cache, _) = self.caches.entry(me.clone()).or_default();
+        for end in (64..=tokens.len()).step_by(64) {
+            cache.insert(tokens[..end].to_vec(), clock);
+        }
+        for (cache, _) in self.caches.values_mut() {
+            cache.retain(|_, c| *c > floor);
+        }
+        self.enforce(&me);
     }
 
     fn forget(&mut self, node: &str) {
+        let me = self.me(node);
+        self.caches.remove(&me);
         *self.incarnation.entry(node.to_string()).or_default() += 1;
     }
 
     fn live(&self, who: &(String, u32), clock: u64) -> bool {
-        clock > self.floor && self.incarnation.get(&who.0).copied().unwrap_or(0) == who.1
+        clock > self.floor
+            && self.incarnation.get(&who.0).copied().unwrap_or(0) == who.1
+            && self.caches.get(who).is_none_or(|(_, floor)| clock > *floor)
     }
 
     fn warm_nodes(&self, tokens: &[u32]) -> Vec<Hit> {
@@ -79,6 +142,7 @@ enum Op {
     Ran { conversation: usize, grow: usize, node: usize },
     Ask { conversation: usize, cut: usize },
     Forget { node: usize },
+    Size { node: usize, blocks: Option<u64> },
     Sync,
     Reopen,
 }
@@ -93,9 +157,39 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// [`op`], and setting a node's cache size (or back to the default).
+fn op_with_sizes() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => op(),
+        1 => (0..4usize, prop_oneof![Just(None), (4..40u64).prop_map(Some)])
+            .prop_map(|(node, blocks)| Op::Size { node, blocks }),
+    ]
+}
+
 const NODES: [&str; 4] = ["a", "b", "c", "d"];
 
+/// How answers are held to the model.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// Every answer and count is the model's.
+    Exact,
+    /// And each node's cache count too (blocks keep every node, so none is dropped).
+    ExactCaches,
+    /// Blocks drop nodes (`nodes_per_prefix` is small): every node answered holds at least
+    /// what it is answered for in its cache (the index may know less, never more).
+    Cached,
+}
+
 fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Model) -> Result<(), TestCaseError> {
+    run_ops_expecting(ops, open, model, Expect::Exact)
+}
+
+fn run_ops_expecting(
+    ops: Vec<Op>,
+    open: impl Fn() -> Warm,
+    model: &mut Model,
+    expect: Expect,
+) -> Result<(), TestCaseError> {
     let mut warm = open();
     // A shared 128-token system prompt, then each conversation's own turns.
     let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..128).collect()).collect();
@@ -111,14 +205,25 @@ fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Model) -> Result<(
             Op::Ask { conversation, cut } => {
                 let p = &prompts[conversation];
                 let p = &p[..cut.min(p.len())];
-                let want = model.warm_nodes(p);
-                answered += want.len();
-                prop_assert_eq!(&warm.warm_nodes("m", p).expect("warm_nodes"), &want);
-                prop_assert_eq!(warm.warmest("m", p).expect("warmest"), want.first().cloned());
+                let got = warm.warm_nodes("m", p).expect("warm_nodes");
+                if expect != Expect::Cached {
+                    let want = model.warm_nodes(p);
+                    answered += want.len();
+                    prop_assert_eq!(&got, &want);
+                }
+                for hit in &got {
+                    let cached = model.cached(p, &hit.node);
+                    prop_assert!(hit.tokens <= cached, "{:?} answered, {} tokens cached", hit, cached);
+                }
+                prop_assert_eq!(warm.warmest("m", p).expect("warmest"), got.first().cloned());
             }
             Op::Forget { node } => {
                 model.forget(NODES[node]);
                 warm.forget_node(NODES[node]).expect("forget");
+            }
+            Op::Size { node, blocks } => {
+                model.set_size(NODES[node], blocks);
+                warm.set_node_capacity(NODES[node], blocks).expect("set_node_capacity");
             }
             Op::Sync => warm.sync().expect("sync"),
             Op::Reopen => {
@@ -127,7 +232,14 @@ fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Model) -> Result<(
             }
         }
     }
-    prop_assert_eq!(warm.stats().expect("stats").entries, model.blocks.len() as u64);
+    let stats = warm.stats().expect("stats");
+    prop_assert_eq!(stats.entries, model.blocks.len() as u64);
+    for cache in stats.node_caches.iter().filter(|_| expect == Expect::ExactCaches) {
+        let held = model.caches.get(&model.me(&cache.node)).map_or(0, |(c, _)| c.len() as u64);
+        prop_assert_eq!(cache.held, held, "{}'s cache", &cache.node);
+        let size = model.sizes.get(&cache.node).copied().or(model.default_size);
+        prop_assert_eq!(cache.capacity, size);
+    }
     warm.close().expect("close");
     let _ = answered;
     Ok(())
@@ -153,6 +265,60 @@ proptest! {
         };
         let mut model = Model::new(k, capacity as usize);
         run_ops(ops, open, &mut model)?;
+        let check = superfluid_warm::Snapshot::open(&path).expect("snapshot").check().expect("check");
+        prop_assert!(check.problems.is_empty(), "{:?}", check.problems);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Node caches of finite size (a default, and sizes set per node as the run goes), with
+    /// blocks that keep every node: every answer is the model's LRU caches', each node's count
+    /// is its cache's, and `check` (the per-node counts included) is clean.
+    #[test]
+    fn node_caches_answer_as_the_lru_model(
+        ops in proptest::collection::vec(op_with_sizes(), 1..80),
+        default in prop_oneof![Just(None), Just(Some(12u64)), Just(Some(30))],
+        capacity in prop_oneof![Just(40u64), Just(1 << 20)],
+        threaded in any::<bool>(),
+    ) {
+        let dir = common::tempdir();
+        let path = common::db_path(&dir);
+        let window = if threaded { superfluid_warm::DEFAULT_SYNC_WINDOW } else { std::time::Duration::ZERO };
+        let open = || {
+            let mut builder = Warm::builder();
+            builder.capacity(capacity).nodes_per_prefix(16).sync_window(window);
+            if let Some(d) = default {
+                builder.node_cache_blocks(d);
+            }
+            builder.open(&path).expect("open")
+        };
+        let mut model = Model::new(16, capacity as usize);
+        model.default_size = default;
+        run_ops_expecting(ops, open, &mut model, Expect::ExactCaches)?;
+        let check = superfluid_warm::Snapshot::open(&path).expect("snapshot").check().expect("check");
+        prop_assert!(check.problems.is_empty(), "{:?}", check.problems);
+    }
+
+    /// The same with blocks that keep one to three nodes (so a block drops nodes whose cache
+    /// still holds it): a node is never answered for more than its cache holds.
+    #[test]
+    fn a_node_is_never_answered_for_more_than_its_cache_holds(
+        ops in proptest::collection::vec(op_with_sizes(), 1..80),
+        k in 1usize..4,
+        default in prop_oneof![Just(12u64), Just(30)],
+        threaded in any::<bool>(),
+    ) {
+        let dir = common::tempdir();
+        let path = common::db_path(&dir);
+        let window = if threaded { superfluid_warm::DEFAULT_SYNC_WINDOW } else { std::time::Duration::ZERO };
+        let open = || {
+            Warm::builder().nodes_per_prefix(k).sync_window(window).node_cache_blocks(default).open(&path).expect("open")
+        };
+        let mut model = Model::new(k, 1 << 20);
+        model.default_size = Some(default);
+        run_ops_expecting(ops, open, &mut model, Expect::Cached)?;
         let check = superfluid_warm::Snapshot::open(&path).expect("snapshot").check().expect("check");
         prop_assert!(check.problems.is_empty(), "{:?}", check.problems);
     }

@@ -11,6 +11,7 @@ use super::seal;
 use super::verify::check_copy;
 use crate::error::{Error, Result, open_error, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
+use crate::store::caches::{NodeCacheStats, NodeCaches};
 use crate::store::codec;
 use crate::store::records::{Meta, NamespaceRecord, read_meta, read_nodes};
 use crate::store::schema;
@@ -78,6 +79,10 @@ pub struct SnapshotStats {
     /// For a file a sharing head writes: the stream sequence of the last shared event it
     /// applied (0 if it never shared).
     pub stream_position: u64,
+    /// The cache of each current node incarnation, by id (empty before schema 5).
+    pub node_caches: Vec<NodeCacheStats>,
+    /// The capacity of a node's cache with none of its own (`Builder::node_cache_blocks`).
+    pub node_cache_default: Option<u64>,
 }
 
 /// The verdict on the invariants of a file's tables.
@@ -267,6 +272,20 @@ impl Snapshot {
         self.retired.get(id as usize).copied().unwrap_or(false)
     }
 
+    /// Each node's cache (`None` before schema 5).
+    fn caches(&self) -> Result<Option<NodeCaches>> {
+        use crate::store::tables::{NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS};
+        let (Some(clocks), Some(floors), Some(capacity), Some(state)) = (
+            optional(self.txn.open_table(NODE_CLOCKS))?,
+            optional(self.txn.open_table(NODE_FLOORS))?,
+            optional(self.txn.open_table(NODE_CAPACITY))?,
+            optional(self.txn.open_table(STATE))?,
+        ) else {
+            return Ok(None);
+        };
+        NodeCaches::load(&clocks, &floors, &capacity, &state, self.floor).map(Some)
+    }
+
     fn describe(&self, key: BlockKey, entry: Entry, others: Option<&[u8]>) -> DumpEntry {
         let namespace = self.namespaces.get(&entry.namespace);
         DumpEntry {
@@ -351,6 +370,7 @@ impl Snapshot {
         let mut per_node: Vec<(String, u64)> = per_node.into_iter().map(|(id, n)| (name(id), n)).collect();
         per_node.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         let file_bytes = std::fs::metadata(&self.path).map_err(|source| Error::io(self.path.clone(), source))?.len();
+        let caches = self.caches()?;
         Ok(SnapshotStats {
             entries,
             legacy_entries: legacy,
@@ -366,6 +386,11 @@ impl Snapshot {
             hash_scheme: self.meta.hash_scheme.clone(),
             writer: self.writer(),
             stream_position: self.position,
+            node_caches: caches
+                .as_ref()
+                .map(|c| c.stats(self.nodes.iter().map(String::as_str).zip(self.retired.iter().copied())))
+                .unwrap_or_default(),
+            node_cache_default: caches.and_then(|c| c.default),
         })
     }
 
@@ -383,6 +408,9 @@ impl Snapshot {
         self.check_generations(&mut check)?;
         if self.meta.schema >= 4 {
             self.check_nodes(&mut check)?;
+        }
+        if let Some(caches) = self.caches()? {
+            self.check_caches(&mut check, &caches)?;
         }
         if check.entries != check.clock_entries {
             check.note(format!(
@@ -481,6 +509,57 @@ impl Snapshot {
         }
         if count(&held)? > counted.iter().filter(|&&n| n > 0).count() as u64 {
             check.note("node counts for nodes no block names".into());
+        }
+        Ok(())
+    }
+
+    /// Checks each node's cache: every count is of a known, current incarnation, at a clock above
+    /// its floor and the eviction floor and at most the high-water mark; a node holds no more
+    /// than its capacity; and every (block, node) pair the file answers for a node is counted at
+    /// its clock (the counts may hold more: blocks that no longer name the node still take room
+    /// in its cache).
+    fn check_caches(&self, check: &mut Check, caches: &NodeCaches) -> Result<()> {
+        let mut named: HashMap<(u32, u64), u64> = HashMap::new();
+        let mut see = |node: u32, clock: u64| {
+            if clock > self.floor && clock > caches.floor(node) && !self.is_retired(node) {
+                *named.entry((node, clock)).or_default() += 1;
+            }
+        };
+        let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
+            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
+            let entry = Entry::from_tuple(value.value());
+            if !is_legacy(&key.value().to_be_bytes()) {
+                see(entry.node, entry.clock);
+            }
+        }
+        if let Some(others) = optional(self.txn.open_table(OTHERS))? {
+            for item in others.iter().map_err(redb_err("reading the others"))? {
+                let (_, row) = item.map_err(redb_err("reading the others"))?;
+                members(row.value()).for_each(|(node, clock)| see(node, clock));
+            }
+        }
+        for id in 0..caches.len().max(self.nodes.len()) as u32 {
+            let mut held = 0;
+            for (clock, n) in caches.clocks(id) {
+                held += n;
+                if id as usize >= self.nodes.len() || self.is_retired(id) {
+                    check.note(format!("node id {id} has a cache count and is unknown or forgotten"));
+                } else if clock <= self.floor || clock <= caches.floor(id) || clock > self.meta.clock {
+                    check.note(format!("node id {id} counts blocks at clock {clock}, outside its cache"));
+                }
+                let answered = named.remove(&(id, clock)).unwrap_or(0);
+                if answered > n {
+                    check.note(format!("node id {id} is named by {answered} blocks of clock {clock}, its cache counts {n}"));
+                }
+            }
+            let capacity = self.nodes.get(id as usize).and_then(|name| caches.capacity_of(name));
+            if capacity.is_some_and(|c| held > c) && !self.is_retired(id) {
+                check.note(format!("node id {id} holds {held} blocks, over its capacity {capacity:?}"));
+            }
+        }
+        if let Some(((node, clock), n)) = named.into_iter().next() {
+            check.note(format!("node id {node} is named by {n} blocks of clock {clock} its cache does not count"));
         }
         Ok(())
     }

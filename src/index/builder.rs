@@ -30,6 +30,7 @@ pub struct Builder {
     import: Option<PathBuf>,
     nodes_per_prefix: usize,
     compact_on_close: bool,
+    node_cache_blocks: Option<u64>,
 }
 
 impl Default for Builder {
@@ -50,6 +51,7 @@ impl Builder {
             import: None,
             nodes_per_prefix: DEFAULT_NODES_PER_PREFIX,
             compact_on_close: true,
+            node_cache_blocks: None,
         }
     }
 
@@ -106,6 +108,17 @@ impl Builder {
         self
     }
 
+    /// The size of a node's KV cache, in 64-token blocks, for every node without one of its own
+    /// ([`Warm::set_node_capacity`]): the index then keeps, per node, only what that node's LRU
+    /// cache can still hold, and answers nothing else for it. 1 to [`MAX_CAPACITY`]. Recorded in
+    /// the file (a smaller one evicts on open); unset, a file keeps the one it has, and a new one
+    /// has none: every node is remembered for all it ran, as 0.1.7 did. The file's capacity
+    /// ([`Builder::capacity`]) still bounds the whole.
+    pub fn node_cache_blocks(&mut self, blocks: u64) -> &mut Self {
+        self.node_cache_blocks = Some(blocks);
+        self
+    }
+
     /// A 0.1.7 `warm.json` to import on open (once: the same file again is skipped).
     pub fn import_json(&mut self, path: impl Into<PathBuf>) -> &mut Self {
         self.import = Some(path.into());
@@ -121,6 +134,9 @@ impl Builder {
     fn validate(&self) -> Result<()> {
         if let Some(c) = self.capacity.filter(|&c| c == 0 || c > MAX_CAPACITY) {
             return Err(Error::InvalidConfig { detail: format!("capacity {c} (1 to {MAX_CAPACITY})") });
+        }
+        if let Some(c) = self.node_cache_blocks.filter(|&c| c == 0 || c > MAX_CAPACITY) {
+            return Err(Error::InvalidConfig { detail: format!("node cache of {c} blocks (1 to {MAX_CAPACITY})") });
         }
         if !(1..=MAX_NODES_PER_PREFIX).contains(&self.nodes_per_prefix) {
             return Err(Error::InvalidConfig {
@@ -198,6 +214,12 @@ impl Builder {
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.
         if resized && let Err(e) = writer.evict(&db) {
+            return Err(writer.roll_back(&db, e).error);
+        }
+        // A new node cache size too.
+        if let Some(blocks) = self.node_cache_blocks.filter(|&b| writer.caches.default != Some(b))
+            && let Err(e) = writer.set_node_cache_default(&db, blocks)
+        {
             return Err(writer.roll_back(&db, e).error);
         }
         writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;

@@ -12,6 +12,7 @@ use super::overlay::{Map, Overlay};
 use super::presence::Presence;
 use crate::error::Error;
 use crate::keys::BlockKey;
+use crate::store::caches::NodeCaches;
 use crate::store::writer::{Change, Nodes};
 
 /// The prefix table as of the last commit, shared with the callers.
@@ -73,6 +74,8 @@ pub(crate) struct Front {
     pub retired: Vec<bool>,
     /// Nodes a block keeps.
     pub nodes_per_prefix: usize,
+    /// Each node's cache, as of the last change queued: what `warmest` answers for a node.
+    pub caches: NodeCaches,
     /// What the callers know of `committed_others`.
     pub others: OthersCache,
     /// A filter of the keys `committed` holds (and more), once the commit thread has built
@@ -100,6 +103,7 @@ impl Front {
         published: Published,
         (committed, committed_others): (Committed, CommittedOthers),
         nodes_per_prefix: usize,
+        caches: NodeCaches,
     ) -> Front {
         let mut front = Front {
             clock,
@@ -113,6 +117,7 @@ impl Front {
             ids: HashMap::new(),
             retired: Vec::new(),
             nodes_per_prefix,
+            caches,
             others: OthersCache::default(),
             searched: None,
             presence: None,
@@ -157,6 +162,11 @@ impl Front {
     /// The name of node id `node`.
     pub(crate) fn node_name(&self, node: u32) -> String {
         self.nodes.get(node as usize).map_or_else(|| format!("#{node}"), |n| n.to_string())
+    }
+
+    /// The current id of node `name`, if it has one.
+    pub(crate) fn current_id(&self, name: &str) -> Option<u32> {
+        self.ids.get(name).copied()
     }
 
     /// The current id of node `name` (a new one if it has none), and a shared copy of the name.

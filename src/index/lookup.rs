@@ -11,7 +11,7 @@
 use super::front::{Front, Searched};
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
-use crate::store::tables::{Entry, newest_members, table_key};
+use crate::store::tables::{Entry, members, newest_members, table_key};
 
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
@@ -48,9 +48,53 @@ fn committed_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> 
     Ok(entry.map(|g| Entry::from_tuple(g.value())).map(|e| (e.node, e.clock)).filter(|&(_, c)| front.holds(c)))
 }
 
-/// [`probe`] for answers: nothing for a forgotten node.
+/// [`probe`] for answers: nothing for a forgotten node (0.1.7's imported entries are not counted
+/// in a node's cache, so its floor does not apply to them).
 pub(crate) fn answer_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
     Ok(probe(front, key)?.filter(|&(node, _)| !front.is_retired(node)))
+}
+
+/// Whether `node`'s pair of `clock` is answered: not forgotten, and still in its cache.
+pub(crate) fn answered(front: &Front, node: u32, clock: u64) -> bool {
+    !front.is_retired(node) && clock > front.caches.floor(node)
+}
+
+/// The blocks of `keys` node `node` holds in its cache, by the clock it last ran them at: runs
+/// `(clock, blocks)` from the first block on (`runs`: the chain's runs as [`probe`] gives them).
+/// Where the newest writer of every remembered block is `node` (a conversation's next turn on the
+/// same node), those are its runs; otherwise its own clock of each block is looked for, a few
+/// probes a run. A node without an id yet holds nothing.
+pub(crate) fn node_runs(
+    front: &Front,
+    node: Option<u32>,
+    keys: &[BlockKey],
+    runs_by_writer: &[((u32, u64), u64)],
+) -> Result<Vec<(u64, u64)>> {
+    let Some(node) = node else { return Ok(Vec::new()) };
+    let floor = front.caches.floor(node);
+    if runs_by_writer.iter().all(|&((n, _), _)| n == node) {
+        return Ok(runs_by_writer.iter().map(|&((_, c), k)| (c, k)).filter(|&(c, _)| c > floor).collect());
+    }
+    let probe = |k: &BlockKey| node_clock(front, node, floor, k);
+    let found = search(keys, probe)?;
+    runs(keys, found, probe, |&c| c)
+}
+
+/// The newest clock `node` ran `key` at, pending or committed, if it is still in its cache.
+fn node_clock(front: &Front, node: u32, floor: u64, key: &BlockKey) -> Result<Option<u64>> {
+    let mut named = Vec::new();
+    front.overlay.writes(key, &mut named);
+    let k = table_key(key);
+    if let Some(entry) = front.committed.get(k).map_err(redb_err("reading a prefix"))? {
+        let e = Entry::from_tuple(entry.value());
+        named.push((e.node, e.clock));
+    }
+    if named.iter().any(|&(n, _)| n != node)
+        && let Some(row) = front.committed_others.get(k).map_err(redb_err("reading the others"))?
+    {
+        named.extend(members(row.value()));
+    }
+    Ok(named.into_iter().filter(|&(n, c)| n == node && c > floor && front.holds(c)).map(|(_, c)| c).max())
 }
 
 /// One remembered node of a prompt: its id, how many blocks of the prompt it ran, and the clock
@@ -72,7 +116,8 @@ impl NodeDepth {
 /// Every remembered node that ran a prefix of `keys` (a prefix-closed chain), each with the
 /// deepest block it is named on, longest first, ties newest first. A block names the node of the
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
-/// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes are left out.
+/// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes, and nodes whose cache
+/// no longer holds the block, are left out.
 pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
     let found = searched(front, keys)?;
     let Some((_, len)) = found else { return Ok(Vec::new()) };
@@ -132,7 +177,7 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
         }
         named.retain(|&(_, clock)| front.holds(clock));
         newest_members(&mut named, front.nodes_per_prefix);
-        for &(node, clock) in named.iter().filter(|(node, _)| !front.is_retired(*node)) {
+        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, node, clock)) {
             match deepest.iter_mut().find(|d| d.node == node) {
                 Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },
                 None => deepest.push(NodeDepth { node, blocks: i + 1, clock }),

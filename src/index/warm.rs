@@ -25,7 +25,9 @@ use super::presence::Filters;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
+use crate::store::caches::NodeCacheStats;
 use crate::store::import::{ImportReport, LegacyFile, read_json};
+use crate::store::records::MAX_CAPACITY;
 use crate::store::writer::{Change, Ran, Writer};
 
 /// The node that ran the longest remembered prefix of a prompt.
@@ -66,6 +68,9 @@ pub struct Stats {
     pub open_check: OpenCheck,
     /// The schema the file was upgraded from when it was opened, if it was.
     pub upgraded_from: Option<u32>,
+    /// The cache of each current node incarnation: blocks held against its capacity, as of the
+    /// last change.
+    pub node_caches: Vec<NodeCacheStats>,
 }
 
 /// How a file was found when it was opened.
@@ -136,8 +141,14 @@ impl Warm {
         lock: Option<(HeadLock, PathBuf)>,
         compact_on_close: bool,
     ) -> Result<Warm> {
-        let front =
-            Front::new(writer.meta.clock, &writer.nodes, published(&writer), committed(&db)?, writer.nodes_per_prefix);
+        let front = Front::new(
+            writer.meta.clock,
+            &writer.nodes,
+            published(&writer),
+            committed(&db)?,
+            writer.nodes_per_prefix,
+            writer.caches.view(),
+        );
         let inner = Arc::new(Inner {
             durable_position: AtomicU64::new(writer.position),
             scheme,
@@ -220,9 +231,10 @@ impl Warm {
         }
         let mut front = self.front()?;
         let found = lookup::searched(&mut front, &prefix.blocks)?;
-        // The last block's node was forgotten: the next node that ran the most of the prompt.
+        // The last block's node was forgotten, or its cache no longer holds it: the next node
+        // that ran the most of the prompt.
         let found = match found {
-            Some(((node, _), _)) if front.is_retired(node) => {
+            Some(((node, clock), _)) if !lookup::answered(&front, node, clock) => {
                 lookup::warm_nodes(&mut front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
             }
             found => found,
@@ -338,17 +350,17 @@ impl Warm {
             // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
             // chain, in runs of equal clocks) and the floor after it.
             // (Until the horizon is read, the file's own floor is what has been evicted.)
-            let found = lookup::searched(&mut front, &prefix.blocks)?.map(|((_, clock), n)| (clock, n));
-            let runs = lookup::runs(
-                &prefix.blocks,
-                found,
-                |k| lookup::probe(&front, k).map(|found| found.map(|(_, clock)| clock)),
-                |&c| c,
-            )?;
+            let found = lookup::searched(&mut front, &prefix.blocks)?;
+            let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(&front, k), |&(_, c)| c)?;
+            let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
+            // The node's cache: the blocks of the prompt it held, by the clock it ran them at.
+            let held = lookup::node_runs(&front, front.current_id(node), &prefix.blocks, &by_writer)?;
             let clock = front.clock + 1;
-            let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, prefix.blocks.len() as u64, &runs);
+            let blocks = prefix.blocks.len() as u64;
+            let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, blocks, &runs);
             front.clock = clock;
             let (id, name) = front.name(node);
+            front.caches.ran((id, &name), clock, blocks, &held, floor);
             let ran = Ran {
                 namespace: prefix.namespace.clone(),
                 blocks: prefix.blocks.as_slice().into(),
@@ -356,6 +368,7 @@ impl Warm {
                 name,
                 clock,
                 floor,
+                held,
                 at: Instant::now(),
                 position,
             };
@@ -399,6 +412,7 @@ impl Warm {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
             if let Some(node) = front.forget(name) {
+                front.caches.forget(node);
                 let clock = front.clock;
                 let was_idle = front.oldest_pending.is_none();
                 front.push(Change::Forget { node, clock, at: Instant::now(), position });
@@ -408,6 +422,38 @@ impl Warm {
             }
         }
         Ok(())
+    }
+
+    /// Sets the size of node `name`'s KV cache, in 64-token blocks (`None`: the default of
+    /// [`Builder::node_cache_blocks`] again), for nodes of different sizes. From then on the
+    /// index keeps for it only what its LRU cache can hold: a smaller size drops its oldest
+    /// blocks at once, in O(dropped clocks). Kept in the file, for every incarnation of the name.
+    /// Returns once that is durable. A node not seen yet is added.
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] for an empty or over-long name; [`Error::InvalidConfig`] for 0
+    /// blocks or more than [`MAX_CAPACITY`]; [`Error::Storage`] if the commit fails (answers
+    /// already follow the new size, and the change is retried with the next commit).
+    pub fn set_node_capacity(&self, name: &str, blocks: Option<u64>) -> Result<()> {
+        check_len("node", name.len(), MAX_NODE_BYTES)?;
+        if let Some(b) = blocks.filter(|&b| b == 0 || b > MAX_CAPACITY) {
+            return Err(Error::InvalidConfig { detail: format!("node cache of {b} blocks (1 to {MAX_CAPACITY})") });
+        }
+        {
+            let mut front = self.front()?;
+            while front.importing {
+                front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+            }
+            let (node, name) = front.name(name);
+            front.caches.set_capacity((node, &name), blocks);
+            let clock = front.clock;
+            let was_idle = front.oldest_pending.is_none();
+            front.push(Change::Capacity { node, name, blocks, clock, at: Instant::now(), position: 0 });
+            if was_idle {
+                self.inner.wake.notify_one();
+            }
+        }
+        self.sync()
     }
 
     #[cfg(feature = "nats")]
@@ -462,6 +508,7 @@ impl Warm {
         if imported.is_ok() {
             front.horizon = None;
             front.searched = None;
+            front.caches = back.caches.view();
         }
         drop(front);
         self.inner.drained.notify_all();
@@ -498,6 +545,7 @@ impl Warm {
             pending: front.oldest_pending.is_some(),
             open_check: self.inner.opened.check,
             upgraded_from: self.inner.opened.upgraded_from,
+            node_caches: front.caches.stats(front.nodes.iter().map(|n| n.as_ref()).zip(front.retired.iter().copied())),
         })
     }
 

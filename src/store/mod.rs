@@ -1,6 +1,7 @@
 //! The store layer: the file's tables and records, their codec, the open-time schema checks, the
 //! writer's batch and the 0.1.7 import. Depends on `keys` (and `error`) only.
 
+pub(crate) mod caches;
 pub(crate) mod codec;
 pub(crate) mod import;
 pub(crate) mod records;

@@ -19,9 +19,12 @@ pub(crate) const SCHEMA_V3: u32 = 3;
 /// per-node counts (`migrations/0004-node-sets-and-forget`). Keys from either chain: a schema 2
 /// file keeps its keyed chain when upgraded.
 pub(crate) const SCHEMA_V4: u32 = 4;
+/// Schema 5: schema 4's tables plus each node's cache: blocks per clock it last ran them at, its
+/// floor, capacities (`migrations/0005-node-caches`).
+pub(crate) const SCHEMA_V5: u32 = 5;
 /// Schema version of the files this build creates and upgrades to. 0.1.7's JSON file is
 /// imported, not opened (`migrations/0001-from-0.1.7-json`).
-pub const SCHEMA_VERSION: u32 = SCHEMA_V4;
+pub const SCHEMA_VERSION: u32 = SCHEMA_V5;
 
 /// Entries (blocks) a new file keeps by default: 2^20, 64 Mi tokens of prefixes.
 pub const DEFAULT_CAPACITY: u64 = 1 << 20;

@@ -9,11 +9,15 @@ use std::collections::BTreeMap;
 use redb::ReadableTable;
 
 use super::records::{
-    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_VERSION, read_meta,
+    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_VERSION,
+    read_meta,
 };
 use super::tables::{
-    GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED, STATE,
+    GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS,
+    NODES, OTHERS, PREFIXES, RETIRED, STATE, members,
 };
+use super::writer::read_floor;
+use crate::keys::is_legacy;
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
 
@@ -33,9 +37,9 @@ pub(crate) fn read_file_meta(txn: &WriteTransaction) -> Result<Option<Meta>> {
     Ok(None)
 }
 
-/// Checks `meta` is a format this build opens, and returns the hash scheme of its keys. Schema 2
-/// and 3 files are upgraded to schema 4 when a writer opens them ([`prepare`]); a schema 2 file
-/// keeps its own chain (`migrations/0003-tree-chain`), in schema 4 as before.
+/// Checks `meta` is a format this build opens, and returns the hash scheme of its keys. Schema 2,
+/// 3 and 4 files are upgraded to schema 5 when a writer opens them ([`prepare`]); a schema 2 file
+/// keeps its own chain (`migrations/0003-tree-chain`), in schema 4 and 5 as before.
 ///
 /// # Errors
 /// [`Error::NewerSchema`], [`Error::RetiredSchema`] or [`Error::UnknownFormat`].
@@ -51,7 +55,7 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     let scheme = match (meta.schema, Scheme::named(&meta.hash_scheme)) {
         (SCHEMA_V2, Some(Scheme::KeyedChain)) => Scheme::KeyedChain,
         (SCHEMA_V3, Some(Scheme::TreeChain)) => Scheme::TreeChain,
-        (SCHEMA_V4, Some(scheme)) => scheme,
+        (SCHEMA_V4 | SCHEMA_V5, Some(scheme)) => scheme,
         (schema, _) => {
             return Err(Error::unknown_format(format!("schema {schema} with hash scheme {:?}", meta.hash_scheme)));
         }
@@ -74,7 +78,7 @@ pub(crate) struct Prepared {
 }
 
 /// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
-/// checks an old one, upgrades it to schema 4 if it is older, and records `capacity` if one was
+/// checks an old one, upgrades it to schema 5 if it is older, and records `capacity` if one was
 /// given and differs, all in one transaction. Otherwise an old file is only read (no commit:
 /// opening is cheap).
 ///
@@ -86,13 +90,16 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
         Some(mut meta) => {
             let scheme = check(&meta)?;
             let resized = capacity.is_some_and(|c| c != meta.capacity);
-            let upgraded_from = (meta.schema < SCHEMA_V4).then_some(meta.schema);
+            let upgraded_from = (meta.schema < SCHEMA_V5).then_some(meta.schema);
             if !resized && upgraded_from.is_none() {
                 txn.abort().map_err(redb_err("ending the open"))?;
                 return Ok(Prepared { scheme, resized, upgraded_from });
             }
-            if upgraded_from.is_some() {
+            if meta.schema < SCHEMA_V4 {
                 upgrade(&txn, &mut meta)?;
+            }
+            if meta.schema < SCHEMA_V5 {
+                upgrade_v5(&txn, &mut meta)?;
             }
             (meta, Prepared { scheme, resized, upgraded_from })
         }
@@ -136,6 +143,53 @@ fn upgrade(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
     Ok(())
 }
 
+/// Upgrades a schema 4 file to schema 5 in the open transaction: the node cache tables, each
+/// node's blocks per clock counted from what the file names (one scan of the prefix table and
+/// one of the others; 0.1.7's imported entries, forgotten nodes and what is at or below the
+/// floor are not counted). No capacity is set, so nothing is evicted and every answer stays.
+/// A crash before the commit leaves the old file untouched.
+fn upgrade_v5(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
+    const UPGRADE: &str = "upgrading to schema 5";
+    let floor = read_floor(&txn.open_table(STATE).map_err(redb_err(UPGRADE))?)?;
+    let retired: std::collections::BTreeSet<u32> = {
+        let table = txn.open_table(RETIRED).map_err(redb_err(UPGRADE))?;
+        let mut ids = std::collections::BTreeSet::new();
+        for item in table.iter().map_err(redb_err(UPGRADE))? {
+            ids.insert(item.map_err(redb_err(UPGRADE))?.0.value());
+        }
+        ids
+    };
+    let mut counts: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    let mut count = |node: u32, clock: u64| {
+        if clock > floor && !retired.contains(&node) {
+            *counts.entry((node, clock)).or_default() += 1;
+        }
+    };
+    {
+        let prefixes = txn.open_table(PREFIXES).map_err(redb_err(UPGRADE))?;
+        for item in prefixes.iter().map_err(redb_err(UPGRADE))? {
+            let (key, value) = item.map_err(redb_err(UPGRADE))?;
+            let (node, _, _, clock) = value.value();
+            if !is_legacy(&key.value().to_be_bytes()) {
+                count(node, clock);
+            }
+        }
+        let others = txn.open_table(OTHERS).map_err(redb_err(UPGRADE))?;
+        for item in others.iter().map_err(redb_err(UPGRADE))? {
+            let (_, row) = item.map_err(redb_err(UPGRADE))?;
+            members(row.value()).for_each(|(node, clock)| count(node, clock));
+        }
+    }
+    let mut table = txn.open_table(NODE_CLOCKS).map_err(redb_err(UPGRADE))?;
+    for (key, n) in counts {
+        table.insert(key, n).map_err(redb_err(UPGRADE))?;
+    }
+    txn.open_table(NODE_FLOORS).map_err(redb_err(UPGRADE))?;
+    txn.open_table(NODE_CAPACITY).map_err(redb_err(UPGRADE))?;
+    meta.schema = SCHEMA_V5;
+    Ok(())
+}
+
 /// Opens (so creates) every table, so that readers find them all.
 fn create_tables(txn: &WriteTransaction) -> Result<()> {
     let err = redb_err::<redb::TableError>("creating tables");
@@ -150,6 +204,9 @@ fn create_tables(txn: &WriteTransaction) -> Result<()> {
     txn.open_table(RETIRED).map_err(&err)?;
     txn.open_table(HELD).map_err(&err)?;
     txn.open_table(STATE).map_err(&err)?;
+    txn.open_table(NODE_CLOCKS).map_err(&err)?;
+    txn.open_table(NODE_FLOORS).map_err(&err)?;
+    txn.open_table(NODE_CAPACITY).map_err(&err)?;
     Ok(())
 }
 
@@ -167,6 +224,8 @@ mod tests {
         assert_eq!(check(&meta(SCHEMA_V3, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(check(&meta(SCHEMA_V2, HASH_SCHEME_V2, 64)).ok(), Some(Scheme::KeyedChain));
         assert_eq!(check(&meta(SCHEMA_V4, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
+        assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
+        assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME_V2, 64)).ok(), Some(Scheme::KeyedChain));
         assert_eq!(
             check(&meta(SCHEMA_V4, HASH_SCHEME_V2, 64)).ok(),
             Some(Scheme::KeyedChain),

@@ -33,6 +33,18 @@ pub(crate) const FLOOR_KEY: &str = "floor";
 /// The key in [`STATE`] of the stream sequence of the last shared event applied (a head sharing
 /// through NATS JetStream); absent for a file that never shared.
 pub(crate) const POSITION_KEY: &str = "stream";
+/// The key in [`STATE`] of the default capacity of a node's cache in blocks
+/// (`Builder::node_cache_blocks`); absent: no limit. Schema 5.
+pub(crate) const NODE_CACHE_KEY: &str = "node_cache";
+/// (node id, clock) → how many blocks the node last ran at that clock and still holds in its
+/// cache (no row at 0; none at or below the node's floor or the eviction floor). Schema 5.
+pub(crate) const NODE_CLOCKS: TableDefinition<(u32, u64), u64> = TableDefinition::new("node_clocks/v5");
+/// Node id → its cache's floor: every block it last ran at or below this clock has left its
+/// cache, and is not answered for it (no row at 0). Schema 5.
+pub(crate) const NODE_FLOORS: TableDefinition<u32, u64> = TableDefinition::new("node_floors/v5");
+/// Node name → the capacity of its cache in blocks, where set for it (`Warm::set_node_capacity`;
+/// every incarnation of the name). Schema 5.
+pub(crate) const NODE_CAPACITY: TableDefinition<&str, u64> = TableDefinition::new("node_capacity/v5");
 /// Node id → bincode [`super::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
 /// Node name → node id.

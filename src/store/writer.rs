@@ -8,13 +8,15 @@ use std::time::Instant;
 
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
+use super::caches::NodeCaches;
 use super::codec;
 use super::records::{
     DEFAULT_CAPACITY, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta, read_nodes,
 };
 use super::tables::{
-    Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_IDS, NODES, OTHERS, POSITION_KEY,
-    PREFIXES, RETIRED, STATE, add_member, members, members_row, newest_members, table_key,
+    Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY, NODE_CLOCKS,
+    NODE_FLOORS, NODE_IDS, NODES, OTHERS, POSITION_KEY, PREFIXES, RETIRED, STATE, add_member, members, members_row,
+    newest_members, table_key,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, check_len, is_legacy};
@@ -30,6 +32,9 @@ pub(crate) struct Ran {
     /// Every entry with a clock up to this one is evicted once this `ran` is applied (the
     /// callers decide eviction, by 0.1.7's rule, as each `ran` returns: `index/horizon.rs`).
     pub floor: u64,
+    /// The blocks of its prompt the node held already, by the clock it last ran them at
+    /// (`(clock, blocks)`, from the first block on), for its cache (`store/caches.rs`).
+    pub held: Vec<(u64, u64)>,
     /// When the caller made it (for the sync window).
     pub at: Instant,
     /// For a head sharing through a stream: the stream sequence of the event this is (written
@@ -48,13 +53,24 @@ pub(crate) enum Change {
         /// As [`Ran::position`].
         position: u64,
     },
+    /// `set_node_capacity`: node id `node` (named `name`) gets its own cache capacity
+    /// (`None`: the default again), applied at `clock`.
+    Capacity {
+        node: u32,
+        name: Arc<str>,
+        blocks: Option<u64>,
+        clock: u64,
+        at: Instant,
+        /// As [`Ran::position`].
+        position: u64,
+    },
 }
 
 impl Change {
     pub(crate) fn clock(&self) -> u64 {
         match self {
             Change::Ran(r) => r.clock,
-            Change::Forget { clock, .. } => *clock,
+            Change::Forget { clock, .. } | Change::Capacity { clock, .. } => *clock,
         }
     }
 
@@ -62,14 +78,14 @@ impl Change {
     pub(crate) fn position(&self) -> u64 {
         match self {
             Change::Ran(r) => r.position,
-            Change::Forget { position, .. } => *position,
+            Change::Forget { position, .. } | Change::Capacity { position, .. } => *position,
         }
     }
 
     pub(crate) fn at(&self) -> Instant {
         match self {
             Change::Ran(r) => r.at,
-            Change::Forget { at, .. } => *at,
+            Change::Forget { at, .. } | Change::Capacity { at, .. } => *at,
         }
     }
 
@@ -77,7 +93,7 @@ impl Change {
     pub(crate) fn blocks(&self) -> usize {
         match self {
             Change::Ran(r) => r.blocks.len(),
-            Change::Forget { .. } => 0,
+            Change::Forget { .. } | Change::Capacity { .. } => 0,
         }
     }
 }
@@ -146,6 +162,8 @@ pub(crate) struct Writer {
     /// `position` as of the last commit (what a failed batch goes back to, even if reading
     /// the file again fails too).
     committed_position: u64,
+    /// Each node's cache as of the batch, with the changes the batch has not written yet.
+    pub caches: NodeCaches,
 }
 
 /// One write to the prefix table.
@@ -184,6 +202,7 @@ impl Writer {
             floor: 0,
             position: 0,
             committed_position: 0,
+            caches: NodeCaches::default(),
         };
         writer.reload(db)?;
         Ok(writer)
@@ -207,6 +226,13 @@ impl Writer {
         self.floor = read_floor(&state)?;
         self.position = read_position(&state)?;
         self.committed_position = self.position;
+        self.caches = NodeCaches::load(
+            &read.open_table(NODE_CLOCKS).map_err(redb_err("reading the node caches"))?,
+            &read.open_table(NODE_FLOORS).map_err(redb_err("reading the node caches"))?,
+            &read.open_table(NODE_CAPACITY).map_err(redb_err("reading the node caches"))?,
+            &state,
+            self.floor,
+        )?;
         drop(state);
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
@@ -270,10 +296,21 @@ impl Writer {
         let mut rans: Vec<&Ran> = Vec::new();
         for change in changes {
             match change {
-                Change::Ran(ran) => rans.push(ran),
+                Change::Ran(ran) => {
+                    let blocks = ran.blocks.len() as u64;
+                    self.caches.ran((ran.node, &ran.name), ran.clock, blocks, &ran.held, ran.floor);
+                    rans.push(ran);
+                }
                 Change::Forget { node, clock, .. } => {
                     self.apply_merged(db, &std::mem::take(&mut rans), floor)?;
                     self.retire(db, *node, *clock)?;
+                    self.caches.forget(*node);
+                }
+                Change::Capacity { node, name, blocks, clock, .. } => {
+                    self.apply_merged(db, &std::mem::take(&mut rans), floor)?;
+                    self.ensure_node(db, *node, name)?;
+                    self.caches.set_capacity((*node, name), *blocks);
+                    self.meta.clock = self.meta.clock.max(*clock);
                 }
             }
         }
@@ -291,6 +328,10 @@ impl Writer {
             self.meta.entries = self.meta.entries.saturating_sub(n);
             self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
             self.set_floor(db, floor)?;
+        }
+        self.caches.drop_through(floor);
+        if self.caches.dirty() {
+            self.batch(db)?;
         }
         Ok(())
     }
@@ -339,6 +380,7 @@ impl Writer {
             }
         }
         drop(others);
+        self.caches.reset_floor();
         self.set_floor(db, 0)
     }
 
@@ -437,11 +479,25 @@ impl Writer {
             if cut > self.floor {
                 self.set_floor(db, cut)?;
             }
+            self.caches.drop_through(cut);
             self.meta.entries = self.meta.entries.saturating_sub(n);
             self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
             evicted += n;
         }
         Ok(evicted)
+    }
+
+    /// Sets the default capacity of a node's cache (`Builder::node_cache_blocks`) in the batch,
+    /// evicting every current node to its capacity.
+    ///
+    /// # Errors
+    /// [`Error::Storage`].
+    pub(crate) fn set_node_cache_default(&mut self, db: &Database, blocks: u64) -> Result<()> {
+        let nodes = &self.nodes;
+        let current = nodes.names.iter().zip(0u32..).filter(|&(_, id)| nodes.retired[id as usize].is_none());
+        self.caches.set_default(Some(blocks), current.map(|(name, id)| (id, name.as_str())));
+        self.batch(db)?;
+        Ok(())
     }
 
     /// The current id of node `name`, added to the node tables if new (for imports: `ran`s
@@ -578,6 +634,7 @@ impl Writer {
             None => db.begin_write().map_err(redb_err("starting a batch"))?,
         };
         txn.set_durability(redb::Durability::Immediate).map_err(redb_err("setting durability"))?;
+        self.caches.write(&txn)?;
         {
             let mut held = txn.open_table(HELD).map_err(redb_err("writing node counts"))?;
             for &id in &self.nodes.dirty {

@@ -1,0 +1,354 @@
+//! Each node's KV cache, as the index keeps it: an LRU of the blocks the node ran, of a capacity
+//! the head sets (`Builder::node_cache_blocks`, `Warm::set_node_capacity`).
+//!
+//! Every `ran` gives all its blocks one clock and names one node, so a node's blocks, by the
+//! clock it last ran each at, are its LRU order. Per node the index keeps how many blocks it last
+//! ran at each clock (`node_clocks/v5`) and a floor (`node_floors/v5`): when a node holds more
+//! blocks than its capacity, its oldest clocks are dropped whole, oldest first, until it holds
+//! no more (an engine's LRU would keep the newest blocks of the last clock dropped; the index
+//! keeps less, never more). A (block, node) pair at or below the node's floor is not answered,
+//! wherever it still is; it is reclaimed with its block, as a forgotten node's are.
+//!
+//! The callers decide (as each `ran` returns, like the global eviction) and the writer applies
+//! the same changes in the same order to its own copy, which it writes with the batch: both
+//! start from the committed file and run the same code, so they agree.
+//!
+//! The counts are of blocks the node ran, whether or not a block still names it: a block that
+//! dropped the node (past `nodes_per_prefix`) still takes room in that node's cache, as in an
+//! engine's. A `ran` that re-touches blocks the file no longer ties to the node counts them again
+//! (the cache then looks fuller than it is: it evicts early, never late).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use redb::{ReadableTable, WriteTransaction};
+
+use super::tables::{NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE};
+use crate::error::{Error, Result, redb_err};
+
+/// A node's cache as the index keeps it (`Stats::node_caches`, `SnapshotStats::node_caches`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NodeCacheStats {
+    /// The node's name.
+    pub node: String,
+    /// Blocks the index counts in its cache.
+    pub held: u64,
+    /// Most blocks its cache holds (its own, else the default); `None`: no limit.
+    pub capacity: Option<u64>,
+    /// Every block it last ran at or below this clock has left its cache (0: none yet).
+    pub floor: u64,
+}
+
+/// One node's cache.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct NodeCache {
+    /// Every block the node last ran at or below this clock has left its cache.
+    pub floor: u64,
+    /// Blocks held.
+    pub held: u64,
+    /// Blocks held by the clock the node last ran them at (no zero counts), oldest first.
+    by_clock: BTreeMap<u64, u64>,
+}
+
+/// A row change for the batch.
+#[derive(Clone, Copy, Debug)]
+enum RowChange {
+    Clock { node: u32, clock: u64, blocks: u64 },
+    Floor { node: u32, floor: u64 },
+}
+
+/// Every node's cache, the capacities and the default.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct NodeCaches {
+    /// The capacity of a node with none of its own (`Builder::node_cache_blocks`); `None`: no
+    /// limit (0.1.7's behaviour).
+    pub default: Option<u64>,
+    /// Capacities set per node, by name (a restarted node keeps its size).
+    capacity: HashMap<Arc<str>, u64>,
+    /// By node id.
+    nodes: Vec<NodeCache>,
+    /// The global floor last applied.
+    global_floor: u64,
+    /// Row changes since the last write, in order (the writer's copy only keeps them).
+    changes: Vec<RowChange>,
+    /// Capacities changed since the last write (`None`: removed); the default, if it changed.
+    capacity_changes: Vec<(Arc<str>, Option<u64>)>,
+    default_changed: bool,
+}
+
+impl NodeCaches {
+    /// The caches of a file as committed.
+    ///
+    /// # Errors
+    /// [`Error::Storage`]; [`Error::Corrupted`] for a count of 0.
+    pub(crate) fn load(
+        clocks: &impl ReadableTable<(u32, u64), u64>,
+        floors: &impl ReadableTable<u32, u64>,
+        capacity: &impl ReadableTable<&'static str, u64>,
+        state: &impl ReadableTable<&'static str, u64>,
+        global_floor: u64,
+    ) -> Result<NodeCaches> {
+        const READ: &str = "reading the node caches";
+        let mut caches = NodeCaches { global_floor, ..NodeCaches::default() };
+        for item in clocks.iter().map_err(redb_err(READ))? {
+            let (key, count) = item.map_err(redb_err(READ))?;
+            let ((node, clock), count) = (key.value(), count.value());
+            if count == 0 {
+                return Err(Error::Corrupted { detail: format!("node {node} holds 0 blocks of clock {clock}") });
+            }
+            let cache = caches.cache_mut(node);
+            cache.by_clock.insert(clock, count);
+            cache.held += count;
+        }
+        for item in floors.iter().map_err(redb_err(READ))? {
+            let (node, floor) = item.map_err(redb_err(READ))?;
+            caches.cache_mut(node.value()).floor = floor.value();
+        }
+        for item in capacity.iter().map_err(redb_err(READ))? {
+            let (name, blocks) = item.map_err(redb_err(READ))?;
+            caches.capacity.insert(Arc::from(name.value()), blocks.value());
+        }
+        caches.default = state.get(NODE_CACHE_KEY).map_err(redb_err(READ))?.map(|g| g.value()).filter(|&b| b > 0);
+        Ok(caches)
+    }
+
+    /// The same caches without the changes not yet written (the callers' copy).
+    pub(crate) fn view(&self) -> NodeCaches {
+        NodeCaches { changes: Vec::new(), capacity_changes: Vec::new(), default_changed: false, ..self.clone() }
+    }
+
+    fn cache_mut(&mut self, node: u32) -> &mut NodeCache {
+        let i = node as usize;
+        if self.nodes.len() <= i {
+            self.nodes.resize_with(i + 1, NodeCache::default);
+        }
+        &mut self.nodes[i]
+    }
+
+    /// Node `node`'s cache (empty if it has none).
+    pub(crate) fn cache(&self, node: u32) -> Option<&NodeCache> {
+        self.nodes.get(node as usize)
+    }
+
+    /// Every block node `node` ran at or below this clock has left its cache.
+    pub(crate) fn floor(&self, node: u32) -> u64 {
+        self.nodes.get(node as usize).map_or(0, |c| c.floor)
+    }
+
+    /// The capacity of node `name`: its own, else the default; `None`: no limit.
+    pub(crate) fn capacity_of(&self, name: &str) -> Option<u64> {
+        self.capacity.get(name).copied().or(self.default)
+    }
+
+    fn set_count(&mut self, node: u32, clock: u64, blocks: u64) {
+        let cache = self.cache_mut(node);
+        if blocks == 0 {
+            cache.by_clock.remove(&clock);
+        } else {
+            cache.by_clock.insert(clock, blocks);
+        }
+        self.changes.push(RowChange::Clock { node, clock, blocks });
+    }
+
+    /// Node `node` (named `name`) ran `blocks` blocks at `clock`, of which the first ones it held
+    /// already, last run at the clocks `runs` gives (`(clock, blocks)`, oldest last); the global
+    /// eviction floor after it is `global_floor`. Applies the global floor, then the node's
+    /// capacity. Returns the node's floor after it.
+    pub(crate) fn ran(
+        &mut self,
+        (node, name): (u32, &str),
+        clock: u64,
+        blocks: u64,
+        runs: &[(u64, u64)],
+        global_floor: u64,
+    ) -> u64 {
+        let floor = self.floor(node).max(self.global_floor).max(global_floor);
+        let mut moved = 0;
+        for &(old, n) in runs.iter().filter(|&&(old, _)| old > floor) {
+            let Some(&count) = self.cache(node).and_then(|c| c.by_clock.get(&old)) else { continue };
+            let n = n.min(count);
+            moved += n;
+            self.set_count(node, old, count - n);
+        }
+        let at = self.cache(node).and_then(|c| c.by_clock.get(&clock)).copied().unwrap_or(0);
+        self.set_count(node, clock, at + blocks);
+        let cache = self.cache_mut(node);
+        cache.held = cache.held.saturating_sub(moved) + blocks;
+        // After the count: the eviction may have taken this `ran` too (a file smaller than it).
+        self.drop_through(global_floor);
+        self.enforce((node, name));
+        self.floor(node)
+    }
+
+    /// Sets node `name`'s own capacity (`None`: the default again), then evicts to it.
+    pub(crate) fn set_capacity(&mut self, (node, name): (u32, &str), blocks: Option<u64>) {
+        let name: Arc<str> = Arc::from(name);
+        match blocks {
+            Some(b) => self.capacity.insert(Arc::clone(&name), b),
+            None => self.capacity.remove(&name),
+        };
+        self.capacity_changes.push((Arc::clone(&name), blocks));
+        self.enforce((node, &name));
+    }
+
+    /// Sets the default capacity, then evicts every node in `nodes` (id, name; the current
+    /// incarnations) to its capacity.
+    pub(crate) fn set_default<'a>(&mut self, blocks: Option<u64>, nodes: impl Iterator<Item = (u32, &'a str)>) {
+        self.default = blocks;
+        self.default_changed = true;
+        for node in nodes {
+            self.enforce(node);
+        }
+    }
+
+    /// While node `node` holds more than its capacity, its oldest clock leaves its cache.
+    fn enforce(&mut self, (node, name): (u32, &str)) {
+        let Some(capacity) = self.capacity_of(name) else { return };
+        let cache = self.cache_mut(node);
+        let mut floor = cache.floor;
+        let mut gone = Vec::new();
+        while cache.held > capacity {
+            let Some((clock, n)) = cache.by_clock.pop_first() else { break };
+            cache.held = cache.held.saturating_sub(n);
+            floor = floor.max(clock);
+            gone.push(clock);
+        }
+        if floor > cache.floor {
+            cache.floor = floor;
+            self.changes.extend(gone.into_iter().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+            self.changes.push(RowChange::Floor { node, floor });
+        }
+    }
+
+    /// Node `node` was forgotten: its cache is gone (its id is never answered again).
+    pub(crate) fn forget(&mut self, node: u32) {
+        let Some(cache) = self.nodes.get_mut(node as usize) else { return };
+        let gone = std::mem::take(cache);
+        self.changes.extend(gone.by_clock.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+        if gone.floor > 0 {
+            self.changes.push(RowChange::Floor { node, floor: 0 });
+        }
+    }
+
+    /// Every block last run at or below `floor` is evicted (0.1.7's rule, for the whole file).
+    pub(crate) fn drop_through(&mut self, floor: u64) {
+        if floor <= self.global_floor {
+            return;
+        }
+        self.global_floor = floor;
+        for (node, cache) in self.nodes.iter_mut().enumerate() {
+            while let Some(entry) = cache.by_clock.first_entry().filter(|e| *e.key() <= floor) {
+                let (clock, n) = entry.remove_entry();
+                cache.held = cache.held.saturating_sub(n);
+                self.changes.push(RowChange::Clock { node: node as u32, clock, blocks: 0 });
+            }
+        }
+    }
+
+    /// Lowers the global floor to 0 (an import brings older clocks; see `Writer::reset_floor`).
+    pub(crate) fn reset_floor(&mut self) {
+        self.global_floor = 0;
+    }
+
+    /// Writes the changes since the last write into the batch.
+    ///
+    /// # Errors
+    /// [`Error::Storage`].
+    pub(crate) fn write(&mut self, txn: &WriteTransaction) -> Result<()> {
+        const WRITE: &str = "writing the node caches";
+        if !self.changes.is_empty() {
+            let mut clocks = txn.open_table(NODE_CLOCKS).map_err(redb_err(WRITE))?;
+            let mut floors = txn.open_table(NODE_FLOORS).map_err(redb_err(WRITE))?;
+            for change in self.changes.drain(..) {
+                match change {
+                    RowChange::Clock { node, clock, blocks: 0 } => clocks.remove((node, clock)).map(drop),
+                    RowChange::Clock { node, clock, blocks } => clocks.insert((node, clock), blocks).map(drop),
+                    RowChange::Floor { node, floor: 0 } => floors.remove(node).map(drop),
+                    RowChange::Floor { node, floor } => floors.insert(node, floor).map(drop),
+                }
+                .map_err(redb_err(WRITE))?;
+            }
+        }
+        if !self.capacity_changes.is_empty() {
+            let mut capacity = txn.open_table(NODE_CAPACITY).map_err(redb_err(WRITE))?;
+            for (name, blocks) in self.capacity_changes.drain(..) {
+                match blocks {
+                    Some(b) => capacity.insert(name.as_ref(), b).map(drop),
+                    None => capacity.remove(name.as_ref()).map(drop),
+                }
+                .map_err(redb_err(WRITE))?;
+            }
+        }
+        if std::mem::take(&mut self.default_changed) {
+            let mut state = txn.open_table(STATE).map_err(redb_err(WRITE))?;
+            match self.default {
+                Some(b) => state.insert(NODE_CACHE_KEY, b).map(drop),
+                None => state.remove(NODE_CACHE_KEY).map(drop),
+            }
+            .map_err(redb_err(WRITE))?;
+        }
+        Ok(())
+    }
+
+    /// The cache of each current incarnation in `nodes` (by id: name, whether forgotten).
+    pub(crate) fn stats<'a>(&self, nodes: impl Iterator<Item = (&'a str, bool)>) -> Vec<NodeCacheStats> {
+        nodes
+            .zip(0u32..)
+            .filter(|((_, forgotten), _)| !forgotten)
+            .map(|((name, _), id)| NodeCacheStats {
+                node: name.to_string(),
+                held: self.cache(id).map_or(0, |c| c.held),
+                capacity: self.capacity_of(name),
+                floor: self.floor(id),
+            })
+            .collect()
+    }
+
+    /// Blocks node `node` holds, by the clock it last ran them at, oldest first.
+    pub(crate) fn clocks(&self, node: u32) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.cache(node).into_iter().flat_map(|c| c.by_clock.iter().map(|(&k, &v)| (k, v)))
+    }
+
+    /// Node ids with a cache.
+    pub(crate) fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Whether there are changes to write.
+    pub(crate) fn dirty(&self) -> bool {
+        !self.changes.is_empty() || !self.capacity_changes.is_empty() || self.default_changed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An engine's LRU of whole `ran`s: the blocks of each node by the clock it last ran them
+    /// at, the oldest clocks dropped while it holds more than its capacity.
+    #[test]
+    fn a_node_keeps_its_newest_clocks_within_its_capacity() {
+        let mut caches = NodeCaches { default: Some(10), ..NodeCaches::default() };
+        let a = (0, "a");
+        assert_eq!(caches.ran(a, 1, 4, &[], 0), 0);
+        assert_eq!(caches.ran(a, 2, 4, &[], 0), 0);
+        // Re-runs clock 1's four blocks and two more: clock 1 is empty, 2 holds 4, 3 holds 6.
+        assert_eq!(caches.ran(a, 3, 6, &[(1, 4)], 0), 0);
+        assert_eq!(caches.cache(0).map(|c| c.held), Some(10));
+        // Three new blocks: clock 2 goes (the oldest held), then 3 + 3 fit.
+        assert_eq!(caches.ran(a, 4, 3, &[], 0), 2);
+        assert_eq!(caches.cache(0).map(|c| (c.held, c.floor)), Some((9, 2)));
+        // Another node is not touched; the global floor drops what is at or below it.
+        assert_eq!(caches.ran((1, "b"), 5, 2, &[], 3), 0);
+        assert_eq!(caches.cache(0).map(|c| c.held), Some(3));
+        // A smaller capacity of its own evicts at once; a bigger prompt than fits leaves nothing.
+        caches.set_capacity(a, Some(2));
+        assert_eq!(caches.floor(0), 4);
+        assert_eq!(caches.ran(a, 6, 5, &[], 3), 6);
+        assert_eq!(caches.cache(0).map(|c| c.held), Some(0));
+        caches.forget(1);
+        assert_eq!(caches.cache(1).map(|c| c.held), Some(0));
+        assert!(caches.dirty());
+    }
+}

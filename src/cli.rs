@@ -125,9 +125,14 @@ struct ReplayArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
     /// Give every simulated node an LRU KV cache of this many 64-token blocks, and report the
-    /// share of prompt tokens the chosen node really still held.
+    /// share of prompt tokens the chosen node really still held. The index is told the size too
+    /// (`Builder::node_cache_blocks`), unless --no-index-cache.
     #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..))]
     node_cache_blocks: Option<u64>,
+    /// With --node-cache-blocks: do not tell the index the node size (what an index without node
+    /// caches routes).
+    #[arg(long, requires = "node_cache_blocks")]
+    no_index_cache: bool,
     /// Nodes each block remembers (default: the library's).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=superfluid_warm::MAX_NODES_PER_PREFIX as u64))]
     nodes_per_prefix: Option<u64>,
@@ -167,6 +172,7 @@ impl ReplayArgs {
             baseline: !self.no_baseline,
             vocab: self.vocab,
             node_cache_blocks: self.node_cache_blocks.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
+            index_told_cache: self.node_cache_blocks.is_some() && !self.no_index_cache,
             restart_every: self.restart_every.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
             forget: !self.no_forget,
             ..Config::default()
@@ -461,6 +467,9 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     if let Some(k) = args.nodes_per_prefix {
         builder.nodes_per_prefix(usize::try_from(k).unwrap_or(usize::MAX));
     }
+    if let Some(blocks) = args.node_cache_blocks.filter(|_| !args.no_index_cache) {
+        builder.node_cache_blocks(blocks);
+    }
     if let (Some(heads), Some(url)) = (args.heads, args.nats.as_deref()) {
         let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
         let r = run_heads(&builder, dir.path(), url, &workload, &config, heads as usize)?;
@@ -565,7 +574,7 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "sustained_ratio": r.sustained().map(|(_, ratio)| ratio),
         "warm_share_cached": r.warm_share_cached(), "warm_requests_not_cached": r.warm_not_cached,
         "warm_tokens_cached": r.warm_tokens_cached, "chosen_node_cached_share": r.chosen_cached_share(),
-        "node_cache_blocks": c.node_cache_blocks,
+        "node_cache_blocks": c.node_cache_blocks, "index_told_cache": c.index_told_cache,
         "restart_every": c.restart_every, "forget": c.forget, "restarts": r.restarts,
         "warm_tokens_to_restarted": r.warm_tokens_to_restarted,
         "bytes_per_request": r.bytes_written.map(|b| b as f64 / r.requests.max(1) as f64),
@@ -597,9 +606,10 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
         (r.warm_share_cached(), r.chosen_cached_share(), r.warm_not_cached, c.node_cache_blocks)
     {
         t += &format!(
-            "really cached    {:.1}% of prompt tokens: routed warm and still in the chosen node's cache (an LRU of {blocks} blocks a node; {:.1}% counting what it held unannounced); {missed} requests sent as warm to a node that no longer held the prefix\n",
+            "really cached    {:.1}% of prompt tokens: routed warm and still in the chosen node's cache (an LRU of {blocks} blocks a node, {told}; {:.1}% counting what it held unannounced); {missed} requests sent as warm to a node that no longer held the prefix\n",
             100.0 * cached,
-            100.0 * any
+            100.0 * any,
+            told = if c.index_told_cache { "the index told its size" } else { "the index not told" },
         );
     }
     if let (Some(restarts), Some(wrong), Some(every)) = (r.restarts, r.warm_tokens_to_restarted, c.restart_every) {

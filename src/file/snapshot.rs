@@ -513,15 +513,17 @@ impl Snapshot {
         Ok(())
     }
 
-    /// Checks each node's cache: every count is of a known, current incarnation, at a clock above
+    /// Checks each node's cache (kept only for a node with a capacity): every count is of a
+    /// known, current incarnation with a capacity, at a clock above
     /// its floor and the eviction floor and at most the high-water mark; a node holds no more
     /// than its capacity; and every (block, node) pair the file answers for a node is counted at
     /// its clock (the counts may hold more: blocks that no longer name the node still take room
     /// in its cache).
     fn check_caches(&self, check: &mut Check, caches: &NodeCaches) -> Result<()> {
         let mut named: HashMap<(u32, u64), u64> = HashMap::new();
+        let tracked = |node: u32| self.nodes.get(node as usize).is_some_and(|name| caches.tracks(name));
         let mut see = |node: u32, clock: u64| {
-            if clock > self.floor && clock > caches.floor(node) && !self.is_retired(node) {
+            if clock > self.floor && clock > caches.floor(node) && !self.is_retired(node) && tracked(node) {
                 *named.entry((node, clock)).or_default() += 1;
             }
         };
@@ -543,14 +545,16 @@ impl Snapshot {
             let mut held = 0;
             for (clock, n) in caches.clocks(id) {
                 held += n;
-                if id as usize >= self.nodes.len() || self.is_retired(id) {
-                    check.note(format!("node id {id} has a cache count and is unknown or forgotten"));
+                if id as usize >= self.nodes.len() || self.is_retired(id) || !tracked(id) {
+                    check.note(format!("node id {id} has a cache count and is unknown, forgotten or of no size"));
                 } else if clock <= self.floor || clock <= caches.floor(id) || clock > self.meta.clock {
                     check.note(format!("node id {id} counts blocks at clock {clock}, outside its cache"));
                 }
                 let answered = named.remove(&(id, clock)).unwrap_or(0);
                 if answered > n {
-                    check.note(format!("node id {id} is named by {answered} blocks of clock {clock}, its cache counts {n}"));
+                    check.note(format!(
+                        "node id {id} is named by {answered} blocks of clock {clock}, its cache counts {n}"
+                    ));
                 }
             }
             let capacity = self.nodes.get(id as usize).and_then(|name| caches.capacity_of(name));

@@ -283,7 +283,7 @@ fn build_presence(inner: &Inner) {
                 .iter()
                 .filter_map(|c| match c {
                     Change::Ran(ran) => Some(&ran.blocks[..]),
-                    Change::Forget { .. } | Change::Capacity { .. } => None,
+                    Change::Forget { .. } => None,
                 })
                 .collect();
             let keys = back.meta.capacity.max(back.meta.entries);

@@ -11,7 +11,7 @@
 use super::front::{Front, Searched};
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
-use crate::store::tables::{Entry, members, newest_members, table_key};
+use crate::store::tables::{Entry, newest_members, table_key};
 
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
@@ -60,12 +60,15 @@ pub(crate) fn answered(front: &Front, node: u32, clock: u64) -> bool {
 }
 
 /// The blocks of `keys` node `node` holds in its cache, by the clock it last ran them at: runs
-/// `(clock, blocks)` from the first block on (`runs`: the chain's runs as [`probe`] gives them).
-/// Where the newest writer of every remembered block is `node` (a conversation's next turn on the
-/// same node), those are its runs; otherwise its own clock of each block is looked for, a few
-/// probes a run. A node without an id yet holds nothing.
+/// `(clock, blocks)` from the first block on (`runs_by_writer`: the chain's runs as [`probe`]
+/// gives them). Where the newest writer of every remembered block is `node` (a conversation's
+/// next turn on the same node), those are its runs. Otherwise they are read from what each
+/// block names; a block that no longer names the node (dropped past `nodes_per_prefix`) before
+/// one that does is taken at the deeper block's clock (it ran the block then, if not since: its
+/// cache then looks older than it is, and evicts early, never late). A node without an id yet
+/// holds nothing.
 pub(crate) fn node_runs(
-    front: &Front,
+    front: &mut Front,
     node: Option<u32>,
     keys: &[BlockKey],
     runs_by_writer: &[((u32, u64), u64)],
@@ -75,26 +78,26 @@ pub(crate) fn node_runs(
     if runs_by_writer.iter().all(|&((n, _), _)| n == node) {
         return Ok(runs_by_writer.iter().map(|&((_, c), k)| (c, k)).filter(|&(c, _)| c > floor).collect());
     }
-    let probe = |k: &BlockKey| node_clock(front, node, floor, k);
-    let found = search(keys, probe)?;
-    runs(keys, found, probe, |&c| c)
-}
-
-/// The newest clock `node` ran `key` at, pending or committed, if it is still in its cache.
-fn node_clock(front: &Front, node: u32, floor: u64, key: &BlockKey) -> Result<Option<u64>> {
-    let mut named = Vec::new();
-    front.overlay.writes(key, &mut named);
-    let k = table_key(key);
-    if let Some(entry) = front.committed.get(k).map_err(redb_err("reading a prefix"))? {
-        let e = Entry::from_tuple(entry.value());
-        named.push((e.node, e.clock));
+    // (blocks, the node's clock on them) per stretch, deepest first.
+    let mut start = 0;
+    let mut per: Vec<(u64, Option<u64>)> = Vec::new();
+    for (i, named) in stretches(front, keys)? {
+        let clock = named.iter().find(|m| m.0 == node).map(|m| m.1).filter(|&c| c > floor);
+        per.push(((i + 1 - start) as u64, clock));
+        start = i + 1;
     }
-    if named.iter().any(|&(n, _)| n != node)
-        && let Some(row) = front.committed_others.get(k).map_err(redb_err("reading the others"))?
-    {
-        named.extend(members(row.value()));
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    let mut deeper: Option<u64> = None;
+    for &(blocks, clock) in per.iter().rev() {
+        let Some(clock) = clock.or(deeper) else { continue };
+        deeper = Some(clock);
+        match runs.last_mut() {
+            Some(last) if last.0 == clock => last.1 += blocks,
+            _ => runs.push((clock, blocks)),
+        }
     }
-    Ok(named.into_iter().filter(|&(n, c)| n == node && c > floor && front.holds(c)).map(|(_, c)| c).max())
+    runs.reverse();
+    Ok(runs)
 }
 
 /// One remembered node of a prompt: its id, how many blocks of the prompt it ran, and the clock
@@ -119,6 +122,25 @@ impl NodeDepth {
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes, and nodes whose cache
 /// no longer holds the block, are left out.
 pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
+    let stretches = stretches(front, keys)?;
+    let mut deepest: Vec<NodeDepth> = Vec::new();
+    for (i, named) in stretches {
+        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, node, clock)) {
+            match deepest.iter_mut().find(|d| d.node == node) {
+                Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },
+                None => deepest.push(NodeDepth { node, blocks: i + 1, clock }),
+            }
+        }
+    }
+    deepest.sort_unstable_by(NodeDepth::longest_first);
+    Ok(deepest)
+}
+
+/// The remembered prefix of `keys` as stretches of blocks that name the same nodes: `(i, named)`
+/// for the last block `i` of each, in order, with what each block of it names (each node once
+/// with its newest clock, those above the floor, the `nodes_per_prefix` newest; forgotten
+/// nodes and caches not filtered yet).
+fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<(usize, Vec<(u32, u64)>)>> {
     let found = searched(front, keys)?;
     let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];
@@ -164,11 +186,9 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
     looked_at.push(len - 1);
     looked_at.sort_unstable();
     looked_at.dedup();
-    let mut deepest: Vec<NodeDepth> = Vec::new();
-    let mut named = Vec::new();
+    let mut stretches = Vec::with_capacity(looked_at.len());
     for i in looked_at {
-        named.clear();
-        named.extend(sources.iter().filter_map(|s| s[i]));
+        let mut named: Vec<(u32, u64)> = sources.iter().filter_map(|s| s[i]).collect();
         for map in &maps {
             named.extend_from_slice(map.earlier(&keys[i]));
         }
@@ -177,15 +197,9 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
         }
         named.retain(|&(_, clock)| front.holds(clock));
         newest_members(&mut named, front.nodes_per_prefix);
-        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, node, clock)) {
-            match deepest.iter_mut().find(|d| d.node == node) {
-                Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },
-                None => deepest.push(NodeDepth { node, blocks: i + 1, clock }),
-            }
-        }
+        stretches.push((i, named));
     }
-    deepest.sort_unstable_by(NodeDepth::longest_first);
-    Ok(deepest)
+    Ok(stretches)
 }
 
 /// The (node, clock) `probe` gives each block of a prefix-closed chain whose clocks never

@@ -164,6 +164,7 @@ impl Overlay {
     }
 
     /// Every pending write of `key`, (node id, clock), in no order, pushed onto `into`.
+    #[cfg(test)]
     pub(crate) fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) {
         for map in self.maps() {
             if let Some(found) = map.newest(key) {

@@ -353,8 +353,15 @@ impl Warm {
             let found = lookup::searched(&mut front, &prefix.blocks)?;
             let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(&front, k), |&(_, c)| c)?;
             let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
-            // The node's cache: the blocks of the prompt it held, by the clock it ran them at.
-            let held = lookup::node_runs(&front, front.current_id(node), &prefix.blocks, &by_writer)?;
+            // The node's cache, if kept: the blocks of the prompt it held, by the clock it last
+            // ran them at.
+            let held = match front.caches.tracks(node) {
+                true => {
+                    let id = front.current_id(node);
+                    lookup::node_runs(&mut front, id, &prefix.blocks, &by_writer)?
+                }
+                false => Vec::new(),
+            };
             let clock = front.clock + 1;
             let blocks = prefix.blocks.len() as u64;
             let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, blocks, &runs);
@@ -439,21 +446,27 @@ impl Warm {
         if let Some(b) = blocks.filter(|&b| b == 0 || b > MAX_CAPACITY) {
             return Err(Error::InvalidConfig { detail: format!("node cache of {b} blocks (1 to {MAX_CAPACITY})") });
         }
-        {
-            let mut front = self.front()?;
-            while front.importing {
-                front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+        // As an import: with the writer held and `ran`s waiting, everything before is committed,
+        // then the change is committed on its own, and the callers take the writer's caches
+        // (a node whose cache was not kept starts from a scan of the file, and both must start
+        // from the same one).
+        let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
+        self.front()?.importing = true;
+        let set = flush_locked(&self.inner, &mut back, Flush::Commit).and_then(|()| {
+            if let Err(e) = back.set_node_capacity(&self.inner.db, name, blocks) {
+                return Err(back.roll_back(&self.inner.db, e).error);
             }
-            let (node, name) = front.name(name);
-            front.caches.set_capacity((node, &name), blocks);
-            let clock = front.clock;
-            let was_idle = front.oldest_pending.is_none();
-            front.push(Change::Capacity { node, name, blocks, clock, at: Instant::now(), position: 0 });
-            if was_idle {
-                self.inner.wake.notify_one();
-            }
+            flush_locked(&self.inner, &mut back, Flush::Commit)
+        });
+        let mut front = self.front()?;
+        front.importing = false;
+        if set.is_ok() {
+            front.caches = back.caches.view();
+            front.searched = None;
         }
-        self.sync()
+        drop(front);
+        self.inner.drained.notify_all();
+        set
     }
 
     #[cfg(feature = "nats")]

@@ -141,6 +141,32 @@ impl NodeCaches {
         self.capacity.get(name).copied().or(self.default)
     }
 
+    /// Whether node `name`'s cache is kept (it has a capacity): only then are its blocks
+    /// counted, so a head that sets no size pays nothing for caches.
+    pub(crate) fn tracks(&self, name: &str) -> bool {
+        self.capacity_of(name).is_some()
+    }
+
+    /// Starts keeping node `node`'s cache from `clocks` (blocks by clock: what the file names of
+    /// it, for a node whose cache was not kept).
+    fn seed(&mut self, node: u32, clocks: BTreeMap<u64, u64>) {
+        for (&clock, &blocks) in &clocks {
+            self.changes.push(RowChange::Clock { node, clock, blocks });
+        }
+        let cache = self.cache_mut(node);
+        cache.held = clocks.values().sum();
+        cache.by_clock = clocks;
+    }
+
+    /// Stops keeping node `node`'s cache (it has no capacity now): its counts go, its floor
+    /// stays (what left its cache does not come back).
+    fn untrack(&mut self, node: u32) {
+        let Some(cache) = self.nodes.get_mut(node as usize) else { return };
+        cache.held = 0;
+        let gone = std::mem::take(&mut cache.by_clock);
+        self.changes.extend(gone.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+    }
+
     fn set_count(&mut self, node: u32, clock: u64, blocks: u64) {
         let cache = self.cache_mut(node);
         if blocks == 0 {
@@ -154,7 +180,7 @@ impl NodeCaches {
     /// Node `node` (named `name`) ran `blocks` blocks at `clock`, of which the first ones it held
     /// already, last run at the clocks `runs` gives (`(clock, blocks)`, oldest last); the global
     /// eviction floor after it is `global_floor`. Applies the global floor, then the node's
-    /// capacity. Returns the node's floor after it.
+    /// capacity (if it has none, only the global floor). Returns the node's floor after it.
     pub(crate) fn ran(
         &mut self,
         (node, name): (u32, &str),
@@ -163,6 +189,10 @@ impl NodeCaches {
         runs: &[(u64, u64)],
         global_floor: u64,
     ) -> u64 {
+        if !self.tracks(name) {
+            self.drop_through(global_floor);
+            return self.floor(node);
+        }
         let floor = self.floor(node).max(self.global_floor).max(global_floor);
         let mut moved = 0;
         for &(old, n) in runs.iter().filter(|&&(old, _)| old > floor) {
@@ -181,24 +211,48 @@ impl NodeCaches {
         self.floor(node)
     }
 
-    /// Sets node `name`'s own capacity (`None`: the default again), then evicts to it.
-    pub(crate) fn set_capacity(&mut self, (node, name): (u32, &str), blocks: Option<u64>) {
+    /// Sets node `name`'s own capacity (`None`: the default again), then evicts to it. `seeds`:
+    /// what the file names of it by clock, if its cache was not kept before.
+    pub(crate) fn set_capacity(
+        &mut self,
+        (node, name): (u32, &str),
+        blocks: Option<u64>,
+        mut seeds: BTreeMap<u32, BTreeMap<u64, u64>>,
+    ) {
+        let was = self.tracks(name);
         let name: Arc<str> = Arc::from(name);
         match blocks {
             Some(b) => self.capacity.insert(Arc::clone(&name), b),
             None => self.capacity.remove(&name),
         };
         self.capacity_changes.push((Arc::clone(&name), blocks));
+        match (was, self.tracks(&name)) {
+            (false, true) => self.seed(node, seeds.remove(&node).unwrap_or_default()),
+            (true, false) => self.untrack(node),
+            _ => {}
+        }
         self.enforce((node, &name));
     }
 
     /// Sets the default capacity, then evicts every node in `nodes` (id, name; the current
-    /// incarnations) to its capacity.
-    pub(crate) fn set_default<'a>(&mut self, blocks: Option<u64>, nodes: impl Iterator<Item = (u32, &'a str)>) {
+    /// incarnations) to its capacity; those whose cache was not kept start from `seeds`.
+    pub(crate) fn set_default<'a>(
+        &mut self,
+        blocks: Option<u64>,
+        nodes: impl Iterator<Item = (u32, &'a str)>,
+        mut seeds: BTreeMap<u32, BTreeMap<u64, u64>>,
+    ) {
+        let nodes: Vec<(u32, &str)> = nodes.collect();
+        let was: Vec<bool> = nodes.iter().map(|(_, name)| self.tracks(name)).collect();
         self.default = blocks;
         self.default_changed = true;
-        for node in nodes {
-            self.enforce(node);
+        for (&(node, name), was) in nodes.iter().zip(was) {
+            match (was, self.tracks(name)) {
+                (false, true) => self.seed(node, seeds.remove(&node).unwrap_or_default()),
+                (true, false) => self.untrack(node),
+                _ => {}
+            }
+            self.enforce((node, name));
         }
     }
 
@@ -343,7 +397,7 @@ mod tests {
         assert_eq!(caches.ran((1, "b"), 5, 2, &[], 3), 0);
         assert_eq!(caches.cache(0).map(|c| c.held), Some(3));
         // A smaller capacity of its own evicts at once; a bigger prompt than fits leaves nothing.
-        caches.set_capacity(a, Some(2));
+        caches.set_capacity(a, Some(2), BTreeMap::new());
         assert_eq!(caches.floor(0), 4);
         assert_eq!(caches.ran(a, 6, 5, &[], 3), 6);
         assert_eq!(caches.cache(0).map(|c| c.held), Some(0));

@@ -9,15 +9,12 @@ use std::collections::BTreeMap;
 use redb::ReadableTable;
 
 use super::records::{
-    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_VERSION,
-    read_meta,
+    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_VERSION, read_meta,
 };
 use super::tables::{
-    GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS,
-    NODES, OTHERS, PREFIXES, RETIRED, STATE, members,
+    GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES,
+    OTHERS, PREFIXES, RETIRED, STATE,
 };
-use super::writer::read_floor;
-use crate::keys::is_legacy;
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
 
@@ -143,49 +140,15 @@ fn upgrade(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
     Ok(())
 }
 
-/// Upgrades a schema 4 file to schema 5 in the open transaction: the node cache tables, each
-/// node's blocks per clock counted from what the file names (one scan of the prefix table and
-/// one of the others; 0.1.7's imported entries, forgotten nodes and what is at or below the
-/// floor are not counted). No capacity is set, so nothing is evicted and every answer stays.
-/// A crash before the commit leaves the old file untouched.
+/// Upgrades a schema 4 file to schema 5 in the open transaction: the node cache tables, empty (a
+/// schema 4 file sets no cache size, and a node's cache is kept only once it has one: its
+/// counts then start from what the file names of it). Every other table and every answer stays
+/// as it is; a crash before the commit leaves the old file untouched.
 fn upgrade_v5(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
-    const UPGRADE: &str = "upgrading to schema 5";
-    let floor = read_floor(&txn.open_table(STATE).map_err(redb_err(UPGRADE))?)?;
-    let retired: std::collections::BTreeSet<u32> = {
-        let table = txn.open_table(RETIRED).map_err(redb_err(UPGRADE))?;
-        let mut ids = std::collections::BTreeSet::new();
-        for item in table.iter().map_err(redb_err(UPGRADE))? {
-            ids.insert(item.map_err(redb_err(UPGRADE))?.0.value());
-        }
-        ids
-    };
-    let mut counts: BTreeMap<(u32, u64), u64> = BTreeMap::new();
-    let mut count = |node: u32, clock: u64| {
-        if clock > floor && !retired.contains(&node) {
-            *counts.entry((node, clock)).or_default() += 1;
-        }
-    };
-    {
-        let prefixes = txn.open_table(PREFIXES).map_err(redb_err(UPGRADE))?;
-        for item in prefixes.iter().map_err(redb_err(UPGRADE))? {
-            let (key, value) = item.map_err(redb_err(UPGRADE))?;
-            let (node, _, _, clock) = value.value();
-            if !is_legacy(&key.value().to_be_bytes()) {
-                count(node, clock);
-            }
-        }
-        let others = txn.open_table(OTHERS).map_err(redb_err(UPGRADE))?;
-        for item in others.iter().map_err(redb_err(UPGRADE))? {
-            let (_, row) = item.map_err(redb_err(UPGRADE))?;
-            members(row.value()).for_each(|(node, clock)| count(node, clock));
-        }
-    }
-    let mut table = txn.open_table(NODE_CLOCKS).map_err(redb_err(UPGRADE))?;
-    for (key, n) in counts {
-        table.insert(key, n).map_err(redb_err(UPGRADE))?;
-    }
-    txn.open_table(NODE_FLOORS).map_err(redb_err(UPGRADE))?;
-    txn.open_table(NODE_CAPACITY).map_err(redb_err(UPGRADE))?;
+    let err = redb_err::<redb::TableError>("upgrading to schema 5");
+    txn.open_table(NODE_CLOCKS).map_err(&err)?;
+    txn.open_table(NODE_FLOORS).map_err(&err)?;
+    txn.open_table(NODE_CAPACITY).map_err(&err)?;
     meta.schema = SCHEMA_V5;
     Ok(())
 }

@@ -53,24 +53,13 @@ pub(crate) enum Change {
         /// As [`Ran::position`].
         position: u64,
     },
-    /// `set_node_capacity`: node id `node` (named `name`) gets its own cache capacity
-    /// (`None`: the default again), applied at `clock`.
-    Capacity {
-        node: u32,
-        name: Arc<str>,
-        blocks: Option<u64>,
-        clock: u64,
-        at: Instant,
-        /// As [`Ran::position`].
-        position: u64,
-    },
 }
 
 impl Change {
     pub(crate) fn clock(&self) -> u64 {
         match self {
             Change::Ran(r) => r.clock,
-            Change::Forget { clock, .. } | Change::Capacity { clock, .. } => *clock,
+            Change::Forget { clock, .. } => *clock,
         }
     }
 
@@ -78,14 +67,14 @@ impl Change {
     pub(crate) fn position(&self) -> u64 {
         match self {
             Change::Ran(r) => r.position,
-            Change::Forget { position, .. } | Change::Capacity { position, .. } => *position,
+            Change::Forget { position, .. } => *position,
         }
     }
 
     pub(crate) fn at(&self) -> Instant {
         match self {
             Change::Ran(r) => r.at,
-            Change::Forget { at, .. } | Change::Capacity { at, .. } => *at,
+            Change::Forget { at, .. } => *at,
         }
     }
 
@@ -93,7 +82,7 @@ impl Change {
     pub(crate) fn blocks(&self) -> usize {
         match self {
             Change::Ran(r) => r.blocks.len(),
-            Change::Forget { .. } | Change::Capacity { .. } => 0,
+            Change::Forget { .. } => 0,
         }
     }
 }
@@ -306,12 +295,6 @@ impl Writer {
                     self.retire(db, *node, *clock)?;
                     self.caches.forget(*node);
                 }
-                Change::Capacity { node, name, blocks, clock, .. } => {
-                    self.apply_merged(db, &std::mem::take(&mut rans), floor)?;
-                    self.ensure_node(db, *node, name)?;
-                    self.caches.set_capacity((*node, name), *blocks);
-                    self.meta.clock = self.meta.clock.max(*clock);
-                }
             }
         }
         self.apply_merged(db, &rans, floor)?;
@@ -494,10 +477,68 @@ impl Writer {
     /// [`Error::Storage`].
     pub(crate) fn set_node_cache_default(&mut self, db: &Database, blocks: u64) -> Result<()> {
         let nodes = &self.nodes;
-        let current = nodes.names.iter().zip(0u32..).filter(|&(_, id)| nodes.retired[id as usize].is_none());
-        self.caches.set_default(Some(blocks), current.map(|(name, id)| (id, name.as_str())));
+        let current: Vec<(u32, String)> = nodes
+            .names
+            .iter()
+            .zip(0u32..)
+            .filter(|&(_, id)| nodes.retired[id as usize].is_none())
+            .map(|(name, id)| (id, name.clone()))
+            .collect();
+        // Nodes whose cache was not kept (no size) start from what the file names of them.
+        let new: Vec<u32> = current.iter().filter(|(_, name)| !self.caches.tracks(name)).map(|&(id, _)| id).collect();
+        let seeds = self.scan_pairs(db, &new)?;
+        self.caches.set_default(Some(blocks), current.iter().map(|(id, name)| (*id, name.as_str())), seeds);
         self.batch(db)?;
         Ok(())
+    }
+
+    /// Sets the size of node `name`'s cache (`None`: the default again) in the batch, adding the
+    /// node if new; a node whose cache was not kept starts from what the file names of it.
+    ///
+    /// # Errors
+    /// As [`Writer::intern_node`]; [`Error::Storage`].
+    pub(crate) fn set_node_capacity(&mut self, db: &Database, name: &str, blocks: Option<u64>) -> Result<()> {
+        let id = self.intern_node(db, name)?;
+        let seeds = match self.caches.tracks(name) {
+            true => Default::default(),
+            false => self.scan_pairs(db, &[id])?,
+        };
+        self.caches.set_capacity((id, name), blocks, seeds);
+        self.batch(db)?;
+        Ok(())
+    }
+
+    /// Per node of `ids`, the blocks the batch names it on (prefix table or others), by clock,
+    /// above the eviction floor and the node's own; 0.1.7's entries are not counted. One scan of
+    /// each table (nothing to scan for no ids).
+    fn scan_pairs(&mut self, db: &Database, ids: &[u32]) -> Result<BTreeMap<u32, BTreeMap<u64, u64>>> {
+        let mut counts: BTreeMap<u32, BTreeMap<u64, u64>> = BTreeMap::new();
+        if ids.is_empty() {
+            return Ok(counts);
+        }
+        self.batch(db)?;
+        let (floor, caches, Some(txn)) = (self.floor, &self.caches, self.txn.as_ref()) else {
+            return Err(Error::Poisoned);
+        };
+        let mut see = |node: u32, clock: u64| {
+            if ids.contains(&node) && clock > floor && clock > caches.floor(node) {
+                *counts.entry(node).or_default().entry(clock).or_default() += 1;
+            }
+        };
+        let primary = txn.open_table(PREFIXES).map_err(redb_err("reading the prefix table"))?;
+        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
+            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
+            let entry = Entry::from_tuple(value.value());
+            if !is_legacy(&key.value().to_be_bytes()) {
+                see(entry.node, entry.clock);
+            }
+        }
+        let others = txn.open_table(OTHERS).map_err(redb_err("reading the others"))?;
+        for item in others.iter().map_err(redb_err("reading the others"))? {
+            let (_, row) = item.map_err(redb_err("reading the others"))?;
+            members(row.value()).for_each(|(node, clock)| see(node, clock));
+        }
+        Ok(counts)
     }
 
     /// The current id of node `name`, added to the node tables if new (for imports: `ran`s

@@ -44,6 +44,9 @@ pub struct Config {
     /// Give every simulated node an LRU cache of this many 64-token blocks, touched by every
     /// request it is given, and measure what the chosen node really still held.
     pub node_cache_blocks: Option<usize>,
+    /// Whether the index was told the node caches' size (`Builder::node_cache_blocks`): for the
+    /// report only, the caller opens the index.
+    pub index_told_cache: bool,
     /// Restart a pseudo-random node every this many requests (its KV cache is gone).
     pub restart_every: Option<usize>,
     /// Tell the index of each restart (`forget_node`); off, measure what a head that cannot be
@@ -63,6 +66,7 @@ impl Default for Config {
             baseline: true,
             vocab: None,
             node_cache_blocks: None,
+            index_told_cache: false,
             restart_every: None,
             forget: true,
         }

@@ -375,7 +375,10 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "clock_high_water": s.clock, "capacity": s.capacity, "file_bytes": s.file_bytes,
             "schema": s.schema, "hash_scheme": s.hash_scheme, "writer_pid": s.writer,
             "others": s.others, "reclaimable": s.reclaimable, "forgotten_nodes": s.forgotten_nodes,
-            "stream_position": s.stream_position,
+            "stream_position": s.stream_position, "node_cache_default": s.node_cache_default,
+            "node_caches": s.node_caches.iter().map(|c| json!({
+                "node": c.node, "held": c.held, "capacity": c.capacity, "floor": c.floor,
+            })).collect::<Vec<_>>(),
         });
         return emit(out, &line.to_string());
     }
@@ -400,9 +403,20 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
         Some(pid) => format!("writer         pid {pid}\n"),
         None => "writer         none (closed cleanly)\n".into(),
     };
+    if let Some(blocks) = s.node_cache_default {
+        text += &format!("node caches    {blocks} blocks a node unless set per node\n");
+    }
     text += "per node:";
     for (node, n) in &s.per_node {
         text += &format!("\n  {node:<20} {n}");
+    }
+    let sized: Vec<_> = s.node_caches.iter().filter(|c| c.capacity.is_some()).collect();
+    if !sized.is_empty() {
+        text += "\nnode caches (blocks held / capacity):";
+        for c in sized {
+            let capacity = c.capacity.map_or_else(|| "none".to_string(), |b| b.to_string());
+            text += &format!("\n  {:<20} {} / {capacity}", c.node, c.held);
+        }
     }
     emit(out, &text)
 }

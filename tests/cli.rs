@@ -223,31 +223,51 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     for field in ["requests_per_s", "baseline_requests_per_s"] {
         assert!(threaded[field].as_f64().is_some_and(|r| r > 0.0), "{field}: {threaded}");
     }
-    // Node caches: with room for everything, all that was routed warm is still cached; with
-    // little room, less is, and some requests went to a node that had lost the prefix.
-    let cached = |blocks: &str| -> serde_json::Value {
-        let out = run(&[
-            "replay",
-            "--trace",
-            trace,
-            "--requests",
-            "500",
-            "--json",
-            "--no-baseline",
-            "--node-cache-blocks",
-            blocks,
-        ]);
+    // Node caches, the index not told their size: with room for everything, all that was routed
+    // warm is still cached; with little room, less is, and some requests went to a node that had
+    // lost the prefix.
+    let cached = |blocks: &str, more: &[&str]| -> serde_json::Value {
+        let mut args =
+            vec!["replay", "--trace", trace, "--requests", "500", "--json", "--no-baseline", "--node-cache-blocks", blocks];
+        args.extend_from_slice(more);
+        let out = run(&args);
         assert!(out.status.success(), "{}", text(&out.stderr));
         serde_json::from_slice(&out.stdout).expect("replay JSON")
     };
-    let (roomy, tight) = (cached("1000000000"), cached("256"));
+    let (roomy, tight) = (cached("1000000000", &["--no-index-cache"]), cached("256", &["--no-index-cache"]));
     assert_eq!(roomy["warm_share_cached"], roomy["warm_share"], "{roomy}");
     assert_eq!(roomy["warm_requests_not_cached"], 0);
     assert_eq!(tight["warm_share"], a["warm_share"], "the routing itself is unchanged");
+    assert_eq!(tight["index_told_cache"], false);
     let (w, c) = (tight["warm_share"].as_f64().unwrap_or(0.0), tight["warm_share_cached"].as_f64().unwrap_or(1.0));
     assert!(c < w, "a cache of 256 blocks loses some of the warm prefixes: {tight}");
     assert!(tight["warm_requests_not_cached"].as_u64().is_some_and(|n| n > 0));
     assert!(a["warm_share_cached"].is_null(), "no caches, no figure");
+    // Told the size, the index calls warm only what the chosen node still holds; its file
+    // shows each node's cache, and passes `check`.
+    let dir = tempdir();
+    let told_db = db_path(&dir);
+    let told = cached("256", &["--db", told_db.to_str().expect("utf-8")]);
+    assert_eq!(told["index_told_cache"], true);
+    assert_eq!(told["warm_share_cached"], told["warm_share"], "{told}");
+    assert_eq!(told["warm_requests_not_cached"], 0, "{told}");
+    assert!(told["warm_share"].as_f64().is_some_and(|s| s > 0.0), "{told}");
+    let stats = run(&["stats", told_db.to_str().expect("utf-8"), "--json"]);
+    assert!(stats.status.success(), "{}", text(&stats.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats JSON");
+    assert_eq!(stats["node_cache_default"], 256);
+    let caches = stats["node_caches"].as_array().cloned().unwrap_or_default();
+    assert_eq!(caches.len(), 8, "{stats}");
+    for cache in &caches {
+        assert_eq!(cache["capacity"], 256, "{cache}");
+        // A prompt longer than the cache leaves nothing of it (its first blocks went first).
+        assert!(cache["held"].as_u64().is_some_and(|h| h <= 256), "{cache}");
+        assert!(cache["floor"].as_u64().is_some_and(|f| f > 0), "every node's cache let blocks go: {cache}");
+    }
+    assert!(caches.iter().any(|c| c["held"].as_u64().is_some_and(|h| h > 0)), "{stats}");
+    let shown = run(&["stats", told_db.to_str().expect("utf-8")]);
+    assert!(text(&shown.stdout).contains("node caches (blocks held / capacity):"), "{}", text(&shown.stdout));
+    assert!(run(&["check", told_db.to_str().expect("utf-8")]).status.success());
     let both = run(&["replay", "--requests", "10", "--threads", "2", "--node-cache-blocks", "64"]);
     assert_eq!(both.status.code(), Some(2), "node caches are simulated by one-thread replays only");
     assert!(text(&both.stderr).contains("--threads"), "{}", text(&both.stderr));

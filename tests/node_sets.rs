@@ -364,14 +364,34 @@ fn a_moved_conversation_stays_warm_on_both_nodes_until_one_is_forgotten() -> Res
 /// there, with its invariants (node counts included).
 #[test]
 fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), superfluid_warm::Error> {
+    crash_suite(3, None)
+}
+
+/// The same with node caches (a default of 30 blocks, blocks that keep every node, and a node
+/// given its own size now and then): what a node's cache lets go stays gone after a crash, and
+/// the per-node counts pass `check`.
+#[test]
+fn a_crash_at_any_write_keeps_every_node_cache_as_acknowledged() -> Result<(), superfluid_warm::Error> {
+    crash_suite(16, Some(30))
+}
+
+/// One step of a crash suite.
+enum Step {
+    Ran(Vec<u32>),
+    Forget,
+    Size(u64),
+}
+
+fn crash_suite(k: usize, size: Option<u64>) -> Result<(), superfluid_warm::Error> {
     use common::backend::{Disk, crash_images};
-    let k = 3;
     let disk = Disk::default();
-    let warm = Warm::builder()
-        .sync_window(std::time::Duration::ZERO)
-        .nodes_per_prefix(k)
-        .capacity(60)
-        .open_with_backend(disk.backend())?;
+    let mut builder = Warm::builder();
+    builder.sync_window(std::time::Duration::ZERO).nodes_per_prefix(k).capacity(60);
+    if let Some(blocks) = size {
+        builder.node_cache_blocks(blocks);
+    }
+    let open = builder.clone();
+    let warm = builder.open_with_backend(disk.backend())?;
     let start = {
         let mut state = disk.state();
         state.record = true;
@@ -379,19 +399,23 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
     };
     let mut rng = common::Rng(7);
     let mut prompts: Vec<Vec<u32>> = (0..4).map(|_| (0..128).collect()).collect();
-    // Each step: the prompt of a `ran` (None for a forget), and the node.
-    let mut steps: Vec<(Option<Vec<u32>>, &str)> = Vec::new();
+    // Each step, and the node.
+    let mut steps: Vec<(Step, &str)> = Vec::new();
     let mut acked = Vec::new();
     for i in 0..36 {
         let node = NODES[rng.below(4) as usize];
         if i % 6 == 5 {
             warm.forget_node(node)?;
-            steps.push((None, node));
+            steps.push((Step::Forget, node));
+        } else if size.is_some() && i % 12 == 8 {
+            let blocks = 5 + rng.below(20);
+            warm.set_node_capacity(node, Some(blocks))?;
+            steps.push((Step::Size(blocks), node));
         } else {
             let c = rng.below(4) as usize;
             common::next_turn(&mut prompts[c], c, 30 + rng.below(200) as usize);
             warm.ran("m", &prompts[c], node)?;
-            steps.push((Some(prompts[c].clone()), node));
+            steps.push((Step::Ran(prompts[c].clone()), node));
         }
         acked.push(disk.state().ops.len());
     }
@@ -399,10 +423,12 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
     let ops = disk.state().ops.clone();
     let model_after = |n: usize| {
         let mut model = Model::new(k, 60);
-        for (ran, node) in &steps[..n] {
-            match ran {
-                Some(p) => model.ran(p, node),
-                None => model.forget(node),
+        model.default_size = size;
+        for (step, node) in &steps[..n] {
+            match step {
+                Step::Ran(p) => model.ran(p, node),
+                Step::Forget => model.forget(node),
+                Step::Size(blocks) => model.set_size(node, Some(*blocks)),
             }
         }
         model
@@ -419,7 +445,7 @@ fn a_crash_at_any_write_keeps_every_acknowledged_ran_and_forget() -> Result<(), 
             images += 1;
             let path = dir.path().join(format!("crash-{op}-{which}.redb"));
             std::fs::write(&path, &image).expect("write image");
-            let warm = Warm::builder().nodes_per_prefix(k).open(&path)?;
+            let warm = open.open(&path)?;
             let mut answers = Vec::new();
             for p in &prompts {
                 for cut in [128, 640, p.len()] {

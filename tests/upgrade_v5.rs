@@ -1,0 +1,120 @@
+//! Schema 4 → 5 (`migrations/0005-node-caches`): a file written by the schema 4 build is upgraded
+//! in place on open, gives every answer that build gave (`warmest` and the whole `warm_nodes`),
+//! keeps a node's cache once it is given a size, and a crash at any write of the upgrade leaves
+//! a file that opens and answers the same.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use common::backend::{Disk, crash_images};
+use common::fixtures::{Query, queries};
+use superfluid_warm::{Error, Hit, Snapshot, Warm};
+
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0005-node-caches");
+
+/// Asserts every recorded answer, with the warm nodes `keep` lets through (of the new chain's);
+/// returns how many were warm.
+fn check_answers(warm: &Warm, queries: &[Query], what: &str, keep: impl Fn(&Hit) -> bool) -> Result<usize, Error> {
+    let mut warm_answers = 0;
+    for (i, q) in queries.iter().enumerate() {
+        let prefix = warm.prefix(&q.namespace, &q.tokens)?;
+        let nodes = warm.warm_nodes_prefix(&prefix)?;
+        match &q.warm_nodes {
+            Some(want) => {
+                let want: Vec<Hit> = want.iter().filter(|h| keep(h)).cloned().collect();
+                assert_eq!(nodes, want, "{what}: query {i}, warm nodes");
+                assert_eq!(warm.warmest_prefix(&prefix)?, want.first().cloned(), "{what}: query {i}");
+            }
+            // 0.1.7's imported entries are not counted in a node's cache: they stay until they
+            // age out.
+            None => assert_eq!(warm.warmest_prefix(&prefix)?, q.warmest, "{what}: query {i} (0.1.7's)"),
+        }
+        warm_answers += usize::from(q.warmest.is_some());
+    }
+    Ok(warm_answers)
+}
+
+fn fixture_copy(dir: &Path) -> PathBuf {
+    let path = dir.join("warm-v4.redb");
+    std::fs::copy(Path::new(DIR).join("warm-v4.redb"), &path).expect("copy the fixture");
+    path
+}
+
+#[test]
+fn a_schema_4_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let path = fixture_copy(dir.path());
+    let queries = queries(Path::new(DIR));
+    assert_eq!(queries.len(), 640);
+    assert_eq!(Snapshot::open(&path)?.stats()?.schema, 4, "readers do not upgrade");
+    {
+        let warm = Warm::open(&path)?;
+        let stats = warm.stats()?;
+        assert_eq!(stats.upgraded_from, Some(4));
+        assert_eq!((stats.entries, stats.legacy_entries, stats.others, stats.reclaimable), (1191, 240, 190, 140));
+        assert_eq!(stats.forgotten.iter().filter(|&&f| f).count(), 1);
+        assert!(stats.node_caches.iter().all(|c| c.capacity.is_none() && c.held == 0), "no sizes: no caches kept");
+        let warm_answers = check_answers(&warm, &queries, "after the upgrade", |_| true)?;
+        assert!(warm_answers > 400, "the fixture has warm answers to check ({warm_answers})");
+        warm.close()?;
+    }
+    let snapshot = Snapshot::open(&path)?;
+    assert_eq!(snapshot.stats()?.schema, 5);
+    let check = snapshot.check()?;
+    assert!(check.problems.is_empty(), "{:?}", check.problems);
+    drop(snapshot);
+    // Once upgraded it opens as it is. A node given a cache of one block keeps nothing of its
+    // two-block and longer prompts: it leaves every answer, and the rest stay.
+    let warm = Warm::open(&path)?;
+    assert_eq!(warm.stats()?.upgraded_from, None);
+    check_answers(&warm, &queries, "after a reopen", |_| true)?;
+    warm.set_node_capacity("node-0", Some(1))?;
+    let not_node_0 = |h: &Hit| h.node != "node-0";
+    check_answers(&warm, &queries, "node-0 with a cache of one block", not_node_0)?;
+    let stats = warm.stats()?;
+    let cache = stats.node_caches.iter().find(|c| c.node == "node-0").expect("node-0's cache");
+    assert_eq!((cache.held, cache.capacity), (0, Some(1)));
+    assert!(cache.floor > 0, "its blocks left its cache");
+    warm.close()?;
+    let check = Snapshot::open(&path)?.check()?;
+    assert!(check.problems.is_empty(), "{:?}", check.problems);
+    let warm = Warm::open(&path)?;
+    check_answers(&warm, &queries, "the same after a reopen", not_node_0)?;
+    Ok(())
+}
+
+/// A crash at every write the upgrade (and the close after it) makes, in every way the page
+/// cache can leave it: the file opens (upgraded then, if it was not), every answer is what the
+/// schema 4 build gave, and the invariants hold.
+#[test]
+fn a_crash_at_any_write_of_the_upgrade_leaves_a_file_that_answers_the_same() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let start = std::fs::read(Path::new(DIR).join("warm-v4.redb")).expect("the fixture");
+    let queries = queries(Path::new(DIR));
+    let disk = Disk::with_image(start.clone());
+    disk.state().record = true;
+    Warm::builder().open_with_backend(disk.backend())?.close()?;
+    let ops = disk.state().ops.clone();
+    let (mut images, mut upgraded_again) = (0, 0);
+    for k in 0..=ops.len() {
+        for (which, image) in crash_images(&start, &ops, k).into_iter().enumerate() {
+            if which > 0 && k % 2 == 1 {
+                continue;
+            }
+            images += 1;
+            let path = dir.path().join(format!("crash-{k}-{which}.redb"));
+            std::fs::write(&path, &image).expect("write image");
+            let warm = Warm::open(&path)?;
+            upgraded_again += usize::from(warm.stats()?.upgraded_from == Some(4));
+            check_answers(&warm, &queries, &format!("crash at op {k} ({which})"), |_| true)?;
+            warm.close()?;
+            let check = Snapshot::open(&path)?.check()?;
+            assert!(check.problems.is_empty(), "crash at op {k} ({which}): {:?}", check.problems);
+            std::fs::remove_file(&path).expect("remove");
+        }
+    }
+    assert!(upgraded_again > 0 && upgraded_again < images, "both sides of the upgrade's commit were crashed into");
+    println!("{images} crash images over {} storage operations; {upgraded_again} still schema 4", ops.len());
+    Ok(())
+}

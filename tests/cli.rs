@@ -227,8 +227,17 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     // warm is still cached; with little room, less is, and some requests went to a node that had
     // lost the prefix.
     let cached = |blocks: &str, more: &[&str]| -> serde_json::Value {
-        let mut args =
-            vec!["replay", "--trace", trace, "--requests", "500", "--json", "--no-baseline", "--node-cache-blocks", blocks];
+        let mut args = vec![
+            "replay",
+            "--trace",
+            trace,
+            "--requests",
+            "500",
+            "--json",
+            "--no-baseline",
+            "--node-cache-blocks",
+            blocks,
+        ];
         args.extend_from_slice(more);
         let out = run(&args);
         assert!(out.status.success(), "{}", text(&out.stderr));

@@ -21,6 +21,8 @@ use superfluid_warm::{Hit, Warm};
 /// capacity, its oldest clock leaves, and a block is answered for the node only while in it.
 /// A node incarnation (name, times forgotten before it) and the clock it last ran a block at.
 type Member = ((String, u32), u64);
+/// A node's cache: block (its tokens) → the clock the node last ran it at.
+type Cache = HashMap<Vec<u32>, u64>;
 
 struct Model {
     k: usize,
@@ -29,8 +31,8 @@ struct Model {
     floor: u64,
     blocks: HashMap<Vec<u32>, Vec<Member>>,
     incarnation: HashMap<String, u32>,
-    /// Per incarnation: its cache (block → clock it last ran it at) and its floor.
-    caches: HashMap<(String, u32), (HashMap<Vec<u32>, u64>, u64)>,
+    /// Per incarnation: its cache and its floor.
+    caches: HashMap<(String, u32), (Cache, u64)>,
     /// Cache sizes by name, and the default.
     sizes: HashMap<String, u64>,
     default_size: Option<u64>,

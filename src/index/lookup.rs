@@ -136,11 +136,14 @@ pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Nod
     Ok(deepest)
 }
 
+/// The last block of a stretch, and the nodes (id, clock) each block of it names.
+type Stretch = (usize, Vec<(u32, u64)>);
+
 /// The remembered prefix of `keys` as stretches of blocks that name the same nodes: `(i, named)`
 /// for the last block `i` of each, in order, with what each block of it names (each node once
 /// with its newest clock, those above the floor, the `nodes_per_prefix` newest; forgotten
 /// nodes and caches not filtered yet).
-fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<(usize, Vec<(u32, u64)>)>> {
+fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
     let found = searched(front, keys)?;
     let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];

@@ -52,7 +52,8 @@ fn hit(a: Answer) -> Hit {
 /// Every query recorded in `dir`'s `answers.jsonl` and `legacy-answers.jsonl`.
 pub fn queries(dir: &Path) -> Vec<Query> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let requests = superfluid_warm::tools::trace::read(&root.join("traces/mooncake-conversation.jsonl")).expect("the trace");
+    let requests =
+        superfluid_warm::tools::trace::read(&root.join("traces/mooncake-conversation.jsonl")).expect("the trace");
     let shared = Namespace::new("fixture-model").expect("namespace");
     let tenant = Namespace::with_tenant("fixture-model", b"tenant-a").expect("namespace");
     let mut out = Vec::new();
@@ -75,7 +76,8 @@ pub fn queries(dir: &Path) -> Vec<Query> {
         let warm_nodes = r.nodes.map(|n| n.into_iter().map(hit).collect());
         out.push(Query { namespace, tokens, warmest: r.answer.map(hit), warm_nodes });
     }
-    let legacy = std::fs::read_to_string(root.join("migrations/0001-from-0.1.7-json/queries.jsonl")).expect("0.1.7 queries");
+    let legacy =
+        std::fs::read_to_string(root.join("migrations/0001-from-0.1.7-json/queries.jsonl")).expect("0.1.7 queries");
     let legacy: Vec<LegacyQuery> = legacy.lines().map(|l| serde_json::from_str(l).expect("a query")).collect();
     let text = std::fs::read_to_string(dir.join("legacy-answers.jsonl")).expect("legacy answers");
     for line in text.lines() {

@@ -475,3 +475,28 @@ fn crash_suite(k: usize, size: Option<u64>) -> Result<(), superfluid_warm::Error
     println!("{images} crash images over {} storage operations, {} steps (6 forgets)", ops.len(), steps.len());
     Ok(())
 }
+
+/// A node dropped from a shared prefix's blocks (two nodes a block) runs a branch of it: the
+/// dropped blocks count as new, not taken from the older branch's clock, so every block still
+/// naming the node is counted (`check` is clean) and it answers the older branch still.
+#[test]
+fn blocks_that_dropped_a_node_are_counted_again_not_taken_from_another_branch() -> Result<(), superfluid_warm::Error> {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let warm = Warm::builder().nodes_per_prefix(2).node_cache_blocks(100).open(&path)?;
+    let shared: Vec<u32> = (0..192).collect();
+    let mut x = shared.clone();
+    x.extend(1000..1192);
+    let mut y = shared.clone();
+    y.extend(2000..2128);
+    warm.ran("m", &x, "a")?;
+    warm.ran("m", &shared, "a")?;
+    warm.ran("m", &shared, "b")?;
+    warm.ran("m", &shared, "c")?;
+    warm.ran("m", &y, "a")?;
+    assert_eq!(warm.warmest("m", &x)?, Some(Hit { node: "a".into(), tokens: x.len() }), "a still holds the x branch");
+    warm.close()?;
+    let check = superfluid_warm::Snapshot::open(&path)?.check()?;
+    assert!(check.problems.is_empty(), "{:?}", check.problems);
+    Ok(())
+}

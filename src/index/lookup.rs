@@ -63,10 +63,9 @@ pub(crate) fn answered(front: &Front, node: u32, clock: u64) -> bool {
 /// `(clock, blocks)` from the first block on (`runs_by_writer`: the chain's runs as [`probe`]
 /// gives them). Where the newest writer of every remembered block is `node` (a conversation's
 /// next turn on the same node), those are its runs. Otherwise they are read from what each
-/// block names; a block that no longer names the node (dropped past `nodes_per_prefix`) before
-/// one that does is taken at the deeper block's clock (it ran the block then, if not since: its
-/// cache then looks older than it is, and evicts early, never late). A node without an id yet
-/// holds nothing.
+/// block names; a block that no longer names the node (dropped past `nodes_per_prefix`) is
+/// counted as new, its old count left where it is (the cache then looks fuller than it is: it
+/// evicts early, never late). A node without an id yet holds nothing.
 pub(crate) fn node_runs(
     front: &mut Front,
     node: Option<u32>,
@@ -87,16 +86,12 @@ pub(crate) fn node_runs(
         start = i + 1;
     }
     let mut runs: Vec<(u64, u64)> = Vec::new();
-    let mut deeper: Option<u64> = None;
-    for &(blocks, clock) in per.iter().rev() {
-        let Some(clock) = clock.or(deeper) else { continue };
-        deeper = Some(clock);
+    for (blocks, clock) in per.into_iter().filter_map(|(b, c)| c.map(|c| (b, c))) {
         match runs.last_mut() {
             Some(last) if last.0 == clock => last.1 += blocks,
             _ => runs.push((clock, blocks)),
         }
     }
-    runs.reverse();
     Ok(runs)
 }
 

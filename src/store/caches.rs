@@ -70,11 +70,14 @@ pub(crate) struct NodeCaches {
     nodes: Vec<NodeCache>,
     /// The global floor last applied.
     global_floor: u64,
-    /// Row changes since the last write, in order (the writer's copy only keeps them).
+    /// Row changes since the last write, in order (kept only with `record`).
     changes: Vec<RowChange>,
     /// Capacities changed since the last write (`None`: removed); the default, if it changed.
     capacity_changes: Vec<(Arc<str>, Option<u64>)>,
     default_changed: bool,
+    /// Whether the row changes are kept (the writer's copy, which writes them; the callers'
+    /// copy only answers from its counts).
+    record: bool,
 }
 
 impl NodeCaches {
@@ -90,7 +93,7 @@ impl NodeCaches {
         global_floor: u64,
     ) -> Result<NodeCaches> {
         const READ: &str = "reading the node caches";
-        let mut caches = NodeCaches { global_floor, ..NodeCaches::default() };
+        let mut caches = NodeCaches { global_floor, record: true, ..NodeCaches::default() };
         for item in clocks.iter().map_err(redb_err(READ))? {
             let (key, count) = item.map_err(redb_err(READ))?;
             let ((node, clock), count) = (key.value(), count.value());
@@ -115,7 +118,25 @@ impl NodeCaches {
 
     /// The same caches without the changes not yet written (the callers' copy).
     pub(crate) fn view(&self) -> NodeCaches {
-        NodeCaches { changes: Vec::new(), capacity_changes: Vec::new(), default_changed: false, ..self.clone() }
+        NodeCaches {
+            default: self.default,
+            capacity: self.capacity.clone(),
+            nodes: self.nodes.clone(),
+            global_floor: self.global_floor,
+            ..NodeCaches::default()
+        }
+    }
+
+    fn note(&mut self, change: RowChange) {
+        if self.record {
+            self.changes.push(change);
+        }
+    }
+
+    fn note_all(&mut self, changes: impl IntoIterator<Item = RowChange>) {
+        if self.record {
+            self.changes.extend(changes);
+        }
     }
 
     fn cache_mut(&mut self, node: u32) -> &mut NodeCache {
@@ -151,7 +172,7 @@ impl NodeCaches {
     /// it, for a node whose cache was not kept).
     fn seed(&mut self, node: u32, clocks: BTreeMap<u64, u64>) {
         for (&clock, &blocks) in &clocks {
-            self.changes.push(RowChange::Clock { node, clock, blocks });
+            self.note(RowChange::Clock { node, clock, blocks });
         }
         let cache = self.cache_mut(node);
         cache.held = clocks.values().sum();
@@ -164,7 +185,7 @@ impl NodeCaches {
         let Some(cache) = self.nodes.get_mut(node as usize) else { return };
         cache.held = 0;
         let gone = std::mem::take(&mut cache.by_clock);
-        self.changes.extend(gone.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+        self.note_all(gone.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
     }
 
     fn set_count(&mut self, node: u32, clock: u64, blocks: u64) {
@@ -174,7 +195,7 @@ impl NodeCaches {
         } else {
             cache.by_clock.insert(clock, blocks);
         }
-        self.changes.push(RowChange::Clock { node, clock, blocks });
+        self.note(RowChange::Clock { node, clock, blocks });
     }
 
     /// Node `node` (named `name`) ran `blocks` blocks at `clock`, of which the first ones it held
@@ -270,8 +291,8 @@ impl NodeCaches {
         }
         if floor > cache.floor {
             cache.floor = floor;
-            self.changes.extend(gone.into_iter().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
-            self.changes.push(RowChange::Floor { node, floor });
+            self.note_all(gone.into_iter().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+            self.note(RowChange::Floor { node, floor });
         }
     }
 
@@ -279,9 +300,9 @@ impl NodeCaches {
     pub(crate) fn forget(&mut self, node: u32) {
         let Some(cache) = self.nodes.get_mut(node as usize) else { return };
         let gone = std::mem::take(cache);
-        self.changes.extend(gone.by_clock.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+        self.note_all(gone.by_clock.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
         if gone.floor > 0 {
-            self.changes.push(RowChange::Floor { node, floor: 0 });
+            self.note(RowChange::Floor { node, floor: 0 });
         }
     }
 
@@ -291,11 +312,14 @@ impl NodeCaches {
             return;
         }
         self.global_floor = floor;
+        let (record, changes) = (self.record, &mut self.changes);
         for (node, cache) in self.nodes.iter_mut().enumerate() {
             while let Some(entry) = cache.by_clock.first_entry().filter(|e| *e.key() <= floor) {
                 let (clock, n) = entry.remove_entry();
                 cache.held = cache.held.saturating_sub(n);
-                self.changes.push(RowChange::Clock { node: node as u32, clock, blocks: 0 });
+                if record {
+                    changes.push(RowChange::Clock { node: node as u32, clock, blocks: 0 });
+                }
             }
         }
     }

@@ -439,8 +439,8 @@ impl Warm {
     ///
     /// # Errors
     /// [`Error::InvalidName`] for an empty or over-long name; [`Error::InvalidConfig`] for 0
-    /// blocks or more than [`MAX_CAPACITY`]; [`Error::Storage`] if the commit fails (answers
-    /// already follow the new size, and the change is retried with the next commit).
+    /// blocks or more than [`MAX_CAPACITY`]; [`Error::Storage`] if a commit fails (the change is
+    /// not made: answers keep the size before, and the caller may call again).
     pub fn set_node_capacity(&self, name: &str, blocks: Option<u64>) -> Result<()> {
         check_len("node", name.len(), MAX_NODE_BYTES)?;
         if let Some(b) = blocks.filter(|&b| b == 0 || b > MAX_CAPACITY) {

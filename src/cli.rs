@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use superfluid_warm::tools::heads::{HeadsReport, run_heads};
-use superfluid_warm::tools::replay::{self, Config, Policy, Report, Threaded, Timing};
+use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
 use superfluid_warm::{DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
 
@@ -156,6 +156,10 @@ struct ReplayArgs {
     /// With --heads: the NATS server (JetStream on) they share through, e.g. nats://127.0.0.1:4222.
     #[arg(long, requires = "heads")]
     nats: Option<String>,
+    /// Skip the second, back-to-back pass (a fresh index fed one request after another with
+    /// nothing between its calls, then 0.1.7 alone on the same choices).
+    #[arg(long)]
+    no_back_to_back: bool,
     /// As one JSON object.
     #[arg(long)]
     json: bool,
@@ -509,10 +513,23 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     let closed = warm.close();
     let report = report?;
     closed?;
+    // Saturated: a fresh index, after the first has closed (one heavy job at a time).
+    let back = match threaded.is_none() && !args.no_back_to_back {
+        true => {
+            let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+            let warm = builder.open(dir.path().join("back-to-back.redb"))?;
+            let back = replay::back_to_back(&warm, &workload, &config);
+            let closed = warm.close();
+            let back = back?;
+            closed?;
+            Some(back)
+        }
+        false => None,
+    };
     let text = if args.json {
-        replay_json(&report, &config, &source, threaded.as_ref())
+        replay_json(&report, &config, &source, threaded.as_ref(), back.as_ref())
     } else {
-        replay_text(&report, &config, &source, args.db.as_deref(), threaded.as_ref())
+        replay_text(&report, &config, &source, args.db.as_deref(), threaded.as_ref(), back.as_ref())
     };
     emit(out, &text)
 }
@@ -576,7 +593,7 @@ fn policy_name(p: Policy) -> String {
     clap::ValueEnum::to_possible_value(&p).map_or_else(|| format!("{p:?}"), |v| v.get_name().to_string())
 }
 
-fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>) -> String {
+fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>, back: Option<&BackToBack>) -> String {
     let timing =
         |t: &Timing| json!({"p50_us": micros(t.p50), "p99_us": micros(t.p99), "total_ms": t.total.as_secs_f64() * 1e3});
     let mut value = json!({
@@ -585,7 +602,7 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
-        "sustained_ratio": r.sustained().map(|(_, ratio)| ratio),
+        "paced_ratio": r.paced().map(|(_, ratio)| ratio),
         "warm_share_cached": r.warm_share_cached(), "warm_requests_not_cached": r.warm_not_cached,
         "warm_tokens_cached": r.warm_tokens_cached, "chosen_node_cached_share": r.chosen_cached_share(),
         "node_cache_blocks": c.node_cache_blocks, "index_told_cache": c.index_told_cache,
@@ -599,10 +616,32 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
         map.insert("requests_per_s".into(), json!(t.requests_per_s));
         map.insert("baseline_requests_per_s".into(), json!(t.baseline_requests_per_s));
     }
+    if let (Some(b), Some(map)) = (back, value.as_object_mut()) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let per_request = |bytes: u64| bytes as f64 / b.requests.max(1) as f64;
+        map.insert(
+            "back_to_back".into(),
+            json!({
+                "calls_ms": ms(b.calls), "final_sync_ms": ms(b.final_sync), "ours_ms": ms(b.ours()),
+                "baseline_ms": b.baseline.map(ms), "ratio": b.ratio(), "warm_tokens": b.warm_tokens,
+                "entries": b.entries, "requests_per_s": b.requests_per_s(),
+                "baseline_requests_per_s": b.baseline_requests_per_s(),
+                "bytes_per_request": b.bytes_written.map(per_request),
+                "baseline_bytes_per_request": b.baseline_bytes_written.map(per_request),
+            }),
+        );
+    }
     value.to_string()
 }
 
-fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, threaded: Option<&Threaded>) -> String {
+fn replay_text(
+    r: &Report,
+    c: &Config,
+    source: &str,
+    kept: Option<&Path>,
+    threaded: Option<&Threaded>,
+    back: Option<&BackToBack>,
+) -> String {
     let mut t = format!("replay of {source}\n");
     t += &format!("policy {} over {} nodes (load window {} requests)\n", policy_name(c.policy), c.nodes, c.window);
     if let Some(vocab) = c.vocab {
@@ -661,10 +700,10 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
         );
     }
     t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
-    if let (Some((ours, ratio)), Some(b)) = (r.sustained(), &r.baseline) {
-        // Back to back, the commit thread's backlog is part of the index's time.
+    if let (Some((ours, ratio)), Some(b)) = (r.paced(), &r.baseline) {
+        // The commit thread's backlog is part of the index's time; it also worked while 0.1.7 ran.
         t += &format!(
-            "sustained           index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {ratio:.2}x\n",
+            "paced by 0.1.7     index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {ratio:.2}x\n",
             ours.as_secs_f64() * 1e3,
             b.total.as_secs_f64() * 1e3,
         );
@@ -694,6 +733,34 @@ fn replay_text(r: &Report, c: &Config, source: &str, kept: Option<&Path>, thread
                 th.threads,
                 th.requests_per_s / b.max(1e-9)
             );
+        }
+    }
+    if let Some(b) = back {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        t += &format!(
+            "\nback to back        {:.1} ms: calls {:.1} ms + final sync {:.1} ms, {:.0} requests/s (a fresh index, nothing between its calls)",
+            ms(b.ours()),
+            ms(b.calls),
+            ms(b.final_sync),
+            b.requests_per_s()
+        );
+        if let (Some(theirs), Some(ratio)) = (b.baseline, b.ratio()) {
+            t += &format!(
+                "\n0.1.7 design        {:.1} ms alone, the same choices, {:.0} requests/s (in memory, nothing durable); ratio {ratio:.2}x",
+                ms(theirs),
+                b.baseline_requests_per_s().unwrap_or(0.0)
+            );
+        }
+        let per_request = |bytes: u64| bytes as f64 / b.requests.max(1) as f64 / 1024.0;
+        if let Some(ours) = b.bytes_written {
+            t += &format!("\n  bytes written     {:.1} KiB/request", per_request(ours));
+            if let Some(theirs) = b.baseline_bytes_written {
+                t += &format!(
+                    " (0.1.7 saving every {} ms of its time: {:.1} KiB/request)",
+                    DEFAULT_SYNC_WINDOW.as_millis(),
+                    per_request(theirs)
+                );
+            }
         }
     }
     if let Some(path) = kept {

@@ -201,21 +201,44 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
         assert!(a["bytes_per_request"].as_f64().is_some_and(|b| b > 0.0), "{a}");
     }
     assert!(a["baseline_bytes_per_request"].is_null(), "no baseline, no 0.1.7 saves");
-    assert!(a["sustained_ratio"].is_null(), "no baseline, no ratio");
-    // With the 0.1.7 design beside it: back to back, index time and the final sync against 0.1.7's total.
+    assert!(a["paced_ratio"].is_null(), "no baseline, no ratio");
+    assert!(a["back_to_back"]["ours_ms"].as_f64().is_some_and(|t| t > 0.0), "{a}");
+    assert!(a["back_to_back"]["baseline_ms"].is_null(), "no baseline, no 0.1.7 pass");
+    // With the 0.1.7 design beside it: paced, index time and the final sync against 0.1.7's
+    // total; back to back, a fresh index alone, then 0.1.7 alone.
     let out = run(&["replay", "--trace", trace, "--requests", "200", "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let both: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
     let ms = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
     let want = (ms(&both["index"]["total_ms"]) + ms(&both["final_sync_ms"])) / ms(&both["baseline_0_1_7"]["total_ms"]);
-    let got = ms(&both["sustained_ratio"]);
-    assert!(want > 0.0 && (got - want).abs() < 1e-6 * want, "sustained_ratio {got}, by its definition {want}");
+    let got = ms(&both["paced_ratio"]);
+    assert!(want > 0.0 && (got - want).abs() < 1e-6 * want, "paced_ratio {got}, by its definition {want}");
+    let back = &both["back_to_back"];
+    // The answers do not depend on commit timing: back to back, the same tokens routed warm and
+    // the same entries left as paced.
+    assert_eq!(back["warm_tokens"], both["warm_tokens"], "{back}");
+    assert_eq!(back["entries"], both["entries"], "{back}");
+    let ours = ms(&back["calls_ms"]) + ms(&back["final_sync_ms"]);
+    assert!(ours > 0.0 && (ms(&back["ours_ms"]) - ours).abs() < 1e-6 * ours, "{back}");
+    let want = ours / ms(&back["baseline_ms"]);
+    assert!(want > 0.0 && (ms(&back["ratio"]) - want).abs() < 1e-6 * want, "{back}");
+    for field in ["requests_per_s", "baseline_requests_per_s", "baseline_bytes_per_request"] {
+        assert!(back[field].as_f64().is_some_and(|r| r > 0.0), "{field}: {back}");
+    }
+    if cfg!(target_os = "linux") {
+        assert!(back["bytes_per_request"].as_f64().is_some_and(|b| b > 0.0), "{back}");
+    }
+    let out = run(&["replay", "--trace", trace, "--requests", "50", "--json", "--no-back-to-back"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let only: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
+    assert!(only.get("back_to_back").is_none(), "{only}");
     // Three head threads: every request routed once, the same prompt tokens, throughput beside
     // 0.1.7's behind one mutex.
     let out = run(&["replay", "--trace", trace, "--requests", "500", "--json", "--threads", "3"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let threaded: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
     assert_eq!((threaded["requests"].as_u64(), threaded["threads"].as_u64()), (Some(500), Some(3)));
+    assert!(threaded.get("back_to_back").is_none(), "threads replay once: {threaded}");
     assert_eq!(threaded["prompt_tokens"], a["prompt_tokens"]);
     let load: u64 = threaded["load"].as_array().map_or(0, |l| l.iter().filter_map(|v| v.as_u64()).sum());
     assert_eq!(Some(load), a["prompt_tokens"].as_u64(), "each request given to one node");

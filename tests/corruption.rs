@@ -207,3 +207,44 @@ fn a_seal_of_the_previous_format_costs_one_full_check_and_is_written_anew() -> R
     assert!(expected.iter().filter(|a| a.is_some()).count() > 20);
     Ok(())
 }
+
+/// A node cache row that names a node id the file never handed out (a damaged or hand-edited
+/// file; redb's checksums hold) is a typed error, for a head and for a reader, before it sizes
+/// anything by that id.
+#[test]
+fn a_node_cache_row_naming_an_unknown_node_is_refused() -> Result<(), Error> {
+    const NODE_CLOCKS: redb::TableDefinition<(u32, u64), u64> = redb::TableDefinition::new("node_clocks/v5");
+    const NODE_FLOORS: redb::TableDefinition<u32, u64> = redb::TableDefinition::new("node_floors/v5");
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let warm = Warm::builder().node_cache_blocks(64).open(&path)?;
+    let prompt: Vec<u32> = (0..256).collect();
+    warm.ran("m", &prompt, "a")?;
+    warm.close()?;
+    for table in ["clocks", "floors"] {
+        let copy = dir.path().join(format!("{table}.redb"));
+        std::fs::copy(&path, &copy).expect("copy");
+        {
+            let db = redb::Database::open(&copy).expect("redb opens the copy");
+            let txn = db.begin_write().expect("write");
+            match table {
+                "clocks" => {
+                    drop(txn.open_table(NODE_CLOCKS).expect("table").insert((u32::MAX - 1, 9), 1).expect("row"))
+                }
+                _ => drop(txn.open_table(NODE_FLOORS).expect("table").insert(u32::MAX - 1, 9).expect("row")),
+            }
+            txn.commit().expect("commit");
+        }
+        match Warm::open(&copy) {
+            Err(Error::Corrupted { detail }) => assert!(detail.contains("node id"), "{detail}"),
+            other => panic!("a head opened a node cache of an unknown node: {:?}", other.map(|_| ())),
+        }
+        let snapshot = superfluid_warm::Snapshot::open(&copy)?;
+        assert!(matches!(snapshot.check(), Err(Error::Corrupted { .. })), "{table}: check");
+        assert!(matches!(snapshot.stats(), Err(Error::Corrupted { .. })), "{table}: stats");
+    }
+    // The file itself, untouched, opens with its cache.
+    let warm = Warm::open(&path)?;
+    assert_eq!(warm.stats()?.node_caches.iter().map(|c| c.held).sum::<u64>(), 4);
+    Ok(())
+}

@@ -283,7 +283,7 @@ impl Snapshot {
         ) else {
             return Ok(None);
         };
-        NodeCaches::load(&clocks, &floors, &capacity, &state, self.floor).map(Some)
+        NodeCaches::load(&clocks, &floors, &capacity, &state, (self.floor, self.meta.next_node)).map(Some)
     }
 
     fn describe(&self, key: BlockKey, entry: Entry, others: Option<&[u8]>) -> DumpEntry {

@@ -84,15 +84,23 @@ impl NodeCaches {
     /// The caches of a file as committed.
     ///
     /// # Errors
-    /// [`Error::Storage`]; [`Error::Corrupted`] for a count of 0.
+    /// [`Error::Storage`]; [`Error::Corrupted`] for a count of 0 or a node id the file never
+    /// handed out.
     pub(crate) fn load(
         clocks: &impl ReadableTable<(u32, u64), u64>,
         floors: &impl ReadableTable<u32, u64>,
         capacity: &impl ReadableTable<&'static str, u64>,
         state: &impl ReadableTable<&'static str, u64>,
-        global_floor: u64,
+        (global_floor, next_node): (u64, u32),
     ) -> Result<NodeCaches> {
         const READ: &str = "reading the node caches";
+        // A node id the file never handed out is a damaged row, refused before it sizes a Vec.
+        let known = |node: u32| match node < next_node {
+            true => Ok(node),
+            false => Err(Error::Corrupted {
+                detail: format!("a node cache names node id {node}, and the file has handed out {next_node}"),
+            }),
+        };
         let mut caches = NodeCaches { global_floor, record: true, ..NodeCaches::default() };
         for item in clocks.iter().map_err(redb_err(READ))? {
             let (key, count) = item.map_err(redb_err(READ))?;
@@ -100,13 +108,13 @@ impl NodeCaches {
             if count == 0 {
                 return Err(Error::Corrupted { detail: format!("node {node} holds 0 blocks of clock {clock}") });
             }
-            let cache = caches.cache_mut(node);
+            let cache = caches.cache_mut(known(node)?);
             cache.by_clock.insert(clock, count);
             cache.held += count;
         }
         for item in floors.iter().map_err(redb_err(READ))? {
             let (node, floor) = item.map_err(redb_err(READ))?;
-            caches.cache_mut(node.value()).floor = floor.value();
+            caches.cache_mut(known(node.value())?).floor = floor.value();
         }
         for item in capacity.iter().map_err(redb_err(READ))? {
             let (name, blocks) = item.map_err(redb_err(READ))?;

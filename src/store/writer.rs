@@ -220,7 +220,7 @@ impl Writer {
             &read.open_table(NODE_FLOORS).map_err(redb_err("reading the node caches"))?,
             &read.open_table(NODE_CAPACITY).map_err(redb_err("reading the node caches"))?,
             &state,
-            self.floor,
+            (self.floor, self.meta.next_node),
         )?;
         drop(state);
         // The clock never goes back, whatever the meta record says.

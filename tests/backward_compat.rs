@@ -350,3 +350,31 @@ fn after_an_import_evictions_keep_0_1_7s_order_between_old_and_new_entries() -> 
     assert!(legacy_warm_at_end > 0, "and some are still answered");
     Ok(())
 }
+
+/// A node's cache counts the blocks it ran, never 0.1.7's entries: not where an imported entry
+/// names the node, nor where a later import moved the entry to another node and kept the node
+/// among its others. A size set after the imports is seeded from what the file ties to the node.
+#[test]
+fn imported_entries_never_count_in_a_node_cache_even_among_others() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (first, second) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    std::fs::write(&first, r#"{"prefixes":[[1,"x",5],[2,"x",6]]}"#).expect("write");
+    std::fs::write(&second, r#"{"prefixes":[[1,"y",9]]}"#).expect("write");
+    let warm = Warm::open(dir.path().join("warm.redb"))?;
+    warm.import_json(&first)?;
+    warm.import_json(&second)?;
+    let prompt: Vec<u32> = (0..256).collect();
+    warm.ran("m", &prompt, "x")?;
+    warm.set_node_capacity("x", Some(100))?;
+    let held = |warm: &Warm| -> Result<Option<u64>, Error> {
+        Ok(warm.stats()?.node_caches.iter().find(|c| c.node == "x").map(|c| c.held))
+    };
+    assert_eq!(held(&warm)?, Some(4), "the 4 blocks x ran, not the 2 imported entries nor the one among others");
+    assert!(warm.stats()?.others > 0, "the second import kept x among the block's others");
+    warm.close()?;
+    let snapshot = superfluid_warm::Snapshot::open(dir.path().join("warm.redb"))?;
+    assert_eq!(snapshot.check()?.problems, Vec::<String>::new());
+    let warm = Warm::open(dir.path().join("warm.redb"))?;
+    assert_eq!(held(&warm)?, Some(4));
+    Ok(())
+}

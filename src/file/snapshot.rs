@@ -11,7 +11,7 @@ use super::seal;
 use super::verify::check_copy;
 use crate::error::{Error, Result, open_error, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
-use crate::store::caches::{NodeCacheStats, NodeCaches};
+use crate::store::caches::{NodeCacheStats, NodeCaches, each_named_pair};
 use crate::store::codec;
 use crate::store::records::{Meta, NamespaceRecord, read_meta, read_nodes};
 use crate::store::schema;
@@ -528,19 +528,7 @@ impl Snapshot {
             }
         };
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
-        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
-            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
-            let entry = Entry::from_tuple(value.value());
-            if !is_legacy(&key.value().to_be_bytes()) {
-                see(entry.node, entry.clock);
-            }
-        }
-        if let Some(others) = optional(self.txn.open_table(OTHERS))? {
-            for item in others.iter().map_err(redb_err("reading the others"))? {
-                let (_, row) = item.map_err(redb_err("reading the others"))?;
-                members(row.value()).for_each(|(node, clock)| see(node, clock));
-            }
-        }
+        each_named_pair(&primary, optional(self.txn.open_table(OTHERS))?.as_ref(), &mut see)?;
         for id in 0..caches.len().max(self.nodes.len()) as u32 {
             let mut held = 0;
             for (clock, n) in caches.clocks(id) {

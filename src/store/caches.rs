@@ -23,8 +23,9 @@ use std::sync::Arc;
 
 use redb::{ReadableTable, WriteTransaction};
 
-use super::tables::{NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE};
+use super::tables::{Entry, NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE, members};
 use crate::error::{Error, Result, redb_err};
+use crate::keys::is_legacy;
 
 /// A node's cache as the index keeps it (`Stats::node_caches`, `SnapshotStats::node_caches`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -405,6 +406,34 @@ impl NodeCaches {
     pub(crate) fn dirty(&self) -> bool {
         !self.changes.is_empty() || !self.capacity_changes.is_empty() || self.default_changed
     }
+}
+
+/// Every (node, clock) pair the file ties a block to, 0.1.7's entries left out (node caches
+/// never count them): each block's node in the prefix table and the nodes among its others.
+/// What a size is seeded from, and what `check` recounts.
+///
+/// # Errors
+/// [`Error::Storage`] for a failed read.
+pub(crate) fn each_named_pair(
+    prefixes: &impl ReadableTable<u128, (u32, u32, u32, u64)>,
+    others: Option<&impl ReadableTable<u128, &'static [u8]>>,
+    mut see: impl FnMut(u32, u64),
+) -> Result<()> {
+    for item in prefixes.iter().map_err(redb_err("reading the prefix table"))? {
+        let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
+        if !is_legacy(&key.value().to_be_bytes()) {
+            let entry = Entry::from_tuple(value.value());
+            see(entry.node, entry.clock);
+        }
+    }
+    let Some(others) = others else { return Ok(()) };
+    for item in others.iter().map_err(redb_err("reading the others"))? {
+        let (key, row) = item.map_err(redb_err("reading the others"))?;
+        if !is_legacy(&key.value().to_be_bytes()) {
+            members(row.value()).for_each(|(node, clock)| see(node, clock));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
-use super::caches::NodeCaches;
+use super::caches::{NodeCaches, each_named_pair};
 use super::codec;
 use super::records::{
     DEFAULT_CAPACITY, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta, read_nodes,
@@ -526,18 +526,8 @@ impl Writer {
             }
         };
         let primary = txn.open_table(PREFIXES).map_err(redb_err("reading the prefix table"))?;
-        for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
-            let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
-            let entry = Entry::from_tuple(value.value());
-            if !is_legacy(&key.value().to_be_bytes()) {
-                see(entry.node, entry.clock);
-            }
-        }
         let others = txn.open_table(OTHERS).map_err(redb_err("reading the others"))?;
-        for item in others.iter().map_err(redb_err("reading the others"))? {
-            let (_, row) = item.map_err(redb_err("reading the others"))?;
-            members(row.value()).for_each(|(node, clock)| see(node, clock));
-        }
+        each_named_pair(&primary, Some(&others), &mut see)?;
         Ok(counts)
     }
 

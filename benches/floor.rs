@@ -1,10 +1,12 @@
 //! The least a new block costs the commit thread under this crate's shape (each block a key of
-//! a redb table): one redb insert into a table of the prefix table's types, already holding 64k
-//! or 1M entries (the two capacities the replay is run at), in sorted batches of 65,536 keys clustered 16 a segment as the block keys are. Beside
-//! it, in the same run, 0.1.7's whole cost per block on the Mooncake conversation trace (its
-//! `warmest` + `ran`, in memory), and what the two give for the whole trace: the blocks it inserts
-//! (each distinct block once, the fewest any layout with a key a block must insert) times the
-//! insert, against 0.1.7's total. 5 runs, each printed.
+//! a redb table): one redb insert into a table of the prefix table's types, in sorted batches of
+//! 65,536 keys clustered 16 a segment as block keys are, four batches timed starting from 64k or
+//! 1M entries (the table grows by the 262,144 while timed: an index at capacity 65,536 fed back
+//! to back takes batches of ~160k new keys before the batch's eviction). Beside it, in the same
+//! run, 0.1.7's whole cost per block on the Mooncake conversation trace (its `warmest` + `ran`,
+//! in memory), and what the two give for the whole trace: the blocks it inserts (each distinct
+//! block once, the fewest any layout with a key a block must insert) times the insert, against
+//! 0.1.7's total. 5 runs, each printed.
 //!
 //! `cargo bench --bench floor` (~1 min).
 

@@ -157,7 +157,8 @@ struct ReplayArgs {
     #[arg(long, requires = "heads")]
     nats: Option<String>,
     /// Skip the second, back-to-back pass (a fresh index fed one request after another with
-    /// nothing between its calls, then 0.1.7 alone on the same choices).
+    /// nothing between its calls, then 0.1.7 alone on the same choices; not run with --threads
+    /// or --restart-every).
     #[arg(long)]
     no_back_to_back: bool,
     /// As one JSON object.
@@ -513,10 +514,15 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     let closed = warm.close();
     let report = report?;
     closed?;
-    // Saturated: a fresh index, after the first has closed (one heavy job at a time).
-    let back = match threaded.is_none() && !args.no_back_to_back {
+    // Saturated: a fresh index, after the first has closed (one heavy job at a time), on the
+    // disk of --db if one is given. Restarts are a paced replay's only.
+    let back = match threaded.is_none() && args.restart_every.is_none() && !args.no_back_to_back {
         true => {
-            let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+            let dir = match args.db.as_deref().and_then(Path::parent).filter(|p| !p.as_os_str().is_empty()) {
+                Some(parent) => tempfile::tempdir_in(parent),
+                None => tempfile::tempdir(),
+            }
+            .map_err(CliError::TempDir)?;
             let warm = builder.open(dir.path().join("back-to-back.redb"))?;
             let back = replay::back_to_back(&warm, &workload, &config);
             let closed = warm.close();

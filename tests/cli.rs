@@ -308,7 +308,14 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));
     let default = run(&["replay", "--requests", "300"]);
     assert!(default.status.success(), "{}", text(&default.stderr));
-    let mut needles = vec!["routed warm", "load per node", "index time/request", "ratio (ours/0.1.7)"];
+    let mut needles = vec![
+        "routed warm",
+        "load per node",
+        "index time/request",
+        "ratio (ours/0.1.7)",
+        "paced by 0.1.7",
+        "back to back",
+    ];
     if cfg!(target_os = "linux") {
         needles.push("0.1.7 saving every");
     }
@@ -444,6 +451,7 @@ fn replay_with_restarts_counts_warm_tokens_sent_to_a_restarted_node() {
     let not_told = once(&["--restart-every", "100", "--no-forget"]);
     assert_eq!(told["restarts"], 14);
     assert_eq!(told["warm_tokens_to_restarted"], 0, "{told}");
+    assert!(told.get("back_to_back").is_none(), "restarts are a paced replay's only: {told}");
     assert!(not_told["warm_tokens_to_restarted"].as_u64().is_some_and(|t| t > 0), "{not_told}");
     let one = once(&["--nodes-per-prefix", "1"]);
     assert!(one["restarts"].is_null() && one["warm_tokens_to_restarted"].is_null());

@@ -221,27 +221,26 @@ fn a_node_cache_row_naming_an_unknown_node_is_refused() -> Result<(), Error> {
     let prompt: Vec<u32> = (0..256).collect();
     warm.ran("m", &prompt, "a")?;
     warm.close()?;
-    for table in ["clocks", "floors"] {
-        let copy = dir.path().join(format!("{table}.redb"));
+    // Node "a" is id 0: the file has handed out 1; the first id past it and a huge one.
+    for (table, id) in [("clocks", 1), ("floors", 1), ("clocks", u32::MAX - 1), ("floors", u32::MAX - 1)] {
+        let copy = dir.path().join(format!("{table}-{id}.redb"));
         std::fs::copy(&path, &copy).expect("copy");
         {
             let db = redb::Database::open(&copy).expect("redb opens the copy");
             let txn = db.begin_write().expect("write");
             match table {
-                "clocks" => {
-                    drop(txn.open_table(NODE_CLOCKS).expect("table").insert((u32::MAX - 1, 9), 1).expect("row"))
-                }
-                _ => drop(txn.open_table(NODE_FLOORS).expect("table").insert(u32::MAX - 1, 9).expect("row")),
+                "clocks" => drop(txn.open_table(NODE_CLOCKS).expect("table").insert((id, 9), 1).expect("row")),
+                _ => drop(txn.open_table(NODE_FLOORS).expect("table").insert(id, 9).expect("row")),
             }
             txn.commit().expect("commit");
         }
         match Warm::open(&copy) {
             Err(Error::Corrupted { detail }) => assert!(detail.contains("node id"), "{detail}"),
-            other => panic!("a head opened a node cache of an unknown node: {:?}", other.map(|_| ())),
+            other => panic!("a head opened a node cache of node id {id}: {:?}", other.map(|_| ())),
         }
         let snapshot = superfluid_warm::Snapshot::open(&copy)?;
-        assert!(matches!(snapshot.check(), Err(Error::Corrupted { .. })), "{table}: check");
-        assert!(matches!(snapshot.stats(), Err(Error::Corrupted { .. })), "{table}: stats");
+        assert!(matches!(snapshot.check(), Err(Error::Corrupted { .. })), "{table} {id}: check");
+        assert!(matches!(snapshot.stats(), Err(Error::Corrupted { .. })), "{table} {id}: stats");
     }
     // The file itself, untouched, opens with its cache.
     let warm = Warm::open(&path)?;

@@ -640,6 +640,21 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
     value.to_string()
 }
 
+/// The index's bytes written per request, and 0.1.7's beside them where it was measured.
+fn bytes_per_request(ours: Option<u64>, theirs: Option<u64>, requests: usize) -> Option<String> {
+    let per_request = |bytes: u64| bytes as f64 / requests.max(1) as f64 / 1024.0;
+    let mut line = format!("{:.1} KiB/request", per_request(ours?));
+    if let Some(theirs) = theirs {
+        line += &format!(
+            " (0.1.7 saving every {} ms of its time: {:.1} KiB/request; ours {:.2}x)",
+            DEFAULT_SYNC_WINDOW.as_millis(),
+            per_request(theirs),
+            ours? as f64 / theirs.max(1) as f64
+        );
+    }
+    Some(line)
+}
+
 fn replay_text(
     r: &Report,
     c: &Config,
@@ -709,23 +724,13 @@ fn replay_text(
     if let (Some((ours, ratio)), Some(b)) = (r.paced(), &r.baseline) {
         // The commit thread's backlog is part of the index's time; it also worked while 0.1.7 ran.
         t += &format!(
-            "paced by 0.1.7     index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {ratio:.2}x\n",
+            "paced by 0.1.7      index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {ratio:.2}x\n",
             ours.as_secs_f64() * 1e3,
             b.total.as_secs_f64() * 1e3,
         );
     }
-    let per_request = |b: u64| b as f64 / r.requests.max(1) as f64 / 1024.0;
-    if let Some(ours) = r.bytes_written {
-        t += &format!("bytes written       {:.1} KiB/request", per_request(ours));
-        if let Some(theirs) = r.baseline_bytes_written {
-            t += &format!(
-                " (0.1.7 saving every {} ms: {:.1} KiB/request, {:.2}x)",
-                DEFAULT_SYNC_WINDOW.as_millis(),
-                per_request(theirs),
-                ours as f64 / theirs.max(1) as f64
-            );
-        }
-        t += "\n";
+    if let Some(bytes) = bytes_per_request(r.bytes_written, r.baseline_bytes_written, r.requests) {
+        t += &format!("bytes written       {bytes}\n");
     }
     t += &format!("wall                {:.2} s", r.wall.as_secs_f64());
     if let Some(th) = threaded {
@@ -757,16 +762,8 @@ fn replay_text(
                 b.baseline_requests_per_s().unwrap_or(0.0)
             );
         }
-        let per_request = |bytes: u64| bytes as f64 / b.requests.max(1) as f64 / 1024.0;
-        if let Some(ours) = b.bytes_written {
-            t += &format!("\n  bytes written     {:.1} KiB/request", per_request(ours));
-            if let Some(theirs) = b.baseline_bytes_written {
-                t += &format!(
-                    " (0.1.7 saving every {} ms of its time: {:.1} KiB/request)",
-                    DEFAULT_SYNC_WINDOW.as_millis(),
-                    per_request(theirs)
-                );
-            }
+        if let Some(bytes) = bytes_per_request(b.bytes_written, b.baseline_bytes_written, b.requests) {
+            t += &format!("\n  bytes written     {bytes}");
         }
     }
     if let Some(path) = kept {

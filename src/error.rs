@@ -89,7 +89,8 @@ pub enum Error {
     },
     /// The commit thread's last commit failed and none has succeeded since: the call that reports
     /// it did nothing; the `ran`s before it are kept (answered) and retried, and what was
-    /// committed before is intact.
+    /// committed before is intact. After an I/O error no retry can succeed through this handle
+    /// ([`Error::needs_reopen`]).
     CommitFailed {
         /// The error of the failed commit.
         source: Box<Error>,
@@ -182,6 +183,12 @@ impl fmt::Display for Error {
                 "the index was left open by a writer{} that is no longer running; open it for writing (`Builder::open`) once to recover it",
                 pid.map(|p| format!(" (process {p})")).unwrap_or_default()
             ),
+            Error::Storage { context, source } if latches(source) => write!(
+                f,
+                "storage failed while {context}: {source}; what was committed before is intact, and redb takes no \
+                 more writes through this handle after an I/O error: reopen the index (the rans not yet committed \
+                 are lost with the handle)"
+            ),
             Error::Storage { context, source } => write!(
                 f,
                 "storage failed while {context}: {source}; what was committed before is intact, retry or reopen the index"
@@ -195,6 +202,10 @@ impl fmt::Display for Error {
                 f,
                 "sharing through NATS: {detail}{}",
                 source.as_ref().map(|e| format!(" ({e})")).unwrap_or_default()
+            ),
+            Error::CommitFailed { source } if source.needs_reopen() => write!(
+                f,
+                "the last background commit failed and none can succeed through this handle; this call did nothing ({source})"
             ),
             Error::CommitFailed { source } => write!(
                 f,
@@ -218,6 +229,18 @@ impl fmt::Display for Error {
 }
 
 impl Error {
+    /// Whether this handle can write no more: redb refuses every write after an I/O error (a
+    /// failed write or sync, a full disk) until the file is reopened, however the disk is doing
+    /// since. Then drop the [`crate::Warm`] and open the file again: what was committed is there,
+    /// the `ran`s not yet committed are lost with the handle.
+    pub fn needs_reopen(&self) -> bool {
+        match self {
+            Error::Storage { source, .. } => latches(source),
+            Error::CommitFailed { source } => source.needs_reopen(),
+            _ => false,
+        }
+    }
+
     /// [`Error::Io`] on the file at `path`.
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Error {
         Error::Io { path: path.into(), source: Arc::new(source) }
@@ -242,6 +265,12 @@ impl std::error::Error for Error {
             _ => None,
         }
     }
+}
+
+/// Whether redb latches on `source`: after an I/O error its backend fails every later operation
+/// (`PreviousIo`) until the database is reopened.
+fn latches(source: &redb::Error) -> bool {
+    matches!(source, redb::Error::Io(_) | redb::Error::PreviousIo)
 }
 
 fn classify(context: &'static str, source: redb::Error) -> Error {

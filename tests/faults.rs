@@ -214,3 +214,37 @@ fn a_forget_whose_commit_fails_is_a_typed_error_and_answers_leave_the_node_out()
     }
     Ok(())
 }
+
+/// After an I/O error redb refuses every later write until the file is reopened, even once the
+/// disk is healthy again: a head's commits keep failing, and the error says to reopen. A reopen
+/// finds everything committed before the failure, and writes again.
+#[test]
+fn after_an_io_error_commits_fail_until_a_reopen_and_the_error_says_so() -> Result<(), Error> {
+    let disk = Disk::default();
+    let warm = Warm::builder().sync_window(Duration::from_secs(30)).open_with_backend(disk.backend())?;
+    warm.ran("m", &prompt(1), "a")?;
+    warm.sync()?;
+    disk.state().fail_syncs = true;
+    warm.ran("m", &prompt(2), "a")?;
+    let first = warm.sync().expect_err("the sync fails");
+    assert!(first.needs_reopen() && first.to_string().contains("reopen the index"), "{first}");
+    disk.state().fail_syncs = false;
+    // The disk is healthy again; the handle is not: every call that writes says so, and the
+    // head still answers what it had.
+    let later = warm.ran("m", &prompt(3), "a").expect_err("redb refuses writes after the failure");
+    assert!(later.needs_reopen(), "{later}");
+    assert!(later.to_string().contains("reopen the index") && !later.to_string().contains("retried"), "{later}");
+    assert!(warm.sync().is_err_and(|e| e.needs_reopen()));
+    assert_eq!(warm.warmest("m", &prompt(1))?.map(|h| h.tokens), Some(256));
+    drop(warm);
+    let reopened = Warm::builder().open_with_backend(disk.backend())?;
+    assert_eq!(reopened.warmest("m", &prompt(1))?.map(|h| h.tokens), Some(256), "committed before the failure");
+    let invalid = reopened.ran("", &prompt(5), "b").expect_err("an empty model name");
+    assert!(!invalid.needs_reopen(), "bad input leaves the handle writable: {invalid}");
+    reopened.ran("m", &prompt(4), "b")?;
+    reopened.sync()?;
+    drop(reopened);
+    let image = Warm::open_image(disk.state().durable.clone())?;
+    assert_eq!(image.warmest("m", &prompt(4))?.map(|h| h.tokens), Some(256), "durable after the reopen");
+    Ok(())
+}

@@ -294,7 +294,10 @@ impl Warm {
     /// the next [`Warm::sync`], or about the sync window after it returns.
     ///
     /// A failed commit loses nothing in memory: its `ran`s stay answered and are retried by the
-    /// next commit; only a crash or a close that cannot commit loses them.
+    /// next commit; only a crash or a close that cannot commit loses them. After an I/O error
+    /// (a failed write or sync, a full disk) redb takes no more writes through this handle, so
+    /// no retry succeeds: the error says so ([`Error::needs_reopen`]), and the head reopens the
+    /// file (what was committed is there; what was not is lost with the handle).
     ///
     /// # Errors
     /// [`Error::InvalidName`] for an empty or over-long model or node name;

@@ -435,3 +435,35 @@ fn a_publish_retried_under_the_same_message_id_is_stored_once() {
     assert_eq!((a.share_stats().applied_events, b.share_stats().applied_events), (5, 5));
     println!("dedup: 5 events, ids {ids:?}; a retried publish of the third was acknowledged as a duplicate");
 }
+
+/// A node's cache size set on one head reaches every head through the stream, applied in
+/// stream order: every head then keeps for that node only what its cache holds, alike.
+#[test]
+fn a_node_cache_size_set_on_one_head_is_kept_by_every_head() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let (a, b) = (head(dir.path(), &server, "sized", "a"), head(dir.path(), &server, "sized", "b"));
+    let bad = a.set_node_capacity("n", Some(0)).expect_err("a cache of 0 blocks");
+    assert!(matches!(bad, superfluid_warm::Error::InvalidConfig { .. }), "{bad}");
+    let ticket = a.set_node_capacity("n", Some(8)).expect("the size is in the stream");
+    assert!(a.wait_for(&ticket, Duration::from_secs(30)) && b.wait_for(&ticket, Duration::from_secs(30)));
+    // Two prompts of 4 and then 6 blocks of their own: the second pushes the first out of an
+    // 8-block cache.
+    let first: Vec<u32> = (0..256).map(|t| 5_000_000 + t).collect();
+    let second: Vec<u32> = (0..384).map(|t| 6_000_000 + t).collect();
+    a.ran(MODEL, &first, "n").expect("ran");
+    let seq = last_seq(&server, "sized", &[&a, &b]);
+    converge(&[&a, &b], seq);
+    assert_eq!(b.warmest(MODEL, &first).expect("warmest").map(|h| h.tokens), Some(256));
+    b.ran(MODEL, &second, "n").expect("ran");
+    let seq = last_seq(&server, "sized", &[&a, &b]);
+    converge(&[&a, &b], seq);
+    for h in [&a, &b] {
+        assert_eq!(h.warmest(MODEL, &first).expect("warmest"), None, "gone from n's 8-block cache");
+        assert_eq!(h.warmest(MODEL, &second).expect("warmest").map(|h| h.tokens), Some(384));
+        let (stats, share) = h.stats().expect("stats");
+        let n = stats.node_caches.iter().find(|c| c.node == "n").expect("n's cache is kept");
+        assert_eq!((n.capacity, n.held), (Some(8), 6), "{:?}", stats.node_caches);
+        assert_eq!(share.rejected, 0, "{share:?}");
+    }
+}

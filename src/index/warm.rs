@@ -445,10 +445,7 @@ impl Warm {
     /// blocks or more than [`MAX_CAPACITY`]; [`Error::Storage`] if a commit fails (the change is
     /// not made: answers keep the size before, and the caller may call again).
     pub fn set_node_capacity(&self, name: &str, blocks: Option<u64>) -> Result<()> {
-        check_len("node", name.len(), MAX_NODE_BYTES)?;
-        if let Some(b) = blocks.filter(|&b| b == 0 || b > MAX_CAPACITY) {
-            return Err(Error::InvalidConfig { detail: format!("node cache of {b} blocks (1 to {MAX_CAPACITY})") });
-        }
+        check_node_capacity(name, blocks)?;
         // As an import: with the writer held and `ran`s waiting, everything before is committed,
         // then the change is committed on its own, and the callers take the writer's caches
         // (a node whose cache was not kept starts from a scan of the file, and both must start
@@ -592,6 +589,19 @@ impl Drop for Warm {
     fn drop(&mut self) {
         // Best effort: a caller who needs to know uses `close`.
         let _ = self.shutdown();
+    }
+}
+
+/// A node name and cache size [`Warm::set_node_capacity`] takes.
+///
+/// # Errors
+/// [`Error::InvalidName`] for an empty or over-long name; [`Error::InvalidConfig`] for a size of
+/// 0 blocks or more than [`MAX_CAPACITY`].
+pub(crate) fn check_node_capacity(name: &str, blocks: Option<u64>) -> Result<()> {
+    check_len("node", name.len(), MAX_NODE_BYTES)?;
+    match blocks.filter(|&b| b == 0 || b > MAX_CAPACITY) {
+        Some(b) => Err(Error::InvalidConfig { detail: format!("node cache of {b} blocks (1 to {MAX_CAPACITY})") }),
+        None => Ok(()),
     }
 }
 

@@ -1,4 +1,4 @@
-//! The events heads share: a `ran` or a forget, with where it came from. Encoded by the one
+//! The events heads share: a `ran`, a forget or a node's cache size, with where it came from. Encoded by the one
 //! codec module (bincode, like the cold records); see `docs/design.md`, "Shared events".
 
 use serde::{Deserialize, Serialize};
@@ -39,6 +39,10 @@ pub(crate) enum What {
     Ran { model: String, tenant: bool, namespace: [u8; 8], scheme: String, node: String, keys: Vec<BlockKey> },
     /// `forget_node(node)`.
     Forget { node: String },
+    /// `set_node_capacity(node, blocks)`: the size of that name's KV cache, in blocks (`None`:
+    /// the head's default). Last, so that a head of an earlier build skips only these (it cannot
+    /// decode them) and counts them.
+    Capacity { node: String, blocks: Option<u64> },
 }
 
 impl Event {
@@ -94,6 +98,41 @@ mod tests {
         assert_eq!(Event::decode(&other.encode()?), None, "another version");
         assert_eq!(Event::decode(&vec![0xff; MAX_EVENT_BYTES + 1]), None);
         assert_eq!(ran().message_id(), "a.0000000000000007.3");
+        Ok(())
+    }
+
+    /// The events of 0.6.0, which had no `Capacity`.
+    #[derive(Debug, Deserialize, PartialEq, Eq)]
+    struct EarlierEvent {
+        version: u32,
+        origin: Origin,
+        what: EarlierWhat,
+    }
+
+    #[derive(Debug, Deserialize, PartialEq, Eq)]
+    enum EarlierWhat {
+        Ran { model: String, tenant: bool, namespace: [u8; 8], scheme: String, node: String, keys: Vec<BlockKey> },
+        Forget { node: String },
+    }
+
+    #[test]
+    fn a_cache_size_event_comes_back_and_a_head_of_the_earlier_build_skips_only_it() -> Result<()> {
+        let mut sized = ran();
+        sized.what = What::Capacity { node: "n".into(), blocks: Some(4096) };
+        let bytes = sized.encode()?;
+        assert_eq!(Event::decode(&bytes), Some(sized.clone()));
+        let earlier = |e: &Event| e.encode().and_then(|b| codec::decode::<EarlierEvent>("earlier event", &b));
+        assert!(earlier(&sized).is_err(), "the earlier build cannot decode it, and skips it");
+        let mut forget = ran();
+        forget.what = What::Forget { node: "n".into() };
+        let got = earlier(&forget)?;
+        assert_eq!(
+            (got.version, got.origin, got.what),
+            (EVENT_VERSION, forget.origin, EarlierWhat::Forget { node: "n".into() })
+        );
+        assert!(
+            matches!(earlier(&ran())?.what, EarlierWhat::Ran { ref node, ref keys, .. } if node == "n" && keys.len() == 2)
+        );
         Ok(())
     }
 }

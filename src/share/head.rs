@@ -13,7 +13,7 @@ use super::pending::Pending;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
-use crate::index::warm::{Hit, Stats, Warm};
+use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, check_len};
 
 /// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers
@@ -242,6 +242,21 @@ impl SharedWarm {
         check_len("node", name.len(), MAX_NODE_BYTES)?;
         self.send(What::Forget { node: name.to_string() }, |pending, local| pending.forget(local, name.into()))?;
         self.sync()
+    }
+
+    /// As [`Warm::set_node_capacity`], for every head sharing the stream: each applies it in
+    /// stream order (this one too: until then its answers keep the size before), so that all
+    /// keep the same caches. Returns once the change is in the stream (durable there), with the
+    /// ticket to [`SharedWarm::wait_for`] its application here.
+    ///
+    /// # Errors
+    /// As [`Warm::set_node_capacity`] for a name or size it refuses (nothing is published); as
+    /// [`SharedWarm::sync`].
+    pub fn set_node_capacity(&self, name: &str, blocks: Option<u64>) -> Result<Ticket> {
+        check_node_capacity(name, blocks)?;
+        let ticket = self.send(What::Capacity { node: name.to_string(), blocks }, |_, _| {})?;
+        self.sync()?;
+        Ok(ticket)
     }
 
     fn send(&self, what: What, answer: impl FnOnce(&mut Pending, u64)) -> Result<Ticket> {

@@ -461,6 +461,7 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
             }
         }
         What::Forget { node } => warm.forget_at(node, seq),
+        What::Capacity { node, blocks } => warm.set_node_capacity(node, *blocks),
     };
     let origin = &event.origin;
     let own = origin.head == shared.sharing.head && origin.boot == shared.boot;

@@ -267,10 +267,10 @@ impl std::error::Error for Error {
     }
 }
 
-/// Whether redb latches on `source`: after an I/O error its backend fails every later operation
-/// (`PreviousIo`) until the database is reopened.
+/// Whether redb latches on `source`: after an I/O error of its backend (a file's, or a custom
+/// backend's) it fails every later operation (`PreviousIo`) until the database is reopened.
 fn latches(source: &redb::Error) -> bool {
-    matches!(source, redb::Error::Io(_) | redb::Error::PreviousIo)
+    matches!(source, redb::Error::Io(_) | redb::Error::Backend(_) | redb::Error::PreviousIo)
 }
 
 fn classify(context: &'static str, source: redb::Error) -> Error {

@@ -447,6 +447,12 @@ fn a_node_cache_size_set_on_one_head_is_kept_by_every_head() {
     assert!(matches!(bad, superfluid_warm::Error::InvalidConfig { .. }), "{bad}");
     let ticket = a.set_node_capacity("n", Some(8)).expect("the size is in the stream");
     assert!(a.wait_for(&ticket, Duration::from_secs(30)) && b.wait_for(&ticket, Duration::from_secs(30)));
+    // The last event of the stream, made durable with its position as a `ran` is (else it would
+    // never be acknowledged).
+    for h in [&a, &b] {
+        let s = h.share_stats();
+        assert_eq!((s.applied, s.durable), (1, 1), "{s:?}");
+    }
     // Two prompts of 4 and then 6 blocks of their own: the second pushes the first out of an
     // 8-block cache.
     let first: Vec<u32> = (0..256).map(|t| 5_000_000 + t).collect();

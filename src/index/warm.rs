@@ -445,6 +445,12 @@ impl Warm {
     /// blocks or more than [`MAX_CAPACITY`]; [`Error::Storage`] if a commit fails (the change is
     /// not made: answers keep the size before, and the caller may call again).
     pub fn set_node_capacity(&self, name: &str, blocks: Option<u64>) -> Result<()> {
+        self.set_node_capacity_at(name, blocks, 0)
+    }
+
+    /// [`Warm::set_node_capacity`] as the shared event at stream sequence `position` (written
+    /// with the change, as a `ran`'s is).
+    pub(crate) fn set_node_capacity_at(&self, name: &str, blocks: Option<u64>, position: u64) -> Result<()> {
         check_node_capacity(name, blocks)?;
         // As an import: with the writer held and `ran`s waiting, everything before is committed,
         // then the change is committed on its own, and the callers take the writer's caches
@@ -453,7 +459,7 @@ impl Warm {
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
         self.front()?.importing = true;
         let set = flush_locked(&self.inner, &mut back, Flush::Commit).and_then(|()| {
-            if let Err(e) = back.set_node_capacity(&self.inner.db, name, blocks) {
+            if let Err(e) = back.set_node_capacity(&self.inner.db, name, blocks, position) {
                 return Err(back.roll_back(&self.inner.db, e).error);
             }
             flush_locked(&self.inner, &mut back, Flush::Commit)

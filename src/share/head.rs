@@ -247,7 +247,9 @@ impl SharedWarm {
     /// As [`Warm::set_node_capacity`], for every head sharing the stream: each applies it in
     /// stream order (this one too: until then its answers keep the size before), so that all
     /// keep the same caches. Returns once the change is in the stream (durable there), with the
-    /// ticket to [`SharedWarm::wait_for`] its application here.
+    /// ticket to [`SharedWarm::wait_for`] its application here. `None` gives the name back to
+    /// each head's own default ([`Builder::node_cache_blocks`]): heads opened with the same one
+    /// agree.
     ///
     /// # Errors
     /// As [`Warm::set_node_capacity`] for a name or size it refuses (nothing is published); as

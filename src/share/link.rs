@@ -398,6 +398,11 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                     drop(status);
                     shared.progress.notify_all();
                 }
+                Err(e) if e.needs_reopen() => {
+                    // redb takes no more writes through this handle: retrying cannot help.
+                    shared.status().halted = Some(format!("applying event {seq}: {e}"));
+                    continue 'connect;
+                }
                 Err(e) => {
                     // Not the event's fault (a failed commit): from the position again.
                     shared.note_error("applying", e);
@@ -461,7 +466,7 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
             }
         }
         What::Forget { node } => warm.forget_at(node, seq),
-        What::Capacity { node, blocks } => warm.set_node_capacity(node, *blocks),
+        What::Capacity { node, blocks } => warm.set_node_capacity_at(node, *blocks, seq),
     };
     let origin = &event.origin;
     let own = origin.head == shared.sharing.head && origin.boot == shared.boot;

@@ -298,14 +298,7 @@ impl Writer {
             }
         }
         self.apply_merged(db, &rans, floor)?;
-        let position = changes.iter().map(Change::position).max().unwrap_or(0);
-        if position > self.position {
-            self.batch(db)?
-                .open_table(STATE)
-                .and_then(|mut t| t.insert(POSITION_KEY, position).map(drop).map_err(Into::into))
-                .map_err(redb_err("writing the stream position"))?;
-            self.position = position;
-        }
+        self.advance_position(db, changes.iter().map(Change::position).max().unwrap_or(0))?;
         if floor > self.floor {
             let (n, legacy) = remove_through(self.txn_and_nodes(db)?, floor)?;
             self.meta.entries = self.meta.entries.saturating_sub(n);
@@ -493,11 +486,18 @@ impl Writer {
     }
 
     /// Sets the size of node `name`'s cache (`None`: the default again) in the batch, adding the
-    /// node if new; a node whose cache was not kept starts from what the file names of it.
+    /// node if new; a node whose cache was not kept starts from what the file names of it. A
+    /// shared event's stream sequence `position` goes with it (0 for a head's own).
     ///
     /// # Errors
     /// As [`Writer::intern_node`]; [`Error::Storage`].
-    pub(crate) fn set_node_capacity(&mut self, db: &Database, name: &str, blocks: Option<u64>) -> Result<()> {
+    pub(crate) fn set_node_capacity(
+        &mut self,
+        db: &Database,
+        name: &str,
+        blocks: Option<u64>,
+        position: u64,
+    ) -> Result<()> {
         let id = self.intern_node(db, name)?;
         let seeds = match self.caches.tracks(name) {
             true => Default::default(),
@@ -505,6 +505,19 @@ impl Writer {
         };
         self.caches.set_capacity((id, name), blocks, seeds);
         self.batch(db)?;
+        self.advance_position(db, position)
+    }
+
+    /// Records in the batch the stream sequence of the newest shared event it applies (a head's
+    /// own changes carry 0).
+    fn advance_position(&mut self, db: &Database, position: u64) -> Result<()> {
+        if position > self.position {
+            self.batch(db)?
+                .open_table(STATE)
+                .and_then(|mut t| t.insert(POSITION_KEY, position).map(drop).map_err(Into::into))
+                .map_err(redb_err("writing the stream position"))?;
+            self.position = position;
+        }
         Ok(())
     }
 
@@ -652,6 +665,9 @@ impl Writer {
         self.position = self.committed_position;
         match self.reload(db) {
             Ok(()) => Box::new(RolledBack { error, rans }),
+            // After an I/O error redb fails the reload too (`PreviousIo`): the first error is the
+            // one that says what happened.
+            Err(reload) if reload.needs_reopen() && error.needs_reopen() => Box::new(RolledBack { error, rans }),
             Err(reload) => Box::new(RolledBack { error: reload, rans }),
         }
     }

@@ -500,3 +500,47 @@ fn blocks_that_dropped_a_node_are_counted_again_not_taken_from_another_branch() 
     assert!(check.problems.is_empty(), "{:?}", check.problems);
     Ok(())
 }
+
+/// The default size can be removed and set again while the head runs: without it nothing is
+/// counted (what a node's cache had lost stays unanswered), and the change is kept in the file;
+/// set again, each node starts from what the file ties to it.
+#[test]
+fn the_default_node_cache_size_is_removed_and_set_again_while_the_head_runs() -> Result<(), superfluid_warm::Error> {
+    let dir = tempfile::tempdir().expect("dir");
+    let path = dir.path().join("warm.redb");
+    let (first, second, third): (Vec<u32>, Vec<u32>, Vec<u32>) = (
+        (0..256).map(|t| 1_000_000 + t).collect(),
+        (0..384).map(|t| 2_000_000 + t).collect(),
+        (0..192).map(|t| 3_000_000 + t).collect(),
+    );
+    let tokens = |warm: &Warm, p: &[u32]| warm.warmest("m", p).map(|h| h.map(|h| h.tokens));
+    let warm = Warm::builder().node_cache_blocks(8).open(&path)?;
+    assert!(
+        warm.set_node_cache_default(Some(0)).is_err_and(|e| matches!(e, superfluid_warm::Error::InvalidConfig { .. }))
+    );
+    warm.ran("m", &first, "n")?;
+    warm.ran("m", &second, "n")?;
+    assert_eq!(tokens(&warm, &first)?, None, "pushed out of an 8-block cache");
+    warm.set_node_cache_default(None)?;
+    // Nothing counted, no size; the floor of what n's cache lost stays.
+    let uncounted = |warm: &Warm| -> Result<bool, superfluid_warm::Error> {
+        Ok(warm.stats()?.node_caches.iter().all(|c| c.held == 0 && c.capacity.is_none()))
+    };
+    assert!(uncounted(&warm)?, "{:?}", warm.stats()?.node_caches);
+    warm.ran("m", &third, "n")?;
+    assert_eq!((tokens(&warm, &first)?, tokens(&warm, &second)?, tokens(&warm, &third)?), (None, Some(384), Some(192)));
+    warm.close()?;
+    // Kept in the file: a plain open counts nothing either.
+    let warm = Warm::open(&path)?;
+    assert!(uncounted(&warm)?, "{:?}", warm.stats()?.node_caches);
+    // Set again: n starts from the 6 + 3 blocks the file ties to it, more than 8, so its oldest
+    // clock goes.
+    warm.set_node_cache_default(Some(8))?;
+    let n: Vec<_> = warm.stats()?.node_caches.into_iter().filter(|c| c.node == "n").collect();
+    assert_eq!(n.iter().map(|c| (c.held, c.capacity)).collect::<Vec<_>>(), vec![(3, Some(8))], "{n:?}");
+    assert_eq!((tokens(&warm, &second)?, tokens(&warm, &third)?), (None, Some(192)));
+    warm.close()?;
+    let check = superfluid_warm::Snapshot::open(&path)?.check()?;
+    assert_eq!(check.problems, Vec::<String>::new());
+    Ok(())
+}

@@ -135,9 +135,7 @@ impl Builder {
         if let Some(c) = self.capacity.filter(|&c| c == 0 || c > MAX_CAPACITY) {
             return Err(Error::InvalidConfig { detail: format!("capacity {c} (1 to {MAX_CAPACITY})") });
         }
-        if let Some(c) = self.node_cache_blocks.filter(|&c| c == 0 || c > MAX_CAPACITY) {
-            return Err(Error::InvalidConfig { detail: format!("node cache of {c} blocks (1 to {MAX_CAPACITY})") });
-        }
+        super::warm::check_cache_size(self.node_cache_blocks)?;
         if !(1..=MAX_NODES_PER_PREFIX).contains(&self.nodes_per_prefix) {
             return Err(Error::InvalidConfig {
                 detail: format!("{} nodes per prefix (1 to {MAX_NODES_PER_PREFIX})", self.nodes_per_prefix),
@@ -218,7 +216,7 @@ impl Builder {
         }
         // A new node cache size too.
         if let Some(blocks) = self.node_cache_blocks.filter(|&b| writer.caches.default != Some(b))
-            && let Err(e) = writer.set_node_cache_default(&db, blocks)
+            && let Err(e) = writer.set_node_cache_default(&db, Some(blocks))
         {
             return Err(writer.roll_back(&db, e).error);
         }

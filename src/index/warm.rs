@@ -452,14 +452,31 @@ impl Warm {
     /// with the change, as a `ran`'s is).
     pub(crate) fn set_node_capacity_at(&self, name: &str, blocks: Option<u64>, position: u64) -> Result<()> {
         check_node_capacity(name, blocks)?;
-        // As an import: with the writer held and `ran`s waiting, everything before is committed,
-        // then the change is committed on its own, and the callers take the writer's caches
-        // (a node whose cache was not kept starts from a scan of the file, and both must start
-        // from the same one).
+        self.change_caches(|back, db| back.set_node_capacity(db, name, blocks, position))
+    }
+
+    /// Sets (or with `None` removes) the default size of a node's KV cache, as
+    /// [`Builder::node_cache_blocks`] does at open: every node without a size of its own then
+    /// has that one (`None`: is not kept, and answered by what it ran, as without caches; what
+    /// its cache had lost stays unanswered). Kept in the file. Returns once that is durable.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for 0 blocks or more than [`MAX_CAPACITY`]; [`Error::Storage`]
+    /// if a commit fails (the change is not made).
+    pub fn set_node_cache_default(&self, blocks: Option<u64>) -> Result<()> {
+        check_cache_size(blocks)?;
+        self.change_caches(|back, db| back.set_node_cache_default(db, blocks))
+    }
+
+    /// Makes `change` to the node caches as an import is made: with the writer held and `ran`s
+    /// waiting, everything before is committed, then the change is committed on its own, and the
+    /// callers take the writer's caches (a node whose cache was not kept starts from a scan of
+    /// the file, and both must start from the same one).
+    fn change_caches(&self, change: impl FnOnce(&mut Writer, &Database) -> Result<()>) -> Result<()> {
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
         self.front()?.importing = true;
         let set = flush_locked(&self.inner, &mut back, Flush::Commit).and_then(|()| {
-            if let Err(e) = back.set_node_capacity(&self.inner.db, name, blocks, position) {
+            if let Err(e) = change(&mut back, &self.inner.db) {
                 return Err(back.roll_back(&self.inner.db, e).error);
             }
             flush_locked(&self.inner, &mut back, Flush::Commit)
@@ -605,6 +622,11 @@ impl Drop for Warm {
 /// 0 blocks or more than [`MAX_CAPACITY`].
 pub(crate) fn check_node_capacity(name: &str, blocks: Option<u64>) -> Result<()> {
     check_len("node", name.len(), MAX_NODE_BYTES)?;
+    check_cache_size(blocks)
+}
+
+/// A node cache size: 1 to [`MAX_CAPACITY`] blocks (or none).
+pub(crate) fn check_cache_size(blocks: Option<u64>) -> Result<()> {
     match blocks.filter(|&b| b == 0 || b > MAX_CAPACITY) {
         Some(b) => Err(Error::InvalidConfig { detail: format!("node cache of {b} blocks (1 to {MAX_CAPACITY})") }),
         None => Ok(()),

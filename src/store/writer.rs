@@ -463,12 +463,12 @@ impl Writer {
         Ok(evicted)
     }
 
-    /// Sets the default capacity of a node's cache (`Builder::node_cache_blocks`) in the batch,
-    /// evicting every current node to its capacity.
+    /// Sets (or with `None` removes) the default capacity of a node's cache
+    /// (`Builder::node_cache_blocks`) in the batch, evicting every current node to its capacity.
     ///
     /// # Errors
     /// [`Error::Storage`].
-    pub(crate) fn set_node_cache_default(&mut self, db: &Database, blocks: u64) -> Result<()> {
+    pub(crate) fn set_node_cache_default(&mut self, db: &Database, blocks: Option<u64>) -> Result<()> {
         let nodes = &self.nodes;
         let current: Vec<(u32, String)> = nodes
             .names
@@ -480,7 +480,7 @@ impl Writer {
         // Nodes whose cache was not kept (no size) start from what the file names of them.
         let new: Vec<u32> = current.iter().filter(|(_, name)| !self.caches.tracks(name)).map(|&(id, _)| id).collect();
         let seeds = self.scan_pairs(db, &new)?;
-        self.caches.set_default(Some(blocks), current.iter().map(|(id, name)| (*id, name.as_str())), seeds);
+        self.caches.set_default(blocks, current.iter().map(|(id, name)| (*id, name.as_str())), seeds);
         self.batch(db)?;
         Ok(())
     }

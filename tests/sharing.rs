@@ -473,28 +473,3 @@ fn a_node_cache_size_set_on_one_head_is_kept_by_every_head() {
         assert_eq!(share.rejected, 0, "{share:?}");
     }
 }
-
-/// Events dropped from a full buffer while the server was down are reported by the next `sync`
-/// once the rest is published (it said nothing of them, and returned `Ok`), and only once.
-#[test]
-fn a_sync_after_an_outage_reports_the_events_the_full_buffer_dropped() {
-    let dir = tempfile::tempdir().expect("dir");
-    let mut server = NatsServer::start(&dir.path().join("js"));
-    let sharing = Sharing::nats(&server.url(), "drops", "a").buffer_events(10).publish_timeout(Duration::from_secs(20));
-    let h = SharedWarm::open(&builder(), dir.path().join("a.redb"), sharing).expect("opens");
-    h.ran(MODEL, &prompt(0, 0), "node-1").expect("ran");
-    h.sync().expect("published");
-    server.kill();
-    std::thread::sleep(Duration::from_millis(300));
-    for i in 1..=25u32 {
-        h.ran(MODEL, &prompt(i, 1), "node-1").expect("a ran never waits on the network");
-    }
-    assert_eq!((h.share_stats().buffered, h.share_stats().dropped), (10, 15), "{:?}", h.share_stats());
-    server.restart();
-    match h.sync() {
-        Err(superfluid_warm::Error::Sharing { detail, .. }) => assert!(detail.starts_with("15 events"), "{detail}"),
-        other => panic!("the drops are reported: {other:?}"),
-    }
-    h.sync().expect("reported once; the rest is published");
-    assert_eq!(server.last_seq("drops"), 11, "the first event and the 10 buffered");
-}

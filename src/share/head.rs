@@ -320,8 +320,7 @@ impl SharedWarm {
     ///
     /// # Errors
     /// [`Error::Unpublished`] if events are still buffered after the publish timeout (they are
-    /// kept and published when the server answers); [`Error::Sharing`] if some were dropped from
-    /// a full buffer since the last `sync` (each drop is reported once); as [`Warm::sync`].
+    /// kept and published when the server answers); as [`Warm::sync`].
     pub fn sync(&self) -> Result<()> {
         let started = Instant::now();
         let timeout = self.shared.sharing.publish_timeout;
@@ -333,17 +332,6 @@ impl SharedWarm {
             if events > 0 {
                 return Err(Error::Unpublished { events, waited: started.elapsed() });
             }
-        }
-        let dropped = self.shared.outbox().take_dropped_through(last);
-        if dropped > 0 {
-            return Err(Error::Sharing {
-                detail: format!(
-                    "{dropped} events of this head made before this sync were dropped from its full buffer while the \
-                     server was unreachable: they are not in the stream, and no other head has them (a larger \
-                     Sharing::buffer_events rides out a longer outage); the rest is published"
-                ),
-                source: None,
-            });
         }
         self.shared.warm.sync()
     }

@@ -17,16 +17,13 @@ pub(crate) struct Outbox {
     bound: usize,
     /// Events dropped because the queue was full (the server was unreachable too long).
     pub dropped: u64,
-    /// Their local numbers not yet reported by a `sync`, as ranges (first, last): drops take
-    /// the oldest, so a long outage is one range.
-    unreported: Vec<(u64, u64)>,
     /// Events the stream acknowledged.
     pub published: u64,
 }
 
 impl Outbox {
     pub(crate) fn new(bound: usize) -> Outbox {
-        Outbox { queue: VecDeque::new(), bound: bound.max(1), dropped: 0, unreported: Vec::new(), published: 0 }
+        Outbox { queue: VecDeque::new(), bound: bound.max(1), dropped: 0, published: 0 }
     }
 
     /// Queues `out`; returns the local number of the event dropped to make room, if any.
@@ -37,12 +34,6 @@ impl Outbox {
         } else {
             None
         };
-        if let Some(local) = dropped {
-            match self.unreported.last_mut() {
-                Some((_, last)) if *last + 1 == local => *last = local,
-                _ => self.unreported.push((local, local)),
-            }
-        }
         self.queue.push_back(out);
         dropped
     }
@@ -68,22 +59,6 @@ impl Outbox {
     pub(crate) fn len(&self) -> usize {
         self.queue.len()
     }
-
-    /// How many events numbered up to `local` were dropped since this was last asked; they are
-    /// reported once.
-    pub(crate) fn take_dropped_through(&mut self, local: u64) -> u64 {
-        let mut n = 0;
-        self.unreported.retain_mut(|(first, last)| {
-            if *first > local {
-                return true;
-            }
-            let through = (*last).min(local);
-            n += through - *first + 1;
-            *first = through + 1;
-            *first <= *last
-        });
-        n
-    }
 }
 
 #[cfg(test)]
@@ -105,14 +80,5 @@ mod tests {
         o.acked(3);
         assert_eq!((o.len(), o.published, o.dropped), (1, 1, 1));
         assert_eq!((o.count_through(1), o.count_through(2), o.count_through(9)), (0, 1, 1));
-        for local in 4..=7 {
-            o.push(out(local));
-        }
-        // Dropped: 1, then 2, 4 and 5 (3 was acknowledged before).
-        assert_eq!((o.dropped, o.peek(5).iter().map(|o| o.local).collect::<Vec<_>>()), (4, vec![6, 7]));
-        assert_eq!(o.take_dropped_through(1), 1);
-        assert_eq!(o.take_dropped_through(1), 0, "reported once");
-        assert_eq!(o.take_dropped_through(9), 3, "2, 4 and 5");
-        assert_eq!(o.take_dropped_through(9), 0);
     }
 }

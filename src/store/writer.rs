@@ -477,8 +477,12 @@ impl Writer {
             .filter(|&(_, id)| nodes.retired[id as usize].is_none())
             .map(|(name, id)| (id, name.clone()))
             .collect();
-        // Nodes whose cache was not kept (no size) start from what the file names of them.
-        let new: Vec<u32> = current.iter().filter(|(_, name)| !self.caches.tracks(name)).map(|&(id, _)| id).collect();
+        // Nodes whose cache was not kept (no size) start from what the file names of them (none
+        // start without a default).
+        let new: Vec<u32> = match blocks {
+            Some(_) => current.iter().filter(|(_, name)| !self.caches.tracks(name)).map(|&(id, _)| id).collect(),
+            None => Vec::new(),
+        };
         let seeds = self.scan_pairs(db, &new)?;
         self.caches.set_default(blocks, current.iter().map(|(id, name)| (*id, name.as_str())), seeds);
         self.batch(db)?;

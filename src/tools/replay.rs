@@ -335,13 +335,19 @@ struct Saves {
 }
 
 impl Saves {
-    /// After 0.1.7 spent `spent` on a call: a save if a window of its time has gone by.
-    fn after(&mut self, model: &mut Baseline, spent: Duration) {
+    /// 0.1.7's `warmest` and `ran` of `tokens` on `node`, timed; then a save if a window of its
+    /// time has gone by (not timed: 0.1.7 is measured in memory). Returns the calls' time.
+    fn call(&mut self, model: &mut Baseline, name: &str, tokens: &[u32], node: &str) -> Duration {
+        let t = Instant::now();
+        std::hint::black_box(model.warmest(name, tokens));
+        model.ran(name, tokens, node);
+        let spent = t.elapsed();
         self.since += spent;
         if self.since >= DEFAULT_SYNC_WINDOW {
             self.bytes += model.save() as u64;
             self.since = Duration::ZERO;
         }
+        spent
     }
 }
 
@@ -409,12 +415,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
         elapsed += t1.elapsed();
         ours.push(elapsed);
         if let Some(b) = baseline.as_mut() {
-            let t2 = Instant::now();
-            std::hint::black_box(b.warmest(&config.model, &tokens));
-            b.ran(&config.model, &tokens, &names[chosen]);
-            let spent = t2.elapsed();
-            theirs.push(spent);
-            saves.after(b, spent);
+            theirs.push(saves.call(b, &config.model, &tokens, &names[chosen]));
         }
         if let Some(caches) = caches.as_mut() {
             let blocks: Vec<u64> = fnv_chain(&config.model, &tokens).collect();
@@ -545,12 +546,7 @@ pub fn back_to_back(warm: &Warm, requests: &[Request], config: &Config) -> Resul
         let mut model = Baseline::kept_in(dir.path().join("warm.json"), MAX_0_1_7);
         let (mut total, mut saves) = (Duration::ZERO, Saves::default());
         for (tokens, &node) in prompts.iter().zip(&chosen) {
-            let t = Instant::now();
-            std::hint::black_box(model.warmest(&config.model, tokens));
-            model.ran(&config.model, tokens, &names[node]);
-            let spent = t.elapsed();
-            total += spent;
-            saves.after(&mut model, spent);
+            total += saves.call(&mut model, &config.model, tokens, &names[node]);
         }
         report.baseline = Some(total);
         report.baseline_bytes_written = Some(saves.bytes + model.save() as u64);

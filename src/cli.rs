@@ -10,10 +10,23 @@ use serde_json::json;
 use superfluid_warm::tools::heads::{HeadsReport, run_heads};
 use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
-use superfluid_warm::{DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, Snapshot, Warm, check_file, seal_path};
+use superfluid_warm::{
+    DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, LegacyJson, MAX_CAPACITY, Snapshot,
+    Stats, Warm, check_file, seal_path,
+};
+
+/// What every command does with a file a crashed head left, said once.
+const CRASH_RULE: &str = "A file left open by a head that crashed: `dump` and `stats` refuse it and `check` reports \
+it, until it is recovered; the commands that write (`check --repair`, `compact`, `forget`, `import`, `replay --db`) \
+recover it to its last commit and say so.";
 
 #[derive(Parser)]
-#[command(name = "superfluid-warm", version, about = "Which node last ran each prompt prefix: inspect, import, replay")]
+#[command(
+    name = "superfluid-warm",
+    version,
+    about = "Which node last ran each prompt prefix: inspect, import, replay",
+    after_help = CRASH_RULE
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -32,14 +45,16 @@ enum Command {
         json: bool,
     },
     /// Checks the invariants and, where no head has the file open, redb's integrity (on a copy).
-    /// Exit code 0: healthy; 2: a problem was found.
+    /// Exit code 0: healthy; 1: the file could not be checked (no index there, not an index,
+    /// unreadable); 2: a problem was found (each is listed), a file a crashed head left included.
     Check {
         /// The index file.
         path: PathBuf,
         /// As one JSON object.
         #[arg(long)]
         json: bool,
-        /// Recover a file left by a crashed head first (opens it as a head, which repairs it).
+        /// Recover a file left by a crashed head first (opens it as a head, which repairs it to
+        /// its last commit).
         #[arg(long)]
         repair: bool,
     },
@@ -48,7 +63,8 @@ enum Command {
         /// The index file (no head may have it open).
         path: PathBuf,
     },
-    /// Imports a superfluid 0.1.7 warm.json into an index (the JSON file is only read).
+    /// Imports a superfluid 0.1.7 warm.json into an index (the JSON file is only read, and is
+    /// checked whole before the index is touched).
     Import {
         /// The 0.1.7 file.
         old: PathBuf,
@@ -85,25 +101,28 @@ struct DumpArgs {
     oldest_first: bool,
 }
 
+/// Most head threads a replay starts.
+const MAX_THREADS: u32 = 256;
+
 #[derive(Args)]
 struct ReplayArgs {
     /// A Mooncake JSONL trace; without it, a built-in synthetic conversation workload.
     #[arg(long)]
     trace: Option<PathBuf>,
-    /// Only the first N requests.
-    #[arg(long)]
-    requests: Option<usize>,
+    /// Only the first N requests (the built-in workload makes exactly N; default 3000).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    requests: Option<u64>,
     /// Nodes in the cluster (at least 1).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
     nodes: u32,
     /// Routing policy.
     #[arg(long, value_enum, default_value_t = Policy::Balanced)]
     policy: Policy,
-    /// Load window, in requests.
-    #[arg(long, default_value_t = Config::default().window)]
-    window: usize,
-    /// Share of the prompt the warm prefix must cover (balanced).
-    #[arg(long, default_value_t = Config::default().min_share)]
+    /// Load window, in requests (at least 1).
+    #[arg(long, default_value_t = Config::default().window as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    window: u64,
+    /// Share of the prompt the warm prefix must cover (balanced), 0 to 1.
+    #[arg(long, default_value_t = Config::default().min_share, value_parser = share)]
     min_share: f64,
     /// Tokens of load difference that count as imbalance (balanced).
     #[arg(long, default_value_t = Config::default().balance_abs)]
@@ -111,31 +130,41 @@ struct ReplayArgs {
     /// Keep the index in this file (default: a temporary file, removed after).
     #[arg(long)]
     db: Option<PathBuf>,
-    /// Index capacity in blocks.
-    #[arg(long)]
+    /// Index capacity in blocks (1 to 2^40). On an existing --db file with another capacity,
+    /// only with --resize.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=MAX_CAPACITY))]
     capacity: Option<u64>,
+    /// Let --capacity or --node-cache-blocks change the settings recorded in an existing --db
+    /// file (a smaller one evicts its oldest entries).
+    #[arg(long, requires = "db")]
+    resize: bool,
     /// Skip the 0.1.7 baseline.
     #[arg(long)]
     no_baseline: bool,
-    /// Map tokens into a vocabulary of this size (e.g. 151936), as a tokenizer's ids are.
-    #[arg(long)]
+    /// Map tokens into a vocabulary of this size (e.g. 151936), as a tokenizer's ids are (at
+    /// least 2).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
     vocab: Option<u32>,
     /// Drive the index from this many head threads (each conversation on one), and report
-    /// requests/s beside 0.1.7's behind one mutex.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    /// requests/s beside 0.1.7's behind one mutex (1 to 256).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_THREADS as i64))]
     threads: Option<u32>,
     /// Give every simulated node an LRU KV cache of this many 64-token blocks, and report the
     /// share of prompt tokens the chosen node really still held. The index is told the size too
     /// (`Builder::node_cache_blocks`), unless --no-index-cache.
-    #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..=MAX_CAPACITY))]
     node_cache_blocks: Option<u64>,
     /// With --node-cache-blocks: do not tell the index the node size (what an index without node
     /// caches routes).
     #[arg(long, requires = "node_cache_blocks")]
     no_index_cache: bool,
-    /// Nodes each block remembers (default: the library's).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=superfluid_warm::MAX_NODES_PER_PREFIX as u64))]
-    nodes_per_prefix: Option<u64>,
+    /// Nodes each block remembers (1 to 64).
+    #[arg(
+        long,
+        default_value_t = DEFAULT_NODES_PER_PREFIX as u64,
+        value_parser = clap::value_parser!(u64).range(1..=superfluid_warm::MAX_NODES_PER_PREFIX as u64)
+    )]
+    nodes_per_prefix: u64,
     /// Restart a pseudo-random node every N requests, telling the index (`forget_node`), and
     /// report the prompt tokens routed as warm to a node that had restarted since it ran them.
     #[arg(long, conflicts_with = "threads", value_parser = clap::value_parser!(u64).range(1..))]
@@ -150,7 +179,7 @@ struct ReplayArgs {
         long,
         requires = "nats",
         conflicts_with_all = ["threads", "node_cache_blocks", "restart_every", "db"],
-        value_parser = clap::value_parser!(u32).range(1..)
+        value_parser = clap::value_parser!(u32).range(1..=64)
     )]
     heads: Option<u32>,
     /// With --heads: the NATS server (JetStream on) they share through, e.g. nats://127.0.0.1:4222.
@@ -166,12 +195,21 @@ struct ReplayArgs {
     json: bool,
 }
 
+/// A share, 0 to 1.
+fn share(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is not a share from 0 to 1")),
+        Err(e) => Err(format!("{e}: give a share from 0 to 1")),
+    }
+}
+
 impl ReplayArgs {
     fn config(&self) -> Config {
         Config {
             nodes: self.nodes as usize,
             policy: self.policy,
-            window: self.window,
+            window: usize::try_from(self.window).unwrap_or(usize::MAX),
             min_share: self.min_share,
             balance_abs: self.balance_abs,
             baseline: !self.no_baseline,
@@ -185,13 +223,19 @@ impl ReplayArgs {
     }
 }
 
-/// What can stop a command: the index's errors, a trace's, or the output going away.
+/// What can stop a command: the index's errors, a trace's, a refusal of the command's own, or
+/// the output going away.
 #[derive(Debug)]
 enum CliError {
     Index(Error),
     Trace(TraceError),
     Output(std::io::Error),
     TempDir(std::io::Error),
+    /// The command refuses what it was asked (exit 2, like a usage error): the message says why
+    /// and what to ask instead.
+    Refused(String),
+    /// Nothing went wrong, but the command found nothing of what it was asked about (exit 1).
+    NotFound(String),
 }
 
 impl From<Error> for CliError {
@@ -214,27 +258,51 @@ impl std::fmt::Display for CliError {
                 "{} is open in a running head; stop it first, or read it live with `dump`, `stats` or `check`",
                 path.display()
             ),
-            CliError::Index(e @ Error::CrashedWriter { .. }) => {
-                write!(f, "{e}: run `superfluid-warm check --repair` on it, or open it with the head")
-            }
+            CliError::Index(Error::CrashedWriter { pid }) => write!(
+                f,
+                "the file was left open by a head{} that crashed; recover it to its last commit with \
+                 `superfluid-warm check --repair FILE`",
+                pid.map(|p| format!(" (process {p})")).unwrap_or_default()
+            ),
+            CliError::Index(e) if e.needs_reopen() => write!(
+                f,
+                "the disk failed while writing the index ({}); what was committed before is intact: free space \
+                 or fix the disk, then run the command again",
+                storage_cause(e)
+            ),
             CliError::Index(e) => write!(f, "{e}"),
             CliError::Trace(e) => write!(f, "{e}"),
             CliError::Output(e) => write!(f, "writing the output: {e}"),
             CliError::TempDir(e) => write!(f, "cannot make a temporary directory for the index: {e}; pass --db PATH"),
+            CliError::Refused(why) | CliError::NotFound(why) => write!(f, "{why}"),
         }
     }
 }
 
-/// Exit code of `check` when it finds a problem.
+/// What the storage said underneath a failed write, without the library's advice to its callers.
+fn storage_cause(e: &Error) -> String {
+    match e {
+        Error::Storage { source, .. } => source.to_string(),
+        Error::CommitFailed { source } => storage_cause(source),
+        e => e.to_string(),
+    }
+}
+
+/// Exit code of `check` when it finds a problem, and of a refused command.
 const UNHEALTHY: u8 = 2;
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli.command) {
         Ok(code) => code,
+        // A reader that went away (`dump | head`) ends the command quietly, as it asked.
+        Err(CliError::Output(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("superfluid-warm: {e}");
-            ExitCode::FAILURE
+            match e {
+                CliError::Refused(_) => ExitCode::from(UNHEALTHY),
+                _ => ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -246,25 +314,26 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Stats { path, json } => stats(out, &path, json),
         Command::Check { path, json, repair } => {
             if repair {
-                Warm::open(&path)?.close()?;
+                existing(&path)?;
+                let warm = Warm::open(&path)?;
+                say_how_opened(&path, &warm.stats()?);
+                warm.close()?;
             }
             report_check(out, json, &check_file(&path)?)
         }
         Command::Compact { path } => {
+            existing(&path)?;
+            // A crashed head's file is recovered first (compaction needs a clean file).
+            if let Err(Error::CrashedWriter { .. }) = Snapshot::open(&path) {
+                let warm = Warm::builder().compact_on_close(false).open(&path)?;
+                say_how_opened(&path, &warm.stats()?);
+                warm.close()?;
+            }
             let done = superfluid_warm::compact(&path)?;
             emit(out, &format!("compacted {}: {} -> {} bytes", path.display(), done.bytes_before, done.bytes_after))
         }
         Command::Import { old, path } => import(out, &old, &path),
-        Command::Forget { path, node } => {
-            // An existing index only (a typo must not create a file): the reader says if not.
-            drop(Snapshot::open(&path)?);
-            let warm = Warm::open(&path)?;
-            let known = warm.stats()?.nodes.iter().zip(warm.stats()?.forgotten).any(|(n, gone)| *n == node && !gone);
-            warm.forget_node(&node)?;
-            warm.close()?;
-            let what = if known { "forgotten" } else { "not known (nothing to forget)" };
-            emit(out, &format!("node {node} of {}: {what}", path.display()))
-        }
+        Command::Forget { path, node } => forget(out, &path, &node),
         Command::Replay(args) => replay_cmd(out, &args),
     }
 }
@@ -274,31 +343,109 @@ fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, CliError> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// An index file that must already be there (a typo must not create one).
+fn existing(path: &Path) -> Result<(), CliError> {
+    match std::fs::metadata(path) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(CliError::Index(Error::Io {
+            path: path.to_path_buf(),
+            source: std::sync::Arc::new(std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here")),
+        })),
+    }
+}
+
+/// Says on stderr what opening the file as a head did besides opening it: recovering a crashed
+/// head's file, upgrading an older schema.
+fn say_how_opened(path: &Path, stats: &Stats) {
+    if let Some(pid) = stats.recovered_from {
+        eprintln!(
+            "superfluid-warm: recovered {} to its last commit: a head (process {pid}) had left it open",
+            path.display()
+        );
+    }
+    if let Some(from) = stats.upgraded_from {
+        eprintln!(
+            "superfluid-warm: upgraded {} from schema {from} to {} (older builds no longer open it)",
+            path.display(),
+            superfluid_warm::SCHEMA_VERSION
+        );
+    }
+}
+
 /// Lower-case hex of a key.
 fn hex(key: &[u8]) -> String {
     key.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// `n` with a comma between each group of three digits.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// What a command that may create files finds at a path before it runs: so that on failure it
+/// removes only what it created (never a symlink, or a file, that was there before).
+struct Created {
+    /// The file a failure should remove, if the command creates it: `path` itself, or the
+    /// target of a dangling symlink at `path`.
+    target: Option<PathBuf>,
+    /// Whether the target's side file was there before (then it is kept).
+    had_side_file: bool,
+}
+
+impl Created {
+    fn note(path: &Path) -> Created {
+        let target = match std::fs::metadata(path) {
+            // Nothing is created where a file is, or where nothing can be (a symlink loop).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
+                // A dangling symlink: the command would create its target.
+                Ok(link) => Some(path.parent().map_or(link.clone(), |dir| dir.join(link))),
+                Err(_) => Some(path.to_path_buf()),
+            },
+            _ => None,
+        };
+        let had_side_file = target.as_deref().is_some_and(|t| std::fs::symlink_metadata(seal_path(t)).is_ok());
+        Created { target, had_side_file }
+    }
+
+    /// Removes what the command created (the file and its side file), and nothing else.
+    fn remove(&self) {
+        if let Some(target) = &self.target {
+            let _ = std::fs::remove_file(target);
+            if !self.had_side_file {
+                let _ = std::fs::remove_file(seal_path(target));
+            }
+        }
+    }
+}
+
 fn import(out: &mut impl Write, old: &Path, path: &Path) -> Result<ExitCode, CliError> {
-    let existed = path.exists();
+    // Read and checked whole before the index is touched: a bad file changes nothing.
+    let legacy = LegacyJson::read(old)?;
+    let created = Created::note(path);
     let imported = Warm::open(path).and_then(|warm| {
-        let report = warm.import_json(old);
+        let stats = warm.stats();
+        let report = warm.import(&legacy);
         // Closed either way; the import's error is the one that matters.
         let closed = warm.close();
-        let report = report?;
-        closed.map(|()| report)
+        let (stats, report) = (stats?, report?);
+        closed.map(|()| (stats, report))
     });
-    let report = match imported {
-        Ok(report) => report,
+    let (opened, report) = match imported {
+        Ok(done) => done,
         Err(e) => {
-            if !existed {
-                // A failed import into a new file leaves nothing behind.
-                let _ = std::fs::remove_file(path);
-                let _ = std::fs::remove_file(seal_path(path));
-            }
+            created.remove();
             return Err(e.into());
         }
     };
+    say_how_opened(path, &opened);
     let line = if report.already_imported {
         format!("{} was imported before: nothing to do", old.display())
     } else {
@@ -313,64 +460,111 @@ fn import(out: &mut impl Write, old: &Path, path: &Path) -> Result<ExitCode, Cli
     emit(out, &line)
 }
 
+fn forget(out: &mut impl Write, path: &Path, node: &str) -> Result<ExitCode, CliError> {
+    existing(path)?;
+    // Read first: a node the file does not name needs no write (and no upgrade).
+    let named = match Snapshot::open(path) {
+        Ok(snapshot) => Some(snapshot.nodes().any(|(n, forgotten)| n == node && !forgotten)),
+        // Recovered below, which says so.
+        Err(Error::CrashedWriter { .. }) => None,
+        Err(e) => return Err(e.into()),
+    };
+    if named == Some(false) {
+        return emit(
+            out,
+            &format!("node {node} of {}: not known (nothing to forget; the file is unchanged)", path.display()),
+        );
+    }
+    let warm = Warm::open(path)?;
+    let stats = warm.stats()?;
+    say_how_opened(path, &stats);
+    let known = stats.nodes.iter().zip(&stats.forgotten).any(|(n, gone)| n == node && !gone);
+    if known {
+        warm.forget_node(node)?;
+    }
+    warm.close()?;
+    let what = if known { "forgotten" } else { "not known (nothing to forget)" };
+    emit(out, &format!("node {node} of {}: {what}", path.display()))
+}
+
+/// A node name as `dump` shows it.
+fn shown_node(name: &str, forgotten: bool) -> String {
+    if forgotten { format!("{name} (forgotten)") } else { name.to_string() }
+}
+
 fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
     let DumpArgs { path, json, node, limit, oldest_first } = args;
     let (json, oldest_first) = (*json, *oldest_first);
     let snapshot = Snapshot::open(path)?;
-    // JSON lines stream out as they are read; the table needs every row for its widths.
-    let mut rows: Vec<DumpEntry> = Vec::new();
-    let mut shown = 0;
+    if let Some(wanted) = node
+        && !snapshot.nodes().any(|(n, _)| n == wanted)
+    {
+        let names: Vec<&str> = snapshot.nodes().map(|(n, _)| n).collect();
+        return Err(CliError::NotFound(format!(
+            "no node is named {wanted:?} in {}; its nodes: {}",
+            path.display(),
+            if names.is_empty() { "none".to_string() } else { names.join(", ") }
+        )));
+    }
+    // Rows stream out as they are read; the table's node column is as wide as the widest name
+    // the file holds.
+    let node_w = snapshot.nodes().map(|(n, forgotten)| shown_node(n, forgotten).len()).max().unwrap_or(0).max(4);
+    if !json {
+        writeln!(out, "{:<32}  {:<node_w$}  {:>12}  {:>8}  model; other nodes", "hash", "node", "clock", "tokens")
+            .map_err(CliError::Output)?;
+    }
     let limit = limit.unwrap_or(usize::MAX);
+    let mut shown = 0usize;
     let mut failed = None;
-    snapshot.visit(!oldest_first, |e| {
-        if node.as_ref().is_some_and(|n| *n != e.node) {
-            return true;
-        }
-        if json {
-            let line = json!({
-                "hash": hex(&e.key), "node": e.node, "clock": e.clock, "tokens": e.tokens,
-                "model": e.model, "tenant": e.tenant, "legacy": e.tokens.is_none(), "forgotten": e.forgotten,
-                "others": e.others.iter().map(|(n, c, f)| json!({"node": n, "clock": c, "forgotten": f})).collect::<Vec<_>>(),
-            });
-            if let Err(err) = writeln!(out, "{line}") {
+    if limit > 0 {
+        snapshot.visit(!oldest_first, |e| {
+            if node.as_ref().is_some_and(|n| *n != e.node) {
+                return true;
+            }
+            let written =
+                if json { writeln!(out, "{}", dump_json(&e)) } else { writeln!(out, "{}", dump_row(&e, node_w)) };
+            if let Err(err) = written {
                 failed = Some(err);
                 return false;
             }
-        } else {
-            rows.push(e);
-        }
-        shown += 1;
-        shown < limit
-    })?;
+            shown += 1;
+            shown < limit
+        })?;
+    }
     if let Some(err) = failed {
         return Err(CliError::Output(err));
     }
     if json {
         return Ok(ExitCode::SUCCESS);
     }
-    let node_w = rows.iter().map(|e| e.node.len()).max().unwrap_or(4).max(4);
-    let mut text =
-        format!("{:<32}  {:<node_w$}  {:>12}  {:>8}  model; other nodes\n", "hash", "node", "clock", "tokens");
-    for e in &rows {
-        let mark = |n: &str, forgotten: bool| if forgotten { format!("{n} (forgotten)") } else { n.to_string() };
-        let tokens = e.tokens.map_or("0.1.7".to_string(), |t| t.to_string());
-        let model = match (&e.model, e.tenant) {
-            (Some(m), true) => format!("{m} (tenant)"),
-            (Some(m), false) => m.clone(),
-            (None, _) => "(0.1.7 import)".into(),
-        };
-        let others: Vec<String> = e.others.iter().map(|(n, c, f)| format!("{}@{c}", mark(n, *f))).collect();
-        let others = if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) };
-        let node = mark(&e.node, e.forgotten);
-        text += &format!("{:<32}  {node:<node_w$}  {:>12}  {:>8}  {model}{others}\n", hex(&e.key), e.clock, tokens);
-    }
-    text += &format!("{} entries shown", rows.len());
-    emit(out, &text)
+    emit(out, &format!("{} {} shown", thousands(shown as u64), if shown == 1 { "entry" } else { "entries" }))
+}
+
+fn dump_json(e: &DumpEntry) -> serde_json::Value {
+    json!({
+        "hash": hex(&e.key), "node": e.node, "clock": e.clock, "tokens": e.tokens,
+        "model": e.model, "tenant": e.tenant, "legacy": e.tokens.is_none(), "forgotten": e.forgotten,
+        "others": e.others.iter().map(|(n, c, f)| json!({"node": n, "clock": c, "forgotten": f})).collect::<Vec<_>>(),
+    })
+}
+
+fn dump_row(e: &DumpEntry, node_w: usize) -> String {
+    let tokens = e.tokens.map_or("0.1.7".to_string(), |t| t.to_string());
+    let model = match (&e.model, e.tenant) {
+        (Some(m), true) => format!("{m} (tenant)"),
+        (Some(m), false) => m.clone(),
+        (None, _) => "(0.1.7 import)".into(),
+    };
+    let others: Vec<String> = e.others.iter().map(|(n, c, f)| format!("{}@{c}", shown_node(n, *f))).collect();
+    let others = if others.is_empty() { String::new() } else { format!("; {}", others.join(", ")) };
+    let node = shown_node(&e.node, e.forgotten);
+    format!("{:<32}  {node:<node_w$}  {:>12}  {:>8}  {model}{others}", hex(&e.key), e.clock, tokens)
 }
 
 fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliError> {
     let snapshot = Snapshot::open(path)?;
     let s = snapshot.stats()?;
+    let side_file_missing = snapshot.side_file_missing();
     if json {
         let per_node: serde_json::Map<String, serde_json::Value> =
             s.per_node.iter().map(|(n, c)| (n.clone(), json!(c))).collect();
@@ -379,6 +573,7 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "clock_min": s.clock_range.map(|r| r.0), "clock_max": s.clock_range.map(|r| r.1),
             "clock_high_water": s.clock, "capacity": s.capacity, "file_bytes": s.file_bytes,
             "schema": s.schema, "hash_scheme": s.hash_scheme, "writer_pid": s.writer,
+            "side_file_missing": side_file_missing,
             "others": s.others, "reclaimable": s.reclaimable, "forgotten_nodes": s.forgotten_nodes,
             "stream_position": s.stream_position, "node_cache_default": s.node_cache_default,
             "node_caches": s.node_caches.iter().map(|c| json!({
@@ -388,9 +583,18 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
         return emit(out, &line.to_string());
     }
     let used = if s.capacity == 0 { 0.0 } else { 100.0 * s.entries as f64 / s.capacity as f64 };
+    // 0.1.7's rule evicts an eighth of the capacity when a `ran` goes over it, after the `ran`:
+    // one prompt longer than that leaves the index over capacity until the next.
+    let over = if s.entries > s.capacity {
+        " (over: 0.1.7's rule evicts an eighth of the capacity once per `ran`, so a `ran` longer than that overshoots until the next)"
+    } else {
+        ""
+    };
     let mut text = format!(
-        "entries        {} ({} from 0.1.7)\ncapacity       {} ({used:.1}% used)\n",
-        s.entries, s.legacy_entries, s.capacity
+        "entries        {} ({} from 0.1.7)\ncapacity       {} ({used:.1}% used){over}\n",
+        thousands(s.entries),
+        thousands(s.legacy_entries),
+        thousands(s.capacity)
     );
     text += &match s.clock_range {
         Some((lo, hi)) => format!("clock          {lo} .. {hi} (high-water {})\n", s.clock),
@@ -398,29 +602,36 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
     };
     text += &format!(
         "other nodes    {} (nodes a block names besides the last to run it)\nreclaimable    {} (blocks and other nodes naming one of {} forgotten node incarnations)\n",
-        s.others, s.reclaimable, s.forgotten_nodes
+        thousands(s.others),
+        thousands(s.reclaimable),
+        s.forgotten_nodes
     );
-    text += &format!("file           {} bytes\nschema         {} ({})\n", s.file_bytes, s.schema, s.hash_scheme);
+    text +=
+        &format!("file           {} bytes\nschema         {} ({})\n", thousands(s.file_bytes), s.schema, s.hash_scheme);
     if s.stream_position > 0 {
         text += &format!("shared         applied a NATS stream up to sequence {}\n", s.stream_position);
     }
-    text += &match s.writer {
-        Some(pid) => format!("writer         pid {pid}\n"),
-        None => "writer         none (closed cleanly)\n".into(),
+    text += &match (s.writer, side_file_missing) {
+        (Some(pid), true) => format!(
+            "writer         pid {pid}, running, but its side file {} was deleted: restart that head to recreate it\n",
+            seal_path(path).display()
+        ),
+        (Some(pid), false) => format!("writer         pid {pid}\n"),
+        (None, _) => "writer         none (closed cleanly)\n".into(),
     };
     if let Some(blocks) = s.node_cache_default {
-        text += &format!("node caches    {blocks} blocks a node unless set per node\n");
+        text += &format!("node caches    {} blocks a node unless set per node\n", thousands(blocks));
     }
     text += "per node:";
     for (node, n) in &s.per_node {
-        text += &format!("\n  {node:<20} {n}");
+        text += &format!("\n  {node:<20} {:>12}", thousands(*n));
     }
     let sized: Vec<_> = s.node_caches.iter().filter(|c| c.capacity.is_some()).collect();
     if !sized.is_empty() {
         text += "\nnode caches (blocks held / capacity):";
         for c in sized {
-            let capacity = c.capacity.map_or_else(|| "none".to_string(), |b| b.to_string());
-            text += &format!("\n  {:<20} {} / {capacity}", c.node, c.held);
+            let capacity = c.capacity.map_or_else(|| "none".to_string(), thousands);
+            text += &format!("\n  {:<20} {} / {capacity}", c.node, thousands(c.held));
         }
     }
     emit(out, &text)
@@ -428,31 +639,39 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
 
 /// Prints what `check` found, and exits 0 when healthy, [`UNHEALTHY`] otherwise.
 fn report_check(out: &mut impl Write, json: bool, found: &FileCheck) -> Result<ExitCode, CliError> {
-    let healthy = found.healthy();
+    let problems = found.problems();
+    let healthy = problems.is_empty();
     let report = found.invariants.as_ref();
     if json {
         let line = json!({
             "healthy": healthy, "entries": report.map(|r| r.entries),
             "clock_entries": report.map(|r| r.clock_entries),
-            "problems": report.map_or(&[][..], |r| &r.problems[..]), "integrity": found.integrity,
+            "problems": problems,
+            "invariant_problems": report.map(|r| &r.problems[..]),
+            "integrity": found.integrity,
             "crashed_writer": found.crashed_writer.is_some(), "crashed_writer_pid": found.crashed_writer.flatten(),
+            "side_file_missing": found.side_file_missing,
         });
         emit(out, &line.to_string())?;
     } else {
         let mut text = match report {
-            Some(r) => format!("{} entries, {} listed live in their generation\n", r.entries, r.clock_entries),
+            Some(r) => format!(
+                "{} entries, {} listed live in their generation\n",
+                thousands(r.entries),
+                thousands(r.clock_entries)
+            ),
             None => "tables not walked: the file fails redb's page checksums\n".to_string(),
         };
-        for p in report.iter().flat_map(|r| &r.problems) {
-            text += &format!("problem: {p}\n");
-        }
         text += match found.integrity {
             Some(true) => "redb integrity: ok\n",
             Some(false) => "redb integrity: CORRUPTED\n",
             None => "redb integrity: not checked (a head has the file open)\n",
         };
         if found.crashed_writer.is_some() {
-            text += "left open by a writer that crashed (checked on a recovered copy): run `check --repair` or open it with the head\n";
+            text += "checked as recovered, on a copy: the file itself was not changed\n";
+        }
+        for p in &problems {
+            text += &format!("problem: {p}\n");
         }
         text += if healthy { "verdict: healthy" } else { "verdict: PROBLEMS FOUND" };
         emit(out, &text)?;
@@ -460,20 +679,92 @@ fn report_check(out: &mut impl Write, json: bool, found: &FileCheck) -> Result<E
     Ok(if healthy { ExitCode::SUCCESS } else { ExitCode::from(UNHEALTHY) })
 }
 
+/// Requests of the built-in workload when --requests is not given, and its conversations per
+/// request.
+const BUILT_IN_REQUESTS: usize = 3000;
+const BUILT_IN_REQUESTS_PER_CONVERSATION: usize = 25;
+
+/// A progress bar on stderr, drawn only when it is a terminal.
+fn progress(len: usize, label: &'static str) -> indicatif::ProgressBar {
+    let target = if std::io::stderr().is_terminal() {
+        indicatif::ProgressDrawTarget::stderr()
+    } else {
+        indicatif::ProgressDrawTarget::hidden()
+    };
+    let bar = indicatif::ProgressBar::with_draw_target(Some(len as u64), target);
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg:<32} {wide_bar} {pos}/{len} requests, {eta} left")
+    {
+        bar.set_style(style);
+    }
+    bar.set_message(label);
+    bar
+}
+
+/// Refuses a --capacity or --node-cache-blocks that would change what an existing --db file
+/// records, unless --resize says so: a smaller capacity evicts entries for good.
+fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
+    if args.resize || std::fs::metadata(db).map_or(true, |m| m.len() == 0) {
+        return Ok(());
+    }
+    let snapshot = match Snapshot::open(db) {
+        Ok(snapshot) => snapshot,
+        // Errors of the file are the open's to report, which follows.
+        Err(_) => return Ok(()),
+    };
+    let (capacity, entries) = (snapshot.capacity(), snapshot.entries());
+    if let Some(asked) = args.capacity.filter(|&c| c != capacity) {
+        let effect = if asked < entries {
+            format!("evicting at least {} of them, oldest first", thousands(entries - asked))
+        } else {
+            "evicting nothing now".to_string()
+        };
+        return Err(CliError::Refused(format!(
+            "{} holds {} entries at capacity {}; --capacity {} would record a new capacity, {effect}: add --resize to \
+             change it, or leave --capacity out to keep the file's",
+            db.display(),
+            thousands(entries),
+            thousands(capacity),
+            thousands(asked)
+        )));
+    }
+    let recorded = snapshot.node_cache_default()?;
+    if let Some(asked) = args.node_cache_blocks.filter(|&b| !args.no_index_cache && Some(b) != recorded) {
+        return Err(CliError::Refused(format!(
+            "{} records {}; --node-cache-blocks {asked} would record a new size for every node (a smaller one \
+             forgets what no longer fits): add --resize to change it, or leave it out",
+            db.display(),
+            recorded.map_or_else(|| "no node cache size".to_string(), |b| format!("node caches of {b} blocks"))
+        )));
+    }
+    Ok(())
+}
+
 fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliError> {
     let config = args.config();
+    let wanted = args.requests.map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let (mut workload, source) = match &args.trace {
-        Some(p) => (trace::read(p)?, p.display().to_string()),
+        Some(p) => (trace::read(p)?, format!("trace {}", p.display())),
         None => {
-            (trace::synthetic(3000, 120, 42), "built-in synthetic conversations (3000 requests, 120 sessions)".into())
+            let n = wanted.unwrap_or(BUILT_IN_REQUESTS);
+            let conversations = n.div_ceil(BUILT_IN_REQUESTS_PER_CONVERSATION);
+            (
+                trace::synthetic(n, conversations, 42),
+                format!("the built-in synthetic workload ({} conversations)", thousands(conversations as u64)),
+            )
         }
     };
-    if let Some(n) = args.requests {
+    if let Some(n) = wanted {
         workload.truncate(n);
+    }
+    if workload.is_empty() {
+        return Err(CliError::Refused(format!("{source} holds no request: nothing to replay")));
     }
     // Without --db, the index lives in a temporary directory, removed with it.
     let (path, _temporary) = match &args.db {
-        Some(db) => (db.clone(), None),
+        Some(db) => {
+            guard_settings(args, db)?;
+            (db.clone(), None)
+        }
         None => {
             let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
             (dir.path().join("replay.redb"), Some(dir))
@@ -483,9 +774,7 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     if let Some(c) = args.capacity {
         builder.capacity(c);
     }
-    if let Some(k) = args.nodes_per_prefix {
-        builder.nodes_per_prefix(usize::try_from(k).unwrap_or(usize::MAX));
-    }
+    builder.nodes_per_prefix(usize::try_from(args.nodes_per_prefix).unwrap_or(usize::MAX));
     if let Some(blocks) = args.node_cache_blocks.filter(|_| !args.no_index_cache) {
         builder.node_cache_blocks(blocks);
     }
@@ -495,14 +784,10 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
         return emit(out, &if args.json { heads_json(&r, &config, &source) } else { heads_text(&r, &config, &source) });
     }
     let warm = builder.open(&path)?;
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(workload.len() as u64),
-        if std::io::stderr().is_terminal() {
-            indicatif::ProgressDrawTarget::stderr()
-        } else {
-            indicatif::ProgressDrawTarget::hidden()
-        },
-    );
+    if args.db.is_some() {
+        say_how_opened(&path, &warm.stats()?);
+    }
+    let bar = progress(workload.len(), "replaying, beside 0.1.7");
     let (report, threaded) = match args.threads {
         None => (replay::run(&warm, &workload, &config, |i| bar.set_position(i as u64)), None),
         Some(t) => match replay::run_threads(&warm, &workload, &config, t as usize) {
@@ -524,7 +809,9 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
             }
             .map_err(CliError::TempDir)?;
             let warm = builder.open(dir.path().join("back-to-back.redb"))?;
-            let back = replay::back_to_back(&warm, &workload, &config);
+            let bar = progress(workload.len(), "back to back, then 0.1.7 alone");
+            let back = replay::back_to_back(&warm, &workload, &config, |i| bar.set_position(i as u64));
+            bar.finish_and_clear();
             let closed = warm.close();
             let back = back?;
             closed?;
@@ -663,111 +950,124 @@ fn replay_text(
     threaded: Option<&Threaded>,
     back: Option<&BackToBack>,
 ) -> String {
-    let mut t = format!("replay of {source}\n");
-    t += &format!("policy {} over {} nodes (load window {} requests)\n", policy_name(c.policy), c.nodes, c.window);
-    if let Some(vocab) = c.vocab {
-        t += &format!("tokens mapped into a vocabulary of {vocab}\n");
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-12);
+    let pct = |share: f64| format!("{:.1}%", 100.0 * share);
+    // The one-line summary first: what routing found, and how fast against 0.1.7.
+    let mut summary = format!(
+        "{} of prompt tokens routed to a node that already held them warm; busiest node {:.2}x the least busy",
+        pct(r.warm_share()),
+        r.imbalance()
+    );
+    if let Some((_, paced)) = back.and_then(|b| b.ratio().map(|x| (b, x))) {
+        summary += &format!("; {paced:.2}x 0.1.7's time back to back, everything durable");
     }
-    t += &format!("requests         {}\n", r.requests);
-    t += &format!("prompt tokens    {}\n", r.prompt_tokens);
+    let mut t = format!("{summary}.\n\n");
     t += &format!(
-        "routed warm      {} tokens ({:.1}% of prompt tokens), {} requests\n",
-        r.warm_tokens,
-        100.0 * r.warm_share(),
-        r.warm_requests
+        "Replayed {} requests of {source} over {} nodes (policy {}, load window {} requests){}.\n",
+        thousands(r.requests as u64),
+        c.nodes,
+        policy_name(c.policy),
+        c.window,
+        c.vocab.map(|v| format!(", tokens mapped into a vocabulary of {v}")).unwrap_or_default()
+    );
+    t += "\nWhat the index found\n";
+    t += &format!(
+        "  routed warm      {} of {} prompt tokens ({}), {} of {} requests\n",
+        thousands(r.warm_tokens),
+        thousands(r.prompt_tokens),
+        pct(r.warm_share()),
+        thousands(r.warm_requests as u64),
+        thousands(r.requests as u64)
     );
     if let (Some(cached), Some(any), Some(missed), Some(blocks)) =
         (r.warm_share_cached(), r.chosen_cached_share(), r.warm_not_cached, c.node_cache_blocks)
     {
         t += &format!(
-            "really cached    {:.1}% of prompt tokens: routed warm and still in the chosen node's cache (an LRU of {blocks} blocks a node, {told}; {:.1}% counting what it held unannounced); {missed} requests sent as warm to a node that no longer held the prefix\n",
-            100.0 * cached,
-            100.0 * any,
+            "  really cached    {} of prompt tokens were routed warm and still in the chosen node's cache (an LRU of {} blocks a node, {told}); {} counting what it held unannounced; {} requests sent as warm to a node that no longer held the prefix\n",
+            pct(cached),
+            thousands(blocks as u64),
+            pct(any),
+            thousands(missed as u64),
             told = if c.index_told_cache { "the index told its size" } else { "the index not told" },
         );
     }
     if let (Some(restarts), Some(wrong), Some(every)) = (r.restarts, r.warm_tokens_to_restarted, c.restart_every) {
         let told = if c.forget { "each forgotten in the index" } else { "the index not told" };
         t += &format!(
-            "restarts         {restarts} (a node every {every} requests, {told}); {wrong} prompt tokens routed as warm to a node that had restarted since it ran them\n"
+            "  restarts         {restarts} (a node every {every} requests, {told}); {} prompt tokens routed as warm to a node that had restarted since it ran them\n",
+            thousands(wrong)
         );
     }
-    t += &format!("imbalance        {:.2} (most / least loaded node)\n", r.imbalance());
-    t += "load per node (prompt tokens):\n";
+    t += &format!("  load per node    prompt tokens; most / least loaded {:.2}\n", r.imbalance());
     let max = r.load.iter().copied().max().unwrap_or(1).max(1);
     for (i, l) in r.load.iter().enumerate() {
         let bar = "#".repeat((40 * l / max) as usize);
-        t += &format!("  {:<8} {:>12}  {bar}\n", replay::node_name(i), l);
+        t += &format!("    {:<8} {:>14}  {bar}\n", replay::node_name(i), thousands(*l));
     }
+    t += &format!("  entries          {} at the end\n", thousands(r.entries));
+    t += "\nHow fast (0.1.7 = superfluid 0.1.7's design: a HashMap in memory, saved whole as JSON, nothing durable between saves)\n";
     t += &format!(
-        "index time/request  p50 {:.1} µs  p99 {:.1} µs  total {:.1} ms\n",
+        "  index time/request  p50 {:.1} µs, p99 {:.1} µs (hash, warmest, ran; durable within {} ms)\n",
         micros(r.index.p50),
         micros(r.index.p99),
-        r.index.total.as_secs_f64() * 1e3
+        DEFAULT_SYNC_WINDOW.as_millis()
     );
     if let Some(b) = &r.baseline {
         t += &format!(
-            "0.1.7 design        p50 {:.1} µs  p99 {:.1} µs  total {:.1} ms (in memory, nothing durable)\n",
+            "  0.1.7 time/request  p50 {:.1} µs, p99 {:.1} µs: ratio (ours/0.1.7) p50 {:.2}x, p99 {:.2}x\n",
             micros(b.p50),
             micros(b.p99),
-            b.total.as_secs_f64() * 1e3
-        );
-        let ratio = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64().max(1e-12);
-        t += &format!(
-            "ratio (ours/0.1.7)  p50 {:.2}x  p99 {:.2}x  total {:.2}x\n",
             ratio(r.index.p50, b.p50),
-            ratio(r.index.p99, b.p99),
-            ratio(r.index.total, b.total)
+            ratio(r.index.p99, b.p99)
         );
     }
-    t += &format!("final sync          {:.1} ms; {} entries\n", r.final_sync.as_secs_f64() * 1e3, r.entries);
-    if let (Some((ours, ratio)), Some(b)) = (r.paced(), &r.baseline) {
-        // The commit thread's backlog is part of the index's time; it also worked while 0.1.7 ran.
+    if let (Some((ours, paced)), Some(b)) = (r.paced(), &r.baseline) {
         t += &format!(
-            "paced by 0.1.7      index time + final sync {:.1} ms vs 0.1.7 total {:.1} ms: {ratio:.2}x\n",
-            ours.as_secs_f64() * 1e3,
-            b.total.as_secs_f64() * 1e3,
+            "  paced               {:.1} ms (the index's calls, each between 0.1.7's, plus the final sync) against 0.1.7's {:.1} ms: {paced:.2}x\n",
+            ms(ours),
+            ms(b.total)
         );
     }
-    if let Some(bytes) = bytes_per_request(r.bytes_written, r.baseline_bytes_written, r.requests) {
-        t += &format!("bytes written       {bytes}\n");
+    if let Some(b) = back {
+        t += &format!(
+            "  back to back        {:.1} ms, {} requests/s (a fresh index fed one request after another, then synced)",
+            ms(b.ours()),
+            thousands(b.requests_per_s() as u64)
+        );
+        if let (Some(theirs), Some(x)) = (b.baseline, b.ratio()) {
+            t += &format!(
+                " against 0.1.7 alone {:.1} ms, {} requests/s: {x:.2}x",
+                ms(theirs),
+                thousands(b.baseline_requests_per_s().unwrap_or(0.0) as u64)
+            );
+        }
+        t += "\n";
     }
-    t += &format!("wall                {:.2} s", r.wall.as_secs_f64());
     if let Some(th) = threaded {
         t += &format!(
-            "\n{} head threads     {:.0} requests/s (wall time, final sync included)",
-            th.threads, th.requests_per_s
+            "  {} head threads      {} requests/s (final sync included)",
+            th.threads,
+            thousands(th.requests_per_s as u64)
         );
         if let Some(b) = th.baseline_requests_per_s {
             t += &format!(
-                "\n0.1.7 design        {b:.0} requests/s ({} threads behind one mutex, in memory, nothing durable); ratio {:.2}x",
-                th.threads,
+                " against 0.1.7 behind one mutex {} requests/s: {:.2}x",
+                thousands(b as u64),
                 th.requests_per_s / b.max(1e-9)
             );
         }
+        t += "\n";
     }
-    if let Some(b) = back {
-        let ms = |d: Duration| d.as_secs_f64() * 1e3;
-        t += &format!(
-            "\nback to back        {:.1} ms: calls {:.1} ms + final sync {:.1} ms, {:.0} requests/s (a fresh index, nothing between its calls)",
-            ms(b.ours()),
-            ms(b.calls),
-            ms(b.final_sync),
-            b.requests_per_s()
-        );
-        if let (Some(theirs), Some(ratio)) = (b.baseline, b.ratio()) {
-            t += &format!(
-                "\n0.1.7 design        {:.1} ms alone, the same choices, {:.0} requests/s (in memory, nothing durable); ratio {ratio:.2}x",
-                ms(theirs),
-                b.baseline_requests_per_s().unwrap_or(0.0)
-            );
-        }
-        if let Some(bytes) = bytes_per_request(b.bytes_written, b.baseline_bytes_written, b.requests) {
-            t += &format!("\n  bytes written     {bytes}");
-        }
+    let written = back
+        .and_then(|b| bytes_per_request(b.bytes_written, b.baseline_bytes_written, b.requests))
+        .or_else(|| bytes_per_request(r.bytes_written, r.baseline_bytes_written, r.requests));
+    if let Some(bytes) = written {
+        t += &format!("  bytes written       {bytes}\n");
     }
+    t += &format!("\nWall time {:.2} s. Every figure: --json.", r.wall.as_secs_f64());
     if let Some(path) = kept {
-        t += &format!("\nindex kept in {}", path.display());
+        t += &format!(" Index kept in {}.", path.display());
     }
     t
 }

@@ -74,6 +74,15 @@ pub enum Error {
         /// What was found.
         detail: String,
     },
+    /// The side file (`<file>.seal`) says a head wrote the index file, but the index file is
+    /// gone or empty: it was lost (deleted, truncated, or never restored with its seal). Nothing
+    /// is created in its place.
+    FileLost {
+        /// The index file.
+        path: PathBuf,
+        /// What was found instead.
+        detail: &'static str,
+    },
     /// The file was left by a writer that did not close it and is no longer running.
     CrashedWriter {
         /// Process id of the writer that left it, where the file still says.
@@ -177,6 +186,12 @@ impl fmt::Display for Error {
             Error::Corrupted { detail } => write!(
                 f,
                 "the index file is corrupted ({detail}); restore it from a copy or start a new index (routing only gets colder)"
+            ),
+            Error::FileLost { path, detail } => write!(
+                f,
+                "{path} {detail}, but its side file {path}.seal says a head wrote it: the index was lost; \
+                 restore it from a copy, or remove {path}.seal to start a new, empty index there",
+                path = path.display(),
             ),
             Error::CrashedWriter { pid } => write!(
                 f,

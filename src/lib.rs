@@ -53,6 +53,6 @@ pub use keys::{
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::caches::NodeCacheStats;
-pub use store::import::ImportReport;
-pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, SCHEMA_VERSION};
+pub use store::import::{ImportReport, LegacyJson};
+pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, MAX_CLOCK, SCHEMA_VERSION};
 pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};

@@ -73,17 +73,30 @@ fn dump_reads_the_file_while_another_process_writes_it_then_reports_the_crash() 
     child.wait().expect("reaped");
     let out = run(&["dump", p]);
     assert_eq!(out.status.code(), Some(1), "a crashed file is an error, not an empty listing");
-    assert!(text(&out.stderr).contains("no longer running"), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("crashed"), "{}", text(&out.stderr));
     assert!(!text(&out.stderr).contains("panicked"));
+    assert!(text(&out.stderr).contains("check --repair"), "says what to run: {}", text(&out.stderr));
+    assert!(!text(&out.stderr).contains("Builder"), "speaks the CLI's words: {}", text(&out.stderr));
     let check = run(&["check", p, "--json"]);
     let verdict: serde_json::Value = serde_json::from_slice(&check.stdout).expect("check JSON");
     assert_eq!(verdict["crashed_writer"], true, "{verdict}");
     assert_eq!(verdict["integrity"], true, "{verdict}");
-    assert_eq!(check.status.code(), Some(0), "a crash loses no consistency: {verdict}");
-    assert_eq!(verdict["problems"].as_array().map(Vec::len), Some(0), "the last commit is consistent: {verdict}");
+    assert_eq!(check.status.code(), Some(2), "a crashed head's file needs recovery before it is read: {verdict}");
+    assert_eq!(verdict["healthy"], false, "{verdict}");
+    assert!(verdict["problems"][0].as_str().is_some_and(|p| p.contains("needs recovery")), "{verdict}");
+    assert_eq!(
+        verdict["invariant_problems"].as_array().map(Vec::len),
+        Some(0),
+        "a crash loses no consistency: the last commit is consistent: {verdict}"
+    );
     let repaired = run(&["check", p, "--repair"]);
     assert!(repaired.status.success(), "{}{}", text(&repaired.stdout), text(&repaired.stderr));
     assert!(text(&repaired.stdout).contains("redb integrity: ok"));
+    assert!(
+        text(&repaired.stderr).contains("recovered"),
+        "a writing command says it recovered: {}",
+        text(&repaired.stderr)
+    );
     let out = run(&["dump", p, "--limit", "5"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert!(text(&out.stdout).contains("5 entries shown"), "{}", text(&out.stdout));
@@ -308,14 +321,8 @@ fn replay_of_the_first_500_trace_requests_gives_the_same_warm_share_twice() {
     assert!(text(&none.stderr).contains("--nodes"), "{}", text(&none.stderr));
     let default = run(&["replay", "--requests", "300"]);
     assert!(default.status.success(), "{}", text(&default.stderr));
-    let mut needles = vec![
-        "routed warm",
-        "load per node",
-        "index time/request",
-        "ratio (ours/0.1.7)",
-        "paced by 0.1.7",
-        "back to back",
-    ];
+    let mut needles =
+        vec!["routed warm", "load per node", "index time/request", "ratio (ours/0.1.7)", "paced ", "back to back"];
     if cfg!(target_os = "linux") {
         needles.push("0.1.7 saving every");
     }
@@ -331,8 +338,14 @@ fn compact_gives_space_back_and_keeps_every_entry() {
     let dir = tempdir();
     let path = db_path(&dir);
     let p = path.to_str().expect("utf-8");
-    let out = run(&["replay", "--requests", "300", "--capacity", "20000", "--no-baseline", "--db", p]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    {
+        // Churned, and not compacted by its close.
+        let warm = superfluid_warm::Warm::builder().capacity(4000).compact_on_close(false).open(&path).expect("open");
+        for request in superfluid_warm::tools::trace::synthetic(600, 24, 7) {
+            warm.ran("m", &request.tokens(), &format!("node-{}", request.timestamp % 5)).expect("ran");
+        }
+        warm.close().expect("close");
+    }
     let dump = |p: &str| -> Vec<serde_json::Value> {
         let mut rows = json_lines(&run(&["dump", p, "--json"]));
         rows.sort_by_key(|r| r.to_string());
@@ -500,4 +513,354 @@ fn replay_over_heads_sharing_through_nats_and_stats_of_a_sharing_heads_file() {
     let s = &json_lines(&stats)[0];
     assert_eq!(s["stream_position"].as_u64(), Some(40), "{s}");
     assert!(text(&run(&["stats", path.to_str().expect("utf-8")]).stdout).contains("up to sequence 40"));
+}
+
+/// A closed index of a few hundred entries made by `replay --db`, and its bytes.
+fn small_index(dir: &tempfile::TempDir, name: &str, capacity: &str) -> std::path::PathBuf {
+    let path = dir.path().join(name);
+    let out = run(&[
+        "replay",
+        "--requests",
+        "200",
+        "--capacity",
+        capacity,
+        "--no-baseline",
+        "--no-back-to-back",
+        "--db",
+        path.to_str().expect("utf-8"),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    path
+}
+
+fn entries(path: &Path) -> u64 {
+    let out = run(&["stats", path.to_str().expect("utf-8"), "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stats JSON");
+    stats["entries"].as_u64().expect("entries")
+}
+
+/// `replay --db` on an existing file never changes its capacity (which evicts for good) unless
+/// `--resize` says so; refused, it says what it would evict and leaves the file as it was.
+#[test]
+fn replay_refuses_to_change_an_existing_files_capacity_unless_asked() {
+    let dir = tempdir();
+    let path = small_index(&dir, "e.redb", "100000");
+    let p = path.to_str().expect("utf-8");
+    let before = entries(&path);
+    assert!(before > 1000, "{before}");
+    let bytes = std::fs::read(&path).expect("read");
+    let out = run(&["replay", "--requests", "10", "--capacity", "10", "--no-baseline", "--db", p]);
+    assert_eq!(out.status.code(), Some(2), "refused: {}", text(&out.stderr));
+    let said = text(&out.stderr);
+    assert!(said.contains("--resize") && said.contains("evicting at least"), "{said}");
+    assert_eq!(std::fs::read(&path).expect("read"), bytes, "the file is byte for byte as it was");
+    let cache = run(&["replay", "--requests", "10", "--node-cache-blocks", "64", "--no-baseline", "--db", p]);
+    assert_eq!(cache.status.code(), Some(2), "{}", text(&cache.stderr));
+    // The same capacity, or none, is no change.
+    let same =
+        run(&["replay", "--requests", "10", "--capacity", "100000", "--no-baseline", "--no-back-to-back", "--db", p]);
+    assert!(same.status.success(), "{}", text(&same.stderr));
+    assert!(entries(&path) >= before);
+    let asked = run(&[
+        "replay",
+        "--requests",
+        "10",
+        "--capacity",
+        "500",
+        "--resize",
+        "--no-baseline",
+        "--no-back-to-back",
+        "--db",
+        p,
+    ]);
+    assert!(asked.status.success(), "{}", text(&asked.stderr));
+    assert!(entries(&path) <= 500 + 200, "resized when asked");
+}
+
+/// A side file that says a head wrote the index, beside no index or an empty one: the index was
+/// lost, and nothing silently starts a new one there.
+#[test]
+fn a_lost_index_beside_its_seal_is_refused_never_replaced() {
+    let dir = tempdir();
+    let path = small_index(&dir, "lost.redb", "100000");
+    let p = path.to_str().expect("utf-8");
+    std::fs::File::create(&path).expect("truncate to 0 bytes");
+    let out = run(&["replay", "--requests", "10", "--no-baseline", "--db", p]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("was lost"), "{}", text(&out.stderr));
+    assert_eq!(std::fs::metadata(&path).expect("still there").len(), 0, "nothing created in its place");
+    let repair = run(&["check", "--repair", p]);
+    assert!(!repair.status.success() && text(&repair.stderr).contains("was lost"), "{}", text(&repair.stderr));
+    std::fs::remove_file(&path).expect("remove");
+    let out = run(&["import", concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0001-from-0.1.7-json/warm.json"), p]);
+    assert!(text(&out.stderr).contains("was lost"), "{}", text(&out.stderr));
+    assert!(!path.exists(), "a missing index stays missing");
+    assert!(superfluid_warm::seal_path(&path).exists(), "its side file is kept");
+    let lib = superfluid_warm::Warm::open(&path);
+    assert!(matches!(lib, Err(superfluid_warm::Error::FileLost { .. })), "{lib:?}");
+}
+
+/// `check --repair` of a path with no file says so, and creates nothing.
+#[test]
+fn check_repair_of_a_missing_file_creates_nothing() {
+    let dir = tempdir();
+    let missing = dir.path().join("missing.redb");
+    let out = run(&["check", "--repair", missing.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("no index file here"), "{}", text(&out.stderr));
+    assert_eq!(std::fs::read_dir(dir.path()).expect("list").count(), 0, "nothing created");
+}
+
+/// A failed import removes only what it created: a symlink that was there stays, dangling or
+/// looping; a bad file onto an index leaves it byte for byte; clocks that leave no room are
+/// refused.
+#[cfg(unix)]
+#[test]
+fn a_failed_import_removes_only_what_it_created() {
+    let dir = tempdir();
+    let good = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0001-from-0.1.7-json/warm.json");
+    let bad = dir.path().join("bad.json");
+    std::fs::write(&bad, "{not json").expect("write");
+    let b = bad.to_str().expect("utf-8");
+    let dangling = dir.path().join("dangling.redb");
+    std::os::unix::fs::symlink(dir.path().join("target.redb"), &dangling).expect("symlink");
+    let out = run(&["import", b, dangling.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(std::fs::symlink_metadata(&dangling).is_ok(), "the dangling symlink is still there");
+    let looping = dir.path().join("loop.redb");
+    std::os::unix::fs::symlink(&looping, &looping).expect("symlink loop");
+    for old in [b, good] {
+        let out = run(&["import", old, looping.to_str().expect("utf-8")]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stderr));
+        assert!(std::fs::symlink_metadata(&looping).is_ok(), "the looping symlink is still there");
+    }
+    // Through a dangling symlink a good import creates its target; a failing one leaves none.
+    let out = run(&["import", good, dangling.to_str().expect("utf-8")]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(dir.path().join("target.redb").is_file());
+
+    let index = small_index(&dir, "kept.redb", "100000");
+    let (bytes, seal) =
+        (std::fs::read(&index).expect("read"), std::fs::read(superfluid_warm::seal_path(&index)).expect("seal"));
+    let wraps = dir.path().join("wraps.json");
+    std::fs::write(&wraps, r#"{"prefixes":[[1,"n",18446744073709551615],[2,"n",3]]}"#).expect("write");
+    for old in [b, wraps.to_str().expect("utf-8")] {
+        let out = run(&["import", old, index.to_str().expect("utf-8")]);
+        assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
+        assert!(text(&out.stderr).contains("cannot import"), "{}", text(&out.stderr));
+        assert_eq!(std::fs::read(&index).expect("read"), bytes, "the index is byte for byte as it was");
+        assert_eq!(std::fs::read(superfluid_warm::seal_path(&index)).expect("seal"), seal, "and its seal");
+    }
+    let err = superfluid_warm::LegacyJson::read(&wraps).expect_err("a clock with no room after it");
+    assert!(err.to_string().contains("clock 18446744073709551615"), "{err}");
+}
+
+/// Commands that fail on a path that is not an index leave no side file, and name the user's
+/// path; `compact` of a missing file speaks as the other commands do.
+#[test]
+fn failed_commands_leave_no_files_and_name_the_users_path() {
+    let dir = tempdir();
+    let notes = dir.path().join("text.redb");
+    std::fs::write(&notes, "plain text, not an index").expect("write");
+    let n = notes.to_str().expect("utf-8");
+    let good = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0001-from-0.1.7-json/warm.json");
+    for args in [vec!["compact", n], vec!["import", good, n], vec!["compact", dir.path().to_str().expect("utf-8")]] {
+        let out = run(&args);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(!text(&out.stderr).contains("panicked"), "{args:?}: {}", text(&out.stderr));
+    }
+    let left: Vec<String> = std::fs::read_dir(dir.path())
+        .expect("list")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, vec!["text.redb".to_string()], "no side file left behind");
+    let missing = run(&["compact", dir.path().join("missing.redb").to_str().expect("utf-8")]);
+    assert!(text(&missing.stderr).contains("no index file here"), "{}", text(&missing.stderr));
+    let nowhere = dir.path().join("no/such/dir/x.redb");
+    let out = run(&["replay", "--requests", "5", "--no-baseline", "--db", nowhere.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("x.redb: its folder does not exist"), "{}", text(&out.stderr));
+    if cfg!(unix) {
+        let out = run(&["compact", "/dev/null"]);
+        assert!(text(&out.stderr).contains("not a regular file"), "{}", text(&out.stderr));
+    }
+}
+
+/// `forget` of a node the file does not name changes nothing, not even the schema; one that
+/// upgrades says so.
+#[test]
+fn forget_of_an_unknown_node_never_upgrades_the_file() {
+    let dir = tempdir();
+    let path = dir.path().join("v2.redb");
+    std::fs::copy(concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0003-tree-chain/warm-v2.redb"), &path)
+        .expect("copy the schema 2 fixture");
+    let p = path.to_str().expect("utf-8");
+    let bytes = std::fs::read(&path).expect("read");
+    let out = run(&["forget", p, "node-x"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("not known"), "{}", text(&out.stdout));
+    assert_eq!(std::fs::read(&path).expect("read"), bytes, "unchanged, still schema 2");
+    let out = run(&["forget", p, "node-1"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("forgotten"), "{}", text(&out.stdout));
+    assert!(
+        text(&out.stderr).contains("upgraded") && text(&out.stderr).contains("from schema 2"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+/// A file a crashed head left: the commands that write recover it and say so.
+#[test]
+fn writing_commands_recover_a_crashed_heads_file_and_say_so() {
+    let dir = tempdir();
+    for command in ["compact", "forget"] {
+        let path = dir.path().join(format!("{command}.redb"));
+        let p = path.to_str().expect("utf-8");
+        let (mut child, _lines) = writer(&path, 5);
+        child.kill().expect("kill");
+        child.wait().expect("reaped");
+        let out = if command == "forget" { run(&["forget", p, "node-1"]) } else { run(&["compact", p]) };
+        assert!(out.status.success(), "{command}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains("recovered"), "{command}: {}", text(&out.stderr));
+        assert_eq!(run(&["check", p]).status.code(), Some(0), "{command} left it healthy");
+    }
+}
+
+/// The side file of a running head deleted: readers still see a live head (not a crash), and
+/// `check` says what went wrong.
+#[test]
+fn a_deleted_side_file_of_a_running_head_is_detected() -> Result<(), superfluid_warm::Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let p = path.to_str().expect("utf-8");
+    let warm = superfluid_warm::Warm::builder().sync_window(Duration::ZERO).open(&path)?;
+    warm.ran("m", &(0..640).collect::<Vec<u32>>(), "a")?;
+    std::fs::remove_file(superfluid_warm::seal_path(&path)).expect("delete the side file");
+    let stats = run(&["stats", p, "--json"]);
+    assert!(stats.status.success(), "a live head, not a crash: {}", text(&stats.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats JSON");
+    assert_eq!(s["side_file_missing"], true, "{s}");
+    assert_eq!(s["entries"], 10);
+    assert!(run(&["dump", p]).status.success());
+    let check = run(&["check", p]);
+    assert_eq!(check.status.code(), Some(2), "{}", text(&check.stdout));
+    assert!(text(&check.stdout).contains("side file"), "{}", text(&check.stdout));
+    warm.close()?;
+    assert_eq!(run(&["check", p]).status.code(), Some(0), "closed cleanly: sealed again");
+    Ok(())
+}
+
+/// Every replay option is checked up front: out of range is a usage error (exit 2) naming the
+/// option; a request too long for memory is refused by its line.
+#[test]
+fn replay_options_and_trace_lines_are_checked_up_front() {
+    for (option, value) in [
+        ("--threads", "100000"),
+        ("--min-share", "2"),
+        ("--min-share", "NaN"),
+        ("--vocab", "0"),
+        ("--window", "0"),
+        ("--capacity", "0"),
+        ("--nodes", "0"),
+        ("--requests", "0"),
+        ("--nodes-per-prefix", "1000"),
+    ] {
+        let out = run(&["replay", "--requests", "5", option, value]);
+        assert_eq!(out.status.code(), Some(2), "{option} {value}: {}", text(&out.stderr));
+        assert!(text(&out.stderr).contains(option), "{option}: {}", text(&out.stderr));
+    }
+    let dir = tempdir();
+    let trace = dir.path().join("huge.jsonl");
+    let ok = r#"{"timestamp":0,"input_length":600,"output_length":1,"hash_ids":[1,2]}"#;
+    let huge = format!(
+        r#"{{"timestamp":1,"input_length":4294967295,"output_length":1,"hash_ids":[{}]}}"#,
+        "7,".repeat(9) + "7"
+    );
+    std::fs::write(&trace, format!("{ok}\n{huge}\n")).expect("write");
+    let started = Instant::now();
+    let out = run(&["replay", "--trace", trace.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("trace line 2") && text(&out.stderr).contains("4294967295"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(started.elapsed() < Duration::from_secs(60), "refused, not allocated");
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").expect("write");
+    let out = run(&["replay", "--trace", empty.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stdout));
+    assert!(text(&out.stderr).contains("no request"), "{}", text(&out.stderr));
+    let help = run(&["check", "--help"]);
+    assert!(text(&help.stdout).contains("1: the file could not be checked"), "{}", text(&help.stdout));
+}
+
+/// `dump` as a pipeline's first command: a reader that stops early ends it quietly; `--limit 0`
+/// shows nothing; the table streams, with its columns in line; an unknown node is an error with
+/// the file's nodes named.
+#[test]
+fn dump_behaves_in_a_pipeline_and_its_table_lines_up() -> Result<(), superfluid_warm::Error> {
+    let dir = tempdir();
+    let path = small_index(&dir, "many.redb", "100000");
+    let p = path.to_str().expect("utf-8");
+    for args in [vec!["dump", p], vec!["dump", p, "--json"], vec!["stats", p]] {
+        let mut child =
+            Command::new(bin()).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("runs");
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut first).expect("a line");
+        // The reader goes away (`| head -1`).
+        let out = child.wait_with_output().expect("ends");
+        assert!(!first.is_empty());
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {}", text(&out.stderr));
+        assert!(out.stderr.is_empty(), "{args:?} quiet: {}", text(&out.stderr));
+    }
+    let none = run(&["dump", p, "--limit", "0"]);
+    assert!(text(&none.stdout).ends_with("0 entries shown\n"), "{}", text(&none.stdout));
+    assert_eq!(text(&none.stdout).lines().count(), 2, "the header and the count: {}", text(&none.stdout));
+    let one = run(&["dump", p, "--limit", "1"]);
+    assert!(text(&one.stdout).ends_with("1 entry shown\n"), "{}", text(&one.stdout));
+    let unknown = run(&["dump", p, "--node", "nobody"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(text(&unknown.stderr).contains("node-0"), "names the file's nodes: {}", text(&unknown.stderr));
+    // A forgotten node's mark fits its column.
+    let forgotten = dir.path().join("forgotten.redb");
+    {
+        let warm = superfluid_warm::Warm::open(&forgotten)?;
+        warm.ran("m", &(0..320).collect::<Vec<u32>>(), "node-3")?;
+        warm.forget_node("node-3")?;
+        warm.ran("m", &(1000..1320).collect::<Vec<u32>>(), "b")?;
+        warm.close()?;
+    }
+    let table = run(&["dump", forgotten.to_str().expect("utf-8")]);
+    let table = text(&table.stdout);
+    let lines: Vec<&str> = table.lines().collect();
+    let clock_end = |l: &str| l.find("clock").map(|i| i + 5);
+    let header_end = clock_end(lines[0]).expect("a clock column");
+    for row in &lines[1..lines.len() - 1] {
+        let digits_end = row[..header_end].trim_end().len();
+        assert_eq!(digits_end, header_end, "columns in line:\n{}", lines.join("\n"));
+    }
+    Ok(())
+}
+
+/// The replay's report reads as a report: a one-line summary, what was replayed (as many
+/// requests as asked, of the built-in workload too), numbers with separators, 0.1.7 explained.
+#[test]
+fn the_replay_report_says_what_it_found_in_plain_words() {
+    let out = run(&["replay", "--requests", "2000", "--no-back-to-back"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let report = text(&out.stdout);
+    let first = report.lines().next().unwrap_or_default();
+    assert!(first.contains("of prompt tokens routed to a node that already held them warm"), "{report}");
+    assert!(report.contains("Replayed 2,000 requests"), "{report}");
+    assert!(!report.contains("3000") && !report.contains("3,000"), "{report}");
+    assert!(report.contains("0.1.7 = superfluid 0.1.7's design"), "{report}");
+    assert!(report.contains("--json"), "{report}");
+    let big = report.split_whitespace().filter(|w| w.chars().all(|c| c.is_ascii_digit()) && w.len() > 4).count();
+    assert_eq!(big, 0, "big numbers have separators: {report}");
+    let more = run(&["replay", "--requests", "4000", "--json", "--no-baseline", "--no-back-to-back"]);
+    let r: serde_json::Value = serde_json::from_slice(&more.stdout).expect("JSON");
+    assert_eq!(r["requests"], 4000, "the built-in workload makes as many requests as asked");
 }

@@ -21,12 +21,45 @@ pub struct FileCheck {
     /// process id where the file says), and was checked as a head would find it: on a recovered
     /// copy.
     pub crashed_writer: Option<Option<u32>>,
+    /// Whether a running head's side file (`<file>.seal`, which holds its lock) was deleted:
+    /// readers and other heads can no longer see that it has the file open.
+    pub side_file_missing: bool,
 }
 
 impl FileCheck {
-    /// Whether nothing is wrong: redb's integrity did not fail and every invariant holds.
+    /// Whether nothing is wrong: redb's integrity did not fail, every invariant holds, and the
+    /// file needs no recovery.
     pub fn healthy(&self) -> bool {
-        self.integrity != Some(false) && self.invariants.as_ref().is_some_and(|c| c.problems.is_empty())
+        self.problems().is_empty()
+    }
+
+    /// Every problem found, each a sentence that says what to do: the page checksums, a crashed
+    /// head's file (it needs recovery before a reader may read it), a running head's lost side
+    /// file, then the invariants' problems.
+    pub fn problems(&self) -> Vec<String> {
+        let mut problems = Vec::new();
+        if self.integrity == Some(false) {
+            problems.push("the file fails redb's page checksums: restore it from a copy or start a new index".into());
+        }
+        if let Some(pid) = self.crashed_writer {
+            problems.push(format!(
+                "left open by a head{} that crashed: it needs recovery (to its last commit, which was checked on a copy) \
+                 before it is read; open it with a head, or repair it with the command line's `check --repair`",
+                pid.map(|p| format!(" (process {p})")).unwrap_or_default()
+            ));
+        }
+        if self.side_file_missing {
+            problems.push(
+                "the side file (<file>.seal) of the running head was deleted: readers and other heads cannot see \
+                 that it has the file open; restart that head to recreate it"
+                    .into(),
+            );
+        }
+        if self.invariants.is_none() && self.integrity != Some(false) {
+            problems.push("the tables were not walked".into());
+        }
+        problems.extend(self.invariants.iter().flat_map(|c| c.problems.iter().cloned()));
+        problems
     }
 }
 
@@ -51,7 +84,7 @@ pub fn check_file(path: impl AsRef<Path>) -> Result<FileCheck> {
         }
         // No head has it open and it fails verification: nothing of it is read.
         Err(Error::Corrupted { .. }) => {
-            return Ok(FileCheck { invariants: None, integrity: Some(false), crashed_writer: None });
+            return Ok(FileCheck { invariants: None, integrity: Some(false), ..FileCheck::default() });
         }
         Err(e) => return Err(e),
     };
@@ -65,5 +98,5 @@ pub fn check_file(path: impl AsRef<Path>) -> Result<FileCheck> {
         None
     };
     let invariants = if integrity == Some(false) { None } else { Some(snapshot.check()?) };
-    Ok(FileCheck { invariants, integrity, crashed_writer: crashed })
+    Ok(FileCheck { invariants, integrity, crashed_writer: crashed, side_file_missing: snapshot.side_file_missing() })
 }

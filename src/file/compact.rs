@@ -5,7 +5,7 @@ use std::path::Path;
 
 use redb::ConcurrencyMode;
 
-use super::lock::HeadLock;
+use super::lock::{HeadLock, retry_while_held};
 use super::seal;
 use crate::error::{Error, Result, open_error, redb_err};
 use crate::store::schema;
@@ -21,7 +21,10 @@ pub struct Compacted {
 }
 
 fn size(path: &Path) -> Result<u64> {
-    std::fs::metadata(path).map(|m| m.len()).map_err(|source| Error::io(path.to_path_buf(), source))
+    std::fs::metadata(path).map(|m| m.len()).map_err(|source| match source.kind() {
+        std::io::ErrorKind::NotFound => super::lock::no_index_file(path),
+        _ => Error::io(path.to_path_buf(), source),
+    })
 }
 
 /// Compacts the index at `path`, which no head may have open. Its entries are unchanged; every
@@ -35,13 +38,14 @@ fn size(path: &Path) -> Result<u64> {
 pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
     let path = path.as_ref();
     let bytes_before = size(path)?;
+    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        return Err(super::lock::not_a_file(path));
+    }
     // Compacting writes the file: it is this file's head meanwhile.
     let lock = HeadLock::acquire(path)?;
-    let mut db = redb::Builder::new()
-        .set_concurrency_mode(ConcurrencyMode::SingleWriter)
-        .set_check_integrity_on_open(true)
-        .open(path)
-        .map_err(|e| open_error(path, e))?;
+    let mut redb = redb::Builder::new();
+    redb.set_concurrency_mode(ConcurrencyMode::SingleWriter).set_check_integrity_on_open(true);
+    let mut db = retry_while_held(|| redb.open(path).map_err(|e| open_error(path, e)))?;
     {
         let txn = db.begin_write().map_err(redb_err("starting the compaction"))?;
         let meta =

@@ -5,19 +5,29 @@
 //! head never looks alive, and a reused process id means nothing.
 
 use std::fs::{File, OpenOptions, TryLockError};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::seal::seal_path;
+use super::seal::{self, seal_path};
 use crate::error::{Error, Result};
 
 /// Longest a head waits for readers that are verifying the closed file to finish.
 const READERS_WAIT: Duration = Duration::from_secs(30);
+/// Longest a head retries a lock that is held exclusively before it reports the file open
+/// elsewhere. A lock is held by an open file description, which a child process forked by any
+/// thread of this process shares until it execs (`O_CLOEXEC`): a head closed while another
+/// thread spawns a process can find its own lock, or redb's, still held for a few milliseconds
+/// (much longer on a loaded machine). A real second head holds it for good.
+pub(crate) const HELD_RETRY: Duration = Duration::from_secs(2);
 
 /// The exclusive lock of the head that has a file open; released when dropped.
 #[derive(Debug)]
 pub(crate) struct HeadLock {
     side: File,
+    /// The side file's path, if this lock created it: dropped while still empty (the head never
+    /// marked the file, so its open failed), it is removed, so that a failed command leaves no
+    /// side file behind.
+    created: Option<PathBuf>,
 }
 
 impl HeadLock {
@@ -26,30 +36,54 @@ impl HeadLock {
     ///
     /// # Errors
     /// [`Error::AlreadyOpen`] if another head (in this process or another) has it;
-    /// [`Error::Io`] if the side file cannot be opened or locked.
+    /// [`Error::FileLost`] if the side file says a head wrote the file but it is missing or
+    /// empty; [`Error::Io`] if `path` is not a regular file, its folder does not exist, or the
+    /// side file cannot be opened or locked.
     pub(crate) fn acquire(path: &Path) -> Result<HeadLock> {
         let side_path = seal_path(path);
+        let index = std::fs::metadata(path);
+        if let Ok(meta) = &index
+            && !meta.is_file()
+        {
+            return Err(not_a_file(path));
+        }
         let io = |source| Error::io(side_path.clone(), source);
-        let side =
-            OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&side_path).map_err(io)?;
+        let created = !side_path.exists();
+        let side = match OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&side_path) {
+            Ok(side) => side,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(no_folder(path, e)),
+            Err(e) => return Err(io(e)),
+        };
+        let lock = HeadLock { side, created: created.then(|| side_path.clone()) };
         let started = Instant::now();
         loop {
-            match side.try_lock() {
-                Ok(()) => return Ok(HeadLock { side }),
+            match lock.side.try_lock() {
+                Ok(()) => break,
                 Err(TryLockError::Error(e)) => return Err(io(e)),
                 Err(TryLockError::WouldBlock) => {}
             }
             // Held exclusively: a head. Held shared only: readers, who let go once verified.
-            match side.try_lock_shared() {
-                Err(TryLockError::WouldBlock) => return Err(Error::AlreadyOpen { path: path.to_path_buf() }),
+            let limit = match lock.side.try_lock_shared() {
+                Err(TryLockError::WouldBlock) => HELD_RETRY,
                 Err(TryLockError::Error(e)) => return Err(io(e)),
-                Ok(()) => side.unlock().map_err(io)?,
-            }
-            if started.elapsed() > READERS_WAIT {
+                Ok(()) => {
+                    lock.side.unlock().map_err(io)?;
+                    READERS_WAIT
+                }
+            };
+            if started.elapsed() > limit {
                 return Err(Error::AlreadyOpen { path: path.to_path_buf() });
             }
             std::thread::sleep(Duration::from_millis(5));
         }
+        // A side file that says a head wrote the file, beside no file or an empty one: the file
+        // was lost. A new index there would silently start cold.
+        let empty = index.as_ref().map_or(true, |meta| meta.len() == 0);
+        if empty && seal::claims_a_file(&lock.side) {
+            let detail = if index.is_ok() { "is empty" } else { "does not exist" };
+            return Err(Error::FileLost { path: path.to_path_buf(), detail });
+        }
+        Ok(lock)
     }
 
     /// The side file, for the head to write its mark and, at a clean close, the seal.
@@ -58,11 +92,69 @@ impl HeadLock {
     }
 }
 
+impl Drop for HeadLock {
+    fn drop(&mut self) {
+        // Still locked: no other head can be using the side file being removed.
+        if let Some(side_path) = &self.created
+            && self.side.metadata().is_ok_and(|m| m.len() == 0)
+        {
+            let _ = std::fs::remove_file(side_path);
+        }
+    }
+}
+
+/// Runs `attempt` (an open of the file by redb, whose own locks are open file descriptions too)
+/// again while it fails with [`Error::AlreadyOpen`], for at most [`HELD_RETRY`].
+///
+/// # Errors
+/// `attempt`'s last error.
+pub(crate) fn retry_while_held<T>(mut attempt: impl FnMut() -> Result<T>) -> Result<T> {
+    let started = Instant::now();
+    loop {
+        match attempt() {
+            Err(Error::AlreadyOpen { .. }) if started.elapsed() < HELD_RETRY => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            done => return done,
+        }
+    }
+}
+
+/// `path` exists but is not a regular file (a folder, a fifo, a device).
+pub(crate) fn not_a_file(path: &Path) -> Error {
+    let detail = "not a regular file (an index is one; give the path of a file, or of one to create)";
+    Error::io(path, std::io::Error::new(std::io::ErrorKind::InvalidInput, detail))
+}
+
+/// No file at `path` (for the commands that read or change an existing index).
+pub(crate) fn no_index_file(path: &Path) -> Error {
+    Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here"))
+}
+
+/// The folder that would hold `path` does not exist.
+fn no_folder(path: &Path, e: std::io::Error) -> Error {
+    Error::io(path, std::io::Error::new(e.kind(), "its folder does not exist"))
+}
+
 /// A reader's shared lock of a closed file's side file (none if it has no side file): while it
 /// lives, the file stays closed.
 #[derive(Debug)]
 pub(crate) struct ReadGuard {
-    _side: Option<File>,
+    side: Option<File>,
+}
+
+impl ReadGuard {
+    /// Whether the file has a side file (no side file: no head ever opened it, or its side
+    /// file was deleted).
+    pub(crate) fn has_side_file(&self) -> bool {
+        self.side.is_some()
+    }
+}
+
+/// Whether process `pid` is running, where the system says (Linux's `/proc`); elsewhere `false`,
+/// as before this was asked. Only consulted where the lock cannot answer (the side file is gone).
+pub(crate) fn process_running(pid: u32) -> bool {
+    cfg!(target_os = "linux") && pid != 0 && Path::new("/proc").join(pid.to_string()).exists()
 }
 
 /// `None` if a live head has the index file at `path` open (its contents are redb's own
@@ -77,11 +169,11 @@ pub(crate) fn no_head(path: &Path) -> Result<Option<ReadGuard>> {
     let side = match File::open(&side_path) {
         Ok(side) => side,
         // No side file: no head ever opened this path (a copy, or a file from elsewhere).
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Some(ReadGuard { _side: None })),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Some(ReadGuard { side: None })),
         Err(e) => return Err(io(e)),
     };
     match side.try_lock_shared() {
-        Ok(()) => Ok(Some(ReadGuard { _side: Some(side) })),
+        Ok(()) => Ok(Some(ReadGuard { side: Some(side) })),
         Err(TryLockError::WouldBlock) => Ok(None),
         Err(TryLockError::Error(e)) => Err(io(e)),
     }
@@ -95,13 +187,13 @@ mod tests {
     fn a_head_excludes_other_heads_and_readers_see_it() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("warm.redb");
-        assert!(matches!(no_head(&path), Ok(Some(ReadGuard { _side: None }))), "no side file yet");
+        assert!(matches!(no_head(&path), Ok(Some(ReadGuard { side: None }))), "no side file yet");
         let head = HeadLock::acquire(&path).expect("first head");
         assert!(matches!(HeadLock::acquire(&path), Err(Error::AlreadyOpen { .. })), "a second head is refused");
         assert!(matches!(no_head(&path), Ok(None)), "readers see the head");
         drop(head);
         let reader = no_head(&path).expect("no head");
-        assert!(matches!(reader, Some(ReadGuard { _side: Some(_) })));
+        assert!(matches!(reader, Some(ReadGuard { side: Some(_) })));
         // A reader verifying the closed file holds the head back; it goes once the reader is done.
         let waiting = std::thread::spawn({
             let path = path.clone();

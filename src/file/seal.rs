@@ -107,6 +107,22 @@ pub(crate) fn matches(path: &Path) -> bool {
     }
 }
 
+/// Whether the side file read from `side` says a head wrote its index file: a seal of a
+/// non-empty file, or the mark of a head (which marks only a file it has committed to). An empty,
+/// unreadable or foreign side file says nothing.
+pub(crate) fn claims_a_file(mut side: &File) -> bool {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    if side.seek(SeekFrom::Start(0)).and_then(|_| side.read_to_end(&mut bytes)).is_err() {
+        return false;
+    }
+    match codec::decode::<Record>("seal", &bytes) {
+        Ok(Record { mark: Mark::Sealed { len, .. }, .. }) => len > 0,
+        Ok(Record { mark: Mark::Open { .. }, .. }) => true,
+        Err(_) => false,
+    }
+}
+
 fn stat(path: &Path) -> std::io::Result<(u64, u128)> {
     let meta = std::fs::metadata(path)?;
     let modified = meta.modified()?.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());

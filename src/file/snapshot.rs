@@ -13,7 +13,7 @@ use crate::error::{Error, Result, open_error, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
 use crate::store::caches::{NodeCacheStats, NodeCaches, each_named_pair};
 use crate::store::codec;
-use crate::store::records::{Meta, NamespaceRecord, read_meta, read_nodes};
+use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, read_meta, read_nodes};
 use crate::store::schema;
 use crate::store::tables::{
     Entry, GENERATIONS, HELD, LIVE, MEMBER_BYTES, META, NAMESPACES, NODES, OTHERS, PREFIXES, RETIRED, STATE,
@@ -126,6 +126,9 @@ pub struct Snapshot {
     pages_verified: bool,
     /// Whether a live head had the file open when it was opened.
     head_live: bool,
+    /// Whether the file had no side file although the writer it names is running: someone
+    /// deleted the side file of a live head, whose lock readers and heads can then no longer see.
+    side_file_missing: bool,
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -172,8 +175,10 @@ impl Snapshot {
     /// As [`Snapshot::open`]; [`Error::CrashedWriter`] only when redb refuses the file.
     pub fn open_even_if_crashed(path: impl AsRef<Path>) -> Result<Snapshot> {
         let path = path.as_ref();
-        if !path.is_file() {
-            return Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no index file here")));
+        match std::fs::metadata(path) {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => return Err(lock::not_a_file(path)),
+            Err(_) => return Err(lock::no_index_file(path)),
         }
         // A file no head is writing is verified before any of it is read (redb may not survive
         // reading a corrupted file): by its seal, or by redb's check on a copy; the guard keeps a
@@ -227,6 +232,11 @@ impl Snapshot {
             let (id, bytes) = item.map_err(redb_err("reading namespaces"))?;
             namespaces.insert(id.value(), codec::decode("namespace", bytes.value())?);
         }
+        // No side file, but the writer the file names is running: its side file was deleted
+        // under it (its pages were verified above, as for a closed file).
+        let side_file_missing = closed.as_ref().is_some_and(|guard| !guard.has_side_file())
+            && meta.writer.as_ref().is_some_and(|w| lock::process_running(w.pid));
+        let head_live = head_live || side_file_missing;
         drop((meta_table, closed));
         Ok(Snapshot {
             path: path.to_path_buf(),
@@ -239,7 +249,15 @@ impl Snapshot {
             namespaces,
             pages_verified,
             head_live,
+            side_file_missing,
         })
+    }
+
+    /// Whether the head that has the file open lost its side file (`<file>.seal`, which holds its
+    /// lock) to a deletion: readers and other heads can no longer see that it has the file
+    /// open. Restart that head to recreate it.
+    pub fn side_file_missing(&self) -> bool {
+        self.side_file_missing
     }
 
     /// Whether opening it ran redb's full integrity check (on a copy of the file, which passed):
@@ -262,6 +280,29 @@ impl Snapshot {
     /// ended without closing the file.
     pub fn crashed_writer(&self) -> Option<u32> {
         self.writer().filter(|_| !self.head_live)
+    }
+
+    /// Most entries kept (the capacity recorded in the file).
+    pub fn capacity(&self) -> u64 {
+        self.meta.capacity
+    }
+
+    /// Entries, as the meta record counts them.
+    pub fn entries(&self) -> u64 {
+        self.meta.entries
+    }
+
+    /// The node cache size recorded for nodes without one of their own, if any.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] or [`Error::Codec`] if the file cannot be read.
+    pub fn node_cache_default(&self) -> Result<Option<u64>> {
+        Ok(self.caches()?.and_then(|c| c.default))
+    }
+
+    /// Every node incarnation the file names, by id: its name and whether it was forgotten.
+    pub fn nodes(&self) -> impl Iterator<Item = (&str, bool)> {
+        self.nodes.iter().enumerate().map(|(id, name)| (name.as_str(), self.is_retired(id as u32)))
     }
 
     fn node_name(&self, id: u32) -> String {
@@ -411,6 +452,12 @@ impl Snapshot {
         }
         if let Some(caches) = self.caches()? {
             self.check_caches(&mut check, &caches)?;
+        }
+        if self.meta.clock > MAX_CLOCK {
+            check.note(format!(
+                "the clock's high-water mark {} is past {MAX_CLOCK}: the clock cannot advance (restore the file from a copy)",
+                self.meta.clock
+            ));
         }
         if check.entries != check.clock_entries {
             check.note(format!(

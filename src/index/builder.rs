@@ -7,9 +7,9 @@ use redb::{ConcurrencyMode, Database};
 
 use super::warm::{OpenCheck, Opened, Warm};
 use crate::error::{Error, Result, open_error};
-use crate::file::lock::HeadLock;
+use crate::file::lock::{HeadLock, retry_while_held};
 use crate::file::seal;
-use crate::store::import::{LegacyFile, read_json};
+use crate::store::import::{LegacyJson, read_json};
 use crate::store::records::MAX_CAPACITY;
 use crate::store::schema;
 use crate::store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX, Writer};
@@ -169,10 +169,8 @@ impl Builder {
         } else {
             OpenCheck::Pages
         };
-        let db = self
-            .redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages)
-            .create(path)
-            .map_err(|e| open_error(path, e))?;
+        let redb = self.redb(ConcurrencyMode::SingleWriter, check == OpenCheck::Pages);
+        let db = retry_while_held(|| redb.create(path).map_err(|e| open_error(path, e)))?;
         // The side file is marked open by the started `Warm` (`Warm::start`), so that a refused
         // file (a newer schema, say) keeps its seal.
         self.start(db, legacy, check, Some((lock, path.to_path_buf())))
@@ -199,14 +197,16 @@ impl Builder {
     fn start(
         &self,
         db: Database,
-        legacy: Option<LegacyFile>,
+        legacy: Option<LegacyJson>,
         check: OpenCheck,
         lock: Option<(HeadLock, PathBuf)>,
     ) -> Result<Warm> {
         let prepared = schema::prepare(&db, self.capacity)?;
         let (scheme, resized) = (prepared.scheme, prepared.resized);
-        let check = Opened { check, upgraded_from: prepared.upgraded_from };
         let mut writer = Writer::load(&db)?;
+        // A file whose meta still names a writer was left open by one (this head holds the lock).
+        let recovered_from = writer.meta.writer.as_ref().map(|w| w.pid);
+        let check = Opened { check, upgraded_from: prepared.upgraded_from, recovered_from };
         writer.nodes_per_prefix = self.nodes_per_prefix;
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the

@@ -26,8 +26,8 @@ use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
 use crate::store::caches::NodeCacheStats;
-use crate::store::import::{ImportReport, LegacyFile, read_json};
-use crate::store::records::MAX_CAPACITY;
+use crate::store::import::{ImportReport, LegacyJson, read_json};
+use crate::store::records::{MAX_CAPACITY, MAX_CLOCK};
 use crate::store::writer::{Change, Ran, Writer};
 
 /// The node that ran the longest remembered prefix of a prompt.
@@ -68,6 +68,9 @@ pub struct Stats {
     pub open_check: OpenCheck,
     /// The schema the file was upgraded from when it was opened, if it was.
     pub upgraded_from: Option<u32>,
+    /// The process id of the head that left the file open (it crashed, or was killed) when this
+    /// one opened it, and so recovered it to that head's last commit.
+    pub recovered_from: Option<u32>,
     /// The cache of each current node incarnation: blocks held against its capacity, as of the
     /// last change.
     pub node_caches: Vec<NodeCacheStats>,
@@ -78,6 +81,8 @@ pub struct Stats {
 pub(crate) struct Opened {
     pub check: OpenCheck,
     pub upgraded_from: Option<u32>,
+    /// The head that had left the file open, whose last commit this open recovered.
+    pub recovered_from: Option<u32>,
 }
 
 /// How a file was verified when it was opened (see [`Builder::check_integrity_on_open`]).
@@ -365,7 +370,7 @@ impl Warm {
                 }
                 false => Vec::new(),
             };
-            let clock = front.clock + 1;
+            let clock = next_clock(front.clock)?;
             let blocks = prefix.blocks.len() as u64;
             let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, blocks, &runs);
             front.clock = clock;
@@ -528,7 +533,15 @@ impl Warm {
     /// [`Error::Io`] or [`Error::LegacyJson`] for a file that cannot be read or parsed (the
     /// index is unchanged); [`Error::Storage`] if the commit fails.
     pub fn import_json(&self, path: impl AsRef<Path>) -> Result<ImportReport> {
-        let file = read_json(path.as_ref())?;
+        self.import(&read_json(path.as_ref())?)
+    }
+
+    /// [`Warm::import_json`] of a file read by [`LegacyJson::read`]: read it first, and a bad
+    /// file is refused before the index is opened at all.
+    ///
+    /// # Errors
+    /// [`Error::Storage`] if the commit fails.
+    pub fn import(&self, file: &LegacyJson) -> Result<ImportReport> {
         let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
         // `ran`s wait for the import; after one, the next reads the callers' horizon again,
         // from the file as the import committed it (with everything before it). A failed
@@ -538,7 +551,7 @@ impl Warm {
         // is rebuilt from it.
         self.front()?.presence = None;
         *self.inner.presence.lock().map_err(|_| Error::Poisoned)? = Filters::default();
-        let imported = self.import_locked(&mut back, &file);
+        let imported = self.import_locked(&mut back, file);
         let mut front = self.front()?;
         front.importing = false;
         if imported.is_ok() {
@@ -552,7 +565,7 @@ impl Warm {
     }
 
     /// The import, with the writer held and the callers' `ran`s waiting.
-    fn import_locked(&self, back: &mut Writer, file: &LegacyFile) -> Result<ImportReport> {
+    fn import_locked(&self, back: &mut Writer, file: &LegacyJson) -> Result<ImportReport> {
         // Everything before is committed first, under the same hold of the writer: the import's
         // batch then holds no `ran`, and a failure of it loses none.
         flush_locked(&self.inner, back, Flush::Commit)?;
@@ -581,6 +594,7 @@ impl Warm {
             pending: front.oldest_pending.is_some(),
             open_check: self.inner.opened.check,
             upgraded_from: self.inner.opened.upgraded_from,
+            recovered_from: self.inner.opened.recovered_from,
             node_caches: front.caches.stats(front.nodes.iter().map(|n| n.as_ref()).zip(front.retired.iter().copied())),
         })
     }
@@ -613,6 +627,14 @@ impl Drop for Warm {
         // Best effort: a caller who needs to know uses `close`.
         let _ = self.shutdown();
     }
+}
+
+/// The clock of the next `ran` after `clock`: never past [`MAX_CLOCK`] (a file that holds a
+/// clock past it, which no build writes, is refused rather than wrapped).
+fn next_clock(clock: u64) -> Result<u64> {
+    clock.checked_add(1).filter(|&c| c <= MAX_CLOCK).ok_or_else(|| Error::Corrupted {
+        detail: format!("its clock is at {clock}, past the {MAX_CLOCK} a file may hold, and cannot advance"),
+    })
 }
 
 /// A node name and cache size [`Warm::set_node_capacity`] takes.

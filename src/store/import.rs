@@ -8,7 +8,7 @@ use std::sync::Arc;
 use redb::Database;
 use serde::{Deserialize, Serialize};
 
-use super::records::Import;
+use super::records::{Import, MAX_CLOCK};
 use super::writer::Writer;
 use crate::error::{Error, Result};
 use crate::keys::{MAX_NODE_BYTES, legacy_key};
@@ -34,18 +34,41 @@ pub struct ImportReport {
     pub evicted: u64,
 }
 
-/// A parsed 0.1.7 file.
-pub(crate) struct LegacyFile {
+/// A 0.1.7 `warm.json`, read and checked whole ([`LegacyJson::read`]) before any index is
+/// touched, then imported by [`crate::Warm::import`].
+#[derive(Clone, Debug)]
+pub struct LegacyJson {
     /// (hash, node, clock), each hash once, oldest first.
     entries: Vec<(u64, String, u64)>,
     source: [u8; 32],
+}
+
+impl LegacyJson {
+    /// Reads and checks a 0.1.7 `warm.json`: its shape, node names, and clocks (at most
+    /// [`MAX_CLOCK`], so that the index's clock can go on from the newest).
+    ///
+    /// # Errors
+    /// [`Error::Io`] if it cannot be read, [`Error::LegacyJson`] if it is not a valid 0.1.7 file.
+    pub fn read(path: impl AsRef<Path>) -> Result<LegacyJson> {
+        read_json(path.as_ref())
+    }
+
+    /// Its prefixes (a hash listed twice counts once).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether it holds no prefix.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
 }
 
 /// Reads and checks a 0.1.7 `warm.json`.
 ///
 /// # Errors
 /// [`Error::Io`] if it cannot be read, [`Error::LegacyJson`] if it is not a valid 0.1.7 file.
-pub(crate) fn read_json(path: &Path) -> Result<LegacyFile> {
+pub(crate) fn read_json(path: &Path) -> Result<LegacyJson> {
     let bytes = std::fs::read(path).map_err(|source| Error::io(path.to_path_buf(), source))?;
     let stored: WarmJson = serde_json::from_slice(&bytes).map_err(|e| Error::LegacyJson {
         path: path.to_path_buf(),
@@ -61,6 +84,13 @@ pub(crate) fn read_json(path: &Path) -> Result<LegacyFile> {
             source: None,
         });
     }
+    if let Some((hash, _, at)) = stored.prefixes.iter().find(|(_, _, at)| *at > MAX_CLOCK) {
+        return Err(Error::LegacyJson {
+            path: path.to_path_buf(),
+            detail: format!("prefix {hash} has clock {at}, over the {MAX_CLOCK} an index's clock can go on from"),
+            source: None,
+        });
+    }
     // A hash listed twice (0.1.7 never wrote one) keeps its newest clock.
     let mut newest: HashMap<u64, (String, u64)> = HashMap::with_capacity(stored.prefixes.len());
     for (hash, node, at) in stored.prefixes {
@@ -73,7 +103,7 @@ pub(crate) fn read_json(path: &Path) -> Result<LegacyFile> {
     }
     let mut entries: Vec<(u64, String, u64)> = newest.into_iter().map(|(h, (n, at))| (h, n, at)).collect();
     entries.sort_unstable_by_key(|&(h, _, at)| (at, h));
-    Ok(LegacyFile { entries, source: *blake3::hash(&bytes).as_bytes() })
+    Ok(LegacyJson { entries, source: *blake3::hash(&bytes).as_bytes() })
 }
 
 impl Writer {
@@ -82,7 +112,7 @@ impl Writer {
     ///
     /// # Errors
     /// [`Error::InvalidName`], [`Error::Corrupted`] or [`Error::Storage`].
-    pub(crate) fn import(&mut self, db: &Database, file: &LegacyFile) -> Result<ImportReport> {
+    pub(crate) fn import(&mut self, db: &Database, file: &LegacyJson) -> Result<ImportReport> {
         let mut report =
             ImportReport { in_file: file.entries.len() as u64, imported: 0, already_imported: false, evicted: 0 };
         if self.meta.imports.iter().any(|i| i.source == file.source) {
@@ -95,7 +125,7 @@ impl Writer {
         }
     }
 
-    fn import_in_batch(&mut self, db: &Database, file: &LegacyFile, report: &mut ImportReport) -> Result<()> {
+    fn import_in_batch(&mut self, db: &Database, file: &LegacyJson, report: &mut ImportReport) -> Result<()> {
         self.reset_floor(db)?;
         let mut entries = Vec::with_capacity(file.entries.len());
         for (hash, node, at) in &file.entries {

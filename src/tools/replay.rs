@@ -515,7 +515,12 @@ impl BackToBack {
 ///
 /// # Errors
 /// [`Error::InvalidConfig`] for a cluster of no nodes; any error of the index.
-pub fn back_to_back(warm: &Warm, requests: &[Request], config: &Config) -> Result<BackToBack> {
+pub fn back_to_back(
+    warm: &Warm,
+    requests: &[Request],
+    config: &Config,
+    mut progress: impl FnMut(usize),
+) -> Result<BackToBack> {
     if config.nodes == 0 {
         return Err(Error::InvalidConfig { detail: "a replay needs at least one node".into() });
     }
@@ -534,6 +539,10 @@ pub fn back_to_back(warm: &Warm, requests: &[Request], config: &Config) -> Resul
         load.add(node, tokens.len() as u64);
         report.warm_tokens += warm_len as u64;
         chosen.push(node);
+        // Told every 256 requests: a call per request would be timed with the index.
+        if chosen.len().is_multiple_of(256) {
+            progress(chosen.len());
+        }
     }
     report.calls = started.elapsed();
     let synced = Instant::now();

@@ -47,6 +47,9 @@ impl std::error::Error for TraceError {
 
 /// Tokens per Mooncake hash id.
 pub const TOKENS_PER_HASH_ID: usize = 512;
+/// The longest prompt a trace line may ask for, in tokens (16 MiB of token ids): four times the
+/// longest context window models offer, far past any real request.
+pub const MAX_REQUEST_TOKENS: usize = 1 << 22;
 
 /// One request of a trace.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -97,7 +100,16 @@ pub fn parse(text: &str) -> Result<Vec<Request>, TraceError> {
         }
         let request: Request =
             serde_json::from_str(line).map_err(|e| TraceError::Line { line: i + 1, detail: e.to_string() })?;
-        if request.hash_ids.len() * TOKENS_PER_HASH_ID < request.input_length {
+        if request.input_length > MAX_REQUEST_TOKENS {
+            return Err(TraceError::Line {
+                line: i + 1,
+                detail: format!(
+                    "input_length {} is over the {MAX_REQUEST_TOKENS} tokens a request may have",
+                    request.input_length
+                ),
+            });
+        }
+        if request.hash_ids.len().saturating_mul(TOKENS_PER_HASH_ID) < request.input_length {
             return Err(TraceError::Line {
                 line: i + 1,
                 detail: format!(

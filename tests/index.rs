@@ -337,3 +337,71 @@ fn a_clean_close_compacts_a_churned_file_unless_a_reader_holds_it() -> Result<()
     drop(reader);
     reopen_and_compare(&answers)
 }
+
+/// `close` and drop let go of the file before they return: a close and reopen in one process,
+/// a thousand times, while other threads keep the CPU busy and start child processes (a child
+/// shares this process's open files until it execs, and with them the locks of a file just
+/// closed), never finds the file still open.
+#[test]
+fn close_then_reopen_a_thousand_times_under_load_never_finds_the_file_open() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy: Vec<_> = (0..3)
+        .map(|i| {
+            let stop = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                let mut spawned = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if i == 0 {
+                        // Forks and execs, as the crash tests' writers and the CLI tests do.
+                        let _ = std::process::Command::new("true").status();
+                        spawned += 1;
+                    } else {
+                        std::hint::black_box((0..10_000u64).fold(0u64, |a, b| a.wrapping_mul(31).wrapping_add(b)));
+                    }
+                }
+                spawned
+            })
+        })
+        .collect();
+    let prompt: Vec<u32> = (0..256).collect();
+    let mut outcome = Ok(());
+    for round in 0..1000u32 {
+        let opened = Warm::builder().sync_window(Duration::from_millis(if round % 2 == 0 { 0 } else { 5 })).open(&path);
+        let warm = match opened {
+            Ok(warm) => warm,
+            Err(e) => {
+                outcome = Err((round, e));
+                break;
+            }
+        };
+        if round % 10 == 0
+            && let Err(e) = warm.ran("m", &prompt, "a")
+        {
+            outcome = Err((round, e));
+            break;
+        }
+        if round % 3 == 0 {
+            drop(warm);
+        } else if let Err(e) = warm.close() {
+            outcome = Err((round, e));
+        }
+        if outcome.is_err() {
+            break;
+        }
+        // A reader between, as `recover_and_check` does.
+        if round % 7 == 0 {
+            drop(Snapshot::open(&path)?);
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let spawned: u64 = busy.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+    println!("1000 closes and reopens beside {spawned} child processes");
+    if let Err((round, e)) = outcome {
+        panic!("round {round}: {e:?}");
+    }
+    assert!(spawned > 0);
+    assert_eq!(Warm::open(&path)?.warmest("m", &prompt)?.map(|h| h.tokens), Some(256));
+    Ok(())
+}

@@ -142,6 +142,15 @@ fn corrupt_and_foreign_files_get_a_clear_error_never_a_panic() {
             if args[0] == "check" {
                 flagged = out.status.code() == Some(2);
                 flipped_detected += usize::from(flagged);
+                if flagged {
+                    let json = run(&["check", b, "--json"]);
+                    let verdict: serde_json::Value = serde_json::from_slice(&json.stdout).expect("check JSON");
+                    assert_eq!(verdict["healthy"], false, "{verdict}");
+                    assert!(
+                        verdict["problems"].as_array().is_some_and(|p| !p.is_empty()),
+                        "each problem listed: {verdict}"
+                    );
+                }
             } else if flagged {
                 assert!(!out.status.success(), "{args:?} showed a file check found corrupted");
             }

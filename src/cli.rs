@@ -322,14 +322,13 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
             report_check(out, json, &check_file(&path)?)
         }
         Command::Compact { path } => {
-            existing(&path)?;
-            // A crashed head's file is recovered first (compaction needs a clean file).
-            if let Err(Error::CrashedWriter { .. }) = Snapshot::open(&path) {
-                let warm = Warm::builder().compact_on_close(false).open(&path)?;
-                say_how_opened(&path, &warm.stats()?);
-                warm.close()?;
-            }
             let done = superfluid_warm::compact(&path)?;
+            if let Some(pid) = done.recovered_from {
+                eprintln!(
+                    "superfluid-warm: recovered {} to its last commit: a head (process {pid}) had left it open",
+                    path.display()
+                );
+            }
             emit(out, &format!("compacted {}: {} -> {} bytes", path.display(), done.bytes_before, done.bytes_after))
         }
         Command::Import { old, path } => import(out, &old, &path),
@@ -703,12 +702,21 @@ fn progress(len: usize, label: &'static str) -> indicatif::ProgressBar {
 /// Refuses a --capacity or --node-cache-blocks that would change what an existing --db file
 /// records, unless --resize says so: a smaller capacity evicts entries for good.
 fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
-    if args.resize || std::fs::metadata(db).map_or(true, |m| m.len() == 0) {
+    let asks = args.capacity.is_some() || (args.node_cache_blocks.is_some() && !args.no_index_cache);
+    if !asks || args.resize || std::fs::metadata(db).map_or(true, |m| m.len() == 0) {
         return Ok(());
     }
     let snapshot = match Snapshot::open(db) {
         Ok(snapshot) => snapshot,
-        // Errors of the file are the open's to report, which follows.
+        Err(Error::CrashedWriter { pid }) => {
+            return Err(CliError::Refused(format!(
+                "{} was left open by a head{} that crashed, so its settings cannot be read to compare: recover it \
+                 with `superfluid-warm check --repair` first, or add --resize",
+                db.display(),
+                pid.map(|p| format!(" (process {p})")).unwrap_or_default()
+            )));
+        }
+        // Other errors of the file are the open's to report, which follows.
         Err(_) => return Ok(()),
     };
     let (capacity, entries) = (snapshot.capacity(), snapshot.entries());

@@ -18,6 +18,9 @@ pub struct Compacted {
     pub bytes_before: u64,
     /// File size after.
     pub bytes_after: u64,
+    /// The process id of the head that had left the file open (it crashed, or was killed):
+    /// opening it recovered it to that head's last commit before compacting.
+    pub recovered_from: Option<u32>,
 }
 
 fn size(path: &Path) -> Result<u64> {
@@ -46,18 +49,27 @@ pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
     let mut redb = redb::Builder::new();
     redb.set_concurrency_mode(ConcurrencyMode::SingleWriter).set_check_integrity_on_open(true);
     let mut db = retry_while_held(|| redb.open(path).map_err(|e| open_error(path, e)))?;
-    {
+    let recovered_from = {
         let txn = db.begin_write().map_err(redb_err("starting the compaction"))?;
-        let meta =
+        let mut meta =
             schema::read_file_meta(&txn)?.ok_or_else(|| Error::unknown_format("an empty redb file, not an index"))?;
         schema::check(&meta)?;
-        txn.abort().map_err(redb_err("starting the compaction"))?;
-    }
+        // A meta that names a writer, read while this holds the head's lock: it left the file
+        // open, and redb's open has just recovered its last commit. The file is closed now.
+        let recovered_from = meta.writer.take().map(|w| w.pid);
+        if recovered_from.is_some() {
+            schema::write_file_meta(&txn, &meta)?;
+            txn.commit().map_err(redb_err("recording the recovery"))?;
+        } else {
+            txn.abort().map_err(redb_err("starting the compaction"))?;
+        }
+        recovered_from
+    };
     while db.compact().map_err(redb_err("compacting"))? {}
     db.close().map_err(redb_err("closing the compacted file"))?;
     // Verified on open and closed cleanly: the next open may trust it by its seal.
     let _ = seal::write_sealed(lock.side_file(), path);
-    Ok(Compacted { bytes_before, bytes_after: size(path)? })
+    Ok(Compacted { bytes_before, bytes_after: size(path)?, recovered_from })
 }
 
 /// The least free space, in bytes, that makes [`compact_if_sparse`] compact.

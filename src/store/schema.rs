@@ -18,6 +18,17 @@ use super::tables::{
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
 
+/// Writes the meta record in `txn`.
+///
+/// # Errors
+/// [`Error::Codec`] or [`Error::Storage`].
+pub(crate) fn write_file_meta(txn: &WriteTransaction, meta: &Meta) -> Result<()> {
+    let bytes = codec::encode("meta", meta)?;
+    txn.open_table(META)
+        .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
+        .map_err(redb_err("writing the meta record"))
+}
+
 /// The meta record of a file opened for writing, `None` for a new (empty) file.
 ///
 /// # Errors
@@ -107,10 +118,7 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
         }
     };
     meta.capacity = capacity.unwrap_or(meta.capacity);
-    let bytes = codec::encode("meta", &meta)?;
-    txn.open_table(META)
-        .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
-        .map_err(redb_err("writing the meta record"))?;
+    write_file_meta(&txn, &meta)?;
     txn.set_durability(redb::Durability::Immediate).map_err(redb_err("setting durability"))?;
     txn.commit().map_err(redb_err("committing the open"))?;
     Ok(prepared)

@@ -277,7 +277,6 @@ fn build_presence(inner: &Inner) {
             continue;
         }
         if filters.wants_build() {
-            let Ok((table, _)) = committed(&inner.db) else { return };
             let applied: Vec<&[BlockKey]> = back
                 .applied
                 .iter()
@@ -287,9 +286,9 @@ fn build_presence(inner: &Inner) {
                 })
                 .collect();
             let keys = back.meta.capacity.max(back.meta.entries);
-            filters.start(table, usize::try_from(keys).unwrap_or(usize::MAX), &applied);
+            filters.start(usize::try_from(keys).unwrap_or(usize::MAX), &applied);
         }
-        let stepped = filters.step();
+        let stepped = filters.step(&inner.db);
         filters.due = Some(now + now.elapsed() * BUILD_PAUSE);
         match stepped {
             Ok(Some(whole)) => {

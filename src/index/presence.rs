@@ -4,18 +4,21 @@
 //!
 //! It never says no to a key the last commit holds: the commit thread adds each batch's keys
 //! before committing it, and a key leaves only when the filter is replaced. Evicted keys stay
-//! in it, so it fills; once too full it is rebuilt from a read of the committed table, a chunk
+//! in it, so it fills; once too full it is rebuilt from reads of the committed table, a chunk
 //! at a time between batches (every batch meanwhile goes into both), and the callers get the
-//! new one when it is whole. Until the first is whole, and after an import (which writes keys
-//! no batch carries), the callers have none and read the file.
+//! new one when it is whole. Each chunk reads the commit of its time and lets go of it: a read
+//! held across the rebuild would keep redb from reusing any page a commit frees meanwhile, and a
+//! rebuild can outlast a busy head's whole run. Until the first is whole, and after an import
+//! (which writes keys no batch carries), the callers have none and read the file.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use super::front::Committed;
+use redb::{Database, ReadableDatabase};
+
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
-use crate::store::tables::table_key;
+use crate::store::tables::{PREFIXES, table_key};
 
 /// Bits a key: 3 bits in one 64-bit word, about 1% false positives when full to capacity.
 const BITS_PER_KEY: usize = 16;
@@ -90,10 +93,10 @@ pub(crate) struct Filters {
     pub due: Option<std::time::Instant>,
 }
 
-/// A rebuild in progress: a read of the committed table as of its start, read up to `next`.
+/// A rebuild in progress: the committed table read up to `next` (each step a read of the last
+/// commit as of that step; no read is kept between steps).
 pub(crate) struct Building {
     pub filter: Arc<Presence>,
-    table: Committed,
     next: u128,
 }
 
@@ -110,25 +113,30 @@ impl Filters {
         self.building.is_none() && self.live.as_ref().is_none_or(|f| f.full())
     }
 
-    /// Starts a rebuild from `table` (the last commit), sized for `keys` keys, holding
-    /// `applied` (the keys written into the batch and not committed yet).
-    pub(crate) fn start(&mut self, table: Committed, keys: usize, applied: &[&[BlockKey]]) {
+    /// Starts a rebuild, sized for `keys` keys, holding `applied` (the keys written into the
+    /// batch and not committed yet; every later batch's keys are added as it is written).
+    pub(crate) fn start(&mut self, keys: usize, applied: &[&[BlockKey]]) {
         let filter = Arc::new(Presence::for_keys(keys));
         for keys in applied {
             filter.insert_all(keys);
         }
-        self.building = Some(Building { filter, table, next: 0 });
+        self.building = Some(Building { filter, next: 0 });
     }
 
-    /// Reads the next [`STEP_KEYS`] keys of the rebuild; returns the new filter once whole (it
-    /// is then the live one).
+    /// Reads the next [`STEP_KEYS`] keys of the rebuild from the last commit of `db` (the
+    /// caller holds the writer, so none lands meanwhile); returns the new filter once whole (it
+    /// is then the live one). Whole, it holds every key of the last commit: a key committed
+    /// below `next` after its chunk was read was added with its batch, and one above is read by
+    /// a later step (a key evicted meanwhile may be in it or not: either is right).
     ///
     /// # Errors
     /// A failed read: the rebuild is dropped (the callers keep the filter they have).
-    pub(crate) fn step(&mut self) -> Result<Option<Arc<Presence>>> {
+    pub(crate) fn step(&mut self, db: &Database) -> Result<Option<Arc<Presence>>> {
         let Some(building) = self.building.as_mut() else { return Ok(None) };
         let read = (|| -> Result<Option<u128>> {
-            let range = building.table.range(building.next..).map_err(redb_err("reading the prefix table"))?;
+            let txn = db.begin_read().map_err(redb_err("starting a read"))?;
+            let table = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+            let range = table.range(building.next..).map_err(redb_err("reading the prefix table"))?;
             let (mut read, mut last) = (0, 0);
             for item in range.take(STEP_KEYS) {
                 let (key, _) = item.map_err(redb_err("reading the prefix table"))?;
@@ -169,6 +177,36 @@ mod tests {
 
     fn block(k: u128) -> BlockKey {
         k.to_be_bytes()
+    }
+
+    /// A rebuild holds no read between its steps: redb reuses no page freed while a read that
+    /// sees it is alive, so a rebuild outlasting a replay would grow the file with every commit.
+    /// `compact` is refused while any read is alive.
+    #[test]
+    fn a_rebuild_holds_no_read_between_steps() -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let dir = std::env::temp_dir().join(format!("sfw-presence-read-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir)?;
+        let mut db = redb::Database::create(dir.join("p.redb"))?;
+        let txn = db.begin_write()?;
+        {
+            let mut table = txn.open_table(PREFIXES)?;
+            for i in 0..(2 * STEP_KEYS as u64) {
+                table.insert(key(i), (0, 0, 0, i))?;
+            }
+        }
+        txn.commit()?;
+        let mut filters = Filters::default();
+        filters.start(2 * STEP_KEYS, &[]);
+        assert!(filters.step(&db)?.is_none() && filters.building.is_some(), "a step of two");
+        db.compact()?;
+        assert!(filters.step(&db)?.is_none(), "the second step reads the rest, the third sees the end");
+        let whole = filters.step(&db)?;
+        let whole = whole.ok_or("whole after a third step")?;
+        assert!((0..(2 * STEP_KEYS as u64)).all(|i| whole.may_hold(&block(key(i)))));
+        drop(db);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
     }
 
     /// Every key added is held; keys never added are mostly not, at the sizing rate.

@@ -191,6 +191,9 @@ mod tests {
         let head = HeadLock::acquire(&path).expect("first head");
         assert!(matches!(HeadLock::acquire(&path), Err(Error::AlreadyOpen { .. })), "a second head is refused");
         assert!(matches!(no_head(&path), Ok(None)), "readers see the head");
+        // A head that marked its file (and wrote it) keeps the side file it created.
+        seal::write_open(head.side_file());
+        std::fs::write(&path, b"an index").expect("the head's file");
         drop(head);
         let reader = no_head(&path).expect("no head");
         assert!(matches!(reader, Some(ReadGuard { side: Some(_) })));
@@ -203,5 +206,16 @@ mod tests {
         assert!(!waiting.is_finished(), "the head waits for the reader");
         drop(reader);
         assert!(waiting.join().expect("joined").is_ok(), "then opens");
+    }
+
+    #[test]
+    fn a_side_file_made_by_a_head_that_never_marked_it_is_removed_and_no_other() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("warm.redb");
+        drop(HeadLock::acquire(&path).expect("a head"));
+        assert!(!seal_path(&path).exists(), "an open that failed leaves no side file");
+        std::fs::write(seal_path(&path), b"").expect("an empty side file of someone else's");
+        drop(HeadLock::acquire(&path).expect("a head"));
+        assert!(seal_path(&path).exists(), "one it did not create is kept");
     }
 }

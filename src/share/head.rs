@@ -92,7 +92,8 @@ impl SharedWarm {
     /// from a new file, or a copy of another head's file of the stream.
     ///
     /// # Errors
-    /// As [`Builder::open`]; [`Error::Sharing`] for names NATS would refuse;
+    /// As [`Builder::open`]; [`Error::Sharing`] for a server URL that is not a NATS server's
+    /// (`nats://host:port`, the scheme and host required) or names NATS would refuse;
     /// [`Error::InvalidConfig`] for a zero sync window (a sharing head has a commit thread).
     pub fn open(builder: &Builder, path: impl AsRef<Path>, sharing: Sharing) -> Result<SharedWarm> {
         sharing.validate()?;

@@ -1,6 +1,9 @@
 //! `Sharing`: which stream a head shares through, and as whom.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use async_nats::ServerAddr;
 
 use crate::error::{Error, Result};
 
@@ -22,7 +25,8 @@ pub struct Sharing {
 }
 
 impl Sharing {
-    /// Shares through stream `stream` of the NATS server at `url` (`nats://127.0.0.1:4222`), as
+    /// Shares through stream `stream` of the NATS server at `url` (`nats://127.0.0.1:4222`; the
+    /// scheme and host are required, checked by [`crate::SharedWarm::open`]), as
     /// head `head`: a name of its own among the heads sharing the stream, kept across restarts
     /// (it names the head's durable consumer). The stream is created if it does not exist, with
     /// file storage and limits retention: 24 hours and 1 GiB by default.
@@ -75,8 +79,10 @@ impl Sharing {
     }
 
     /// # Errors
-    /// [`Error::Sharing`] for a stream or head name NATS would refuse.
+    /// [`Error::Sharing`] for a server URL that is not one NATS server's, or a stream or head
+    /// name NATS would refuse.
     pub(crate) fn validate(&self) -> Result<()> {
+        check_url(&self.url)?;
         let token = |what: &str, s: &str| {
             let ok = !s.is_empty()
                 && s.len() <= 200
@@ -93,4 +99,28 @@ impl Sharing {
         token("stream", &self.stream)?;
         token("head", &self.head)
     }
+}
+
+/// What a server URL looks like, for the errors that refuse one.
+const URL_FORM: &str =
+    "give one NATS server as nats://host:port, e.g. nats://127.0.0.1:4222 (or tls://, ws://, wss://)";
+
+/// Refuses a server URL the client would take for something else or could never connect to: the
+/// scheme is required (async-nats would read "garbage" as the host `garbage`), and so is a host.
+///
+/// # Errors
+/// [`Error::Sharing`] naming the URL and what a valid one looks like.
+fn check_url(url: &str) -> Result<()> {
+    let refuse = |why: String, source: Option<std::io::Error>| Error::Sharing {
+        detail: format!("the server URL {url:?} {why}: {URL_FORM}"),
+        source: source.map(|e| Arc::new(e) as Arc<dyn std::error::Error + Send + Sync>),
+    };
+    if !url.contains("://") {
+        return Err(refuse("has no scheme".into(), None));
+    }
+    let addr: ServerAddr = url.parse().map_err(|e| refuse("is not a NATS server URL".into(), Some(e)))?;
+    if addr.host().is_empty() {
+        return Err(refuse("names no host".into(), None));
+    }
+    Ok(())
 }

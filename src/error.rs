@@ -128,11 +128,15 @@ pub enum Error {
     /// A sharing head's own events are not yet all in the stream (the NATS server is
     /// unreachable, or slow): they stay buffered, answered locally, and are published when it
     /// answers again.
+    #[non_exhaustive]
     Unpublished {
         /// Events still buffered.
         events: u64,
         /// How long the call waited.
         waited: std::time::Duration,
+        /// What the head's link found wrong meanwhile (the server refusing connections, no
+        /// JetStream on it, ...), if anything.
+        reason: Option<String>,
     },
     /// A sharing head cannot go on applying the stream (its position was dropped by the
     /// stream's retention, the file is ahead of the stream, or a setting is refused).
@@ -208,10 +212,11 @@ impl fmt::Display for Error {
                 f,
                 "storage failed while {context}: {source}; what was committed before is intact, retry or reopen the index"
             ),
-            Error::Unpublished { events, waited } => write!(
+            Error::Unpublished { events, waited, reason } => write!(
                 f,
-                "{events} events of this head are not yet in the NATS stream after {waited:?} (is the server up?); \
-                 they stay buffered and answered here, and are published when it answers"
+                "{events} events of this head are not yet in the NATS stream after {waited:?} ({}); \
+                 they stay buffered and answered here, and are published when it answers",
+                reason.as_deref().unwrap_or("the server is slow to acknowledge them")
             ),
             Error::Sharing { detail, source } => write!(
                 f,

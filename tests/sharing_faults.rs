@@ -1,13 +1,26 @@
-//! A sharing head facing a server it cannot use: a malformed URL is refused at open.
+//! A sharing head facing a server it cannot use: a malformed URL, no server at the address, a
+//! server without JetStream. Each is refused or reported with its real reason, within seconds,
+//! never a hang.
 
-use std::time::Duration;
+mod common;
 
+use std::time::{Duration, Instant};
+
+use common::nats::NatsServer;
+use superfluid_warm::tools::replay::Config;
+use superfluid_warm::tools::trace;
 use superfluid_warm::{Builder, Error, SharedWarm, Sharing, Warm};
+
+const MODEL: &str = "m";
 
 fn builder() -> Builder {
     let mut b = Warm::builder();
     b.capacity(3_000).sync_window(Duration::from_millis(10));
     b
+}
+
+fn prompt(c: u32) -> Vec<u32> {
+    (0..(64 * 4 + 17)).map(|i| (c + 1) * 1_000_000 + i).collect()
 }
 
 /// A loopback port nothing listens on.
@@ -36,5 +49,54 @@ fn a_malformed_server_url_is_refused_at_open_and_says_what_a_url_looks_like() {
         let h = SharedWarm::open(&builder(), dir.path().join("ok.redb"), Sharing::nats(&url, "s", "a"))
             .unwrap_or_else(|e| panic!("{url} is a NATS URL: {e}"));
         h.close().expect("close");
+    }
+}
+
+/// The replay over heads against `url`: its error, and how long it took to give it.
+fn replay_heads(url: &str) -> (Error, Duration) {
+    let dir = tempfile::tempdir().expect("dir");
+    let requests = trace::synthetic(100, 10, 42);
+    let started = Instant::now();
+    let result =
+        superfluid_warm::tools::heads::run_heads(&builder(), dir.path(), url, &requests, &Config::default(), 2);
+    match result {
+        Ok(r) => panic!("the replay over heads succeeded against {url}: {r:?}"),
+        Err(e) => (e, started.elapsed()),
+    }
+}
+
+#[test]
+fn the_replay_over_heads_fails_fast_when_nothing_listens_at_the_address() {
+    let url = dead_url();
+    let (e, took) = replay_heads(&url);
+    let text = e.to_string();
+    assert!(took < Duration::from_secs(20), "failed after {took:?}, not within seconds: {text}");
+    assert!(matches!(e, Error::Sharing { .. }), "{e:?}");
+    assert!(text.contains(&url) && text.to_lowercase().contains("refused"), "names the address and why: {text}");
+}
+
+#[test]
+fn the_replay_over_heads_fails_fast_on_a_server_without_jetstream() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start_without_jetstream(&dir.path().join("js"));
+    let (e, took) = replay_heads(&server.url());
+    let text = e.to_string();
+    assert!(took < Duration::from_secs(20), "failed after {took:?}, not within seconds: {text}");
+    assert!(matches!(e, Error::Sharing { .. }), "{e:?}");
+    assert!(text.contains("JetStream") && text.contains("-js"), "says JetStream is off and how to turn it on: {text}");
+}
+
+#[test]
+fn a_sync_that_cannot_publish_says_why() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start_without_jetstream(&dir.path().join("js"));
+    let sharing = Sharing::nats(&server.url(), "s", "a").publish_timeout(Duration::from_secs(1));
+    let h = SharedWarm::open(&builder(), dir.path().join("a.redb"), sharing).expect("opens");
+    h.ran(MODEL, &prompt(1), "node-1").expect("ran");
+    match h.sync() {
+        Err(e @ Error::Unpublished { events: 1, .. }) => {
+            assert!(e.to_string().contains("JetStream"), "the link's reason is in the error: {e}");
+        }
+        other => panic!("sync against a server without JetStream: {other:?}"),
     }
 }

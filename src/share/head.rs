@@ -284,6 +284,32 @@ impl SharedWarm {
         Ok(Ticket { head: self.shared.sharing.head.as_str().into(), boot: self.shared.boot, local })
     }
 
+    /// Waits until the head's link has connected to the server and opened (or created) the
+    /// stream and its consumer, at most `timeout`; once it has, this returns at once (a later
+    /// outage shows in [`ShareStats::connected`]). [`SharedWarm::open`] does not wait for the
+    /// server; a caller that cannot do without it (a replay, a deployment check) asks this.
+    ///
+    /// # Errors
+    /// [`Error::Sharing`] saying why not: why the head halted ([`ShareStats::halted`]), else
+    /// the link's last error (nothing listening at the URL, JetStream not enabled on the
+    /// server, ...), else that the server did not answer in time.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let started = Instant::now();
+        self.wait_until(timeout, |status| status.consuming);
+        let status = self.shared.status();
+        let detail = match (&status.halted, &status.error) {
+            (Some(halted), _) => halted.clone(),
+            (None, _) if status.consuming => return Ok(()),
+            (None, Some(error)) => format!("no stream after {:.1?}: {error}", started.elapsed()),
+            (None, None) => format!(
+                "no answer from the NATS server at {} after {:.1?}: check that nats-server -js runs there",
+                self.shared.sharing.url,
+                started.elapsed()
+            ),
+        };
+        Err(Error::Sharing { detail, source: None })
+    }
+
     /// Waits until this head has applied `ticket`'s event (and all its head made before it),
     /// at most `timeout`; whether it has.
     pub fn wait_for(&self, ticket: &Ticket, timeout: Duration) -> bool {
@@ -321,7 +347,8 @@ impl SharedWarm {
     ///
     /// # Errors
     /// [`Error::Unpublished`] if events are still buffered after the publish timeout (they are
-    /// kept and published when the server answers); as [`Warm::sync`].
+    /// kept and published when the server answers), with what the link found wrong meanwhile;
+    /// as [`Warm::sync`].
     pub fn sync(&self) -> Result<()> {
         let started = Instant::now();
         let timeout = self.shared.sharing.publish_timeout;
@@ -331,7 +358,8 @@ impl SharedWarm {
             // (Published just after the wait gave up: then it is done.)
             let events = self.shared.outbox().count_through(last);
             if events > 0 {
-                return Err(Error::Unpublished { events, waited: started.elapsed() });
+                let reason = self.shared.trouble(started);
+                return Err(Error::Unpublished { events, waited: started.elapsed(), reason });
             }
         }
         self.shared.warm.sync()

@@ -9,6 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
+use async_nats::jetstream::context::CreateStreamErrorKind;
 use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy, StorageType, Stream};
 use async_nats::jetstream::{self, Context};
 use async_nats::{ConnectOptions, HeaderMap};
@@ -67,8 +68,11 @@ pub(crate) struct Status {
     /// Events no head can apply (garbage, another version, a foreign hash scheme): every head
     /// skips them alike.
     pub rejected: u64,
-    /// The last transient error (the link retries).
+    /// The last transient error (the link retries), and when it was noted.
     pub error: Option<String>,
+    pub error_at: Option<Instant>,
+    /// The link reads the stream through its consumer (it has connected and opened the stream).
+    pub consuming: bool,
     /// Why the link stopped applying (it goes on publishing).
     pub halted: Option<String>,
     /// Per head run (name, boot): the local number of its last event applied here.
@@ -96,7 +100,25 @@ impl Shared {
     }
 
     fn note_error(&self, what: &str, e: impl std::fmt::Display) {
-        self.status().error = Some(format!("{what}: {e}"));
+        let mut status = self.status();
+        status.error = Some(format!("{what}: {e}"));
+        status.error_at = Some(Instant::now());
+    }
+
+    /// Why this head's events may not be reaching the stream: why it halted, else the link's
+    /// error noted since `since` (a condition that lasts is noted again at each retry), else
+    /// that the client is not connected; `None` if nothing is known to be wrong.
+    pub(crate) fn trouble(&self, since: Instant) -> Option<String> {
+        let status = self.status();
+        if let Some(halted) = &status.halted {
+            return Some(halted.clone());
+        }
+        if let (Some(error), Some(at)) = (&status.error, status.error_at)
+            && at >= since
+        {
+            return Some(error.clone());
+        }
+        (!status.connected).then(|| format!("not connected to the NATS server at {}", self.sharing.url))
     }
 }
 
@@ -125,28 +147,30 @@ pub(crate) fn spawn(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> 
 }
 
 async fn run(shared: &Arc<Shared>) {
-    let options = ConnectOptions::new()
-        .retry_on_initial_connect()
-        .connection_timeout(Duration::from_secs(2))
-        .reconnect_delay_callback(|attempts| Duration::from_millis((50 * attempts as u64).min(1000)))
-        .name(format!("superfluid-warm {}", shared.sharing.head));
-    // The first connection is retried in the background until it succeeds; a stop ends it.
-    let connect = options.connect(&shared.sharing.url);
-    tokio::pin!(connect);
+    let url = &shared.sharing.url;
+    // The first connection is retried here rather than by the client, so that each failure's
+    // reason (connection refused, a timeout, an authorization) is noted for `stats` and waiters;
+    // once connected, the client reconnects by itself. A stop ends the attempts.
+    let mut attempts: u64 = 0;
     let client = loop {
+        let options = ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(2))
+            .reconnect_delay_callback(|attempts| Duration::from_millis((50 * attempts as u64).min(1000)))
+            .name(format!("superfluid-warm {}", shared.sharing.head));
         tokio::select! {
-            connected = &mut connect => match connected {
+            connected = options.connect(url.as_str()) => match connected {
                 Ok(client) => break client,
                 Err(e) => {
-                    shared.status().halted = Some(format!("cannot connect to {}: {e}", shared.sharing.url));
-                    return;
+                    shared.note_error(&format!("connecting to {url} (is nats-server -js running there?)"), e);
+                    shared.signal();
+                    attempts += 1;
                 }
             },
-            _ = tokio::time::sleep(Duration::from_millis(50)) => {
-                if shared.stop.load(Ordering::Acquire) {
-                    return;
-                }
-            }
+            _ = stopped(shared) => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis((50 * attempts).min(1000))) => {}
+            _ = stopped(shared) => return,
         }
     };
     let js = jetstream::new(client.clone());
@@ -280,7 +304,12 @@ async fn consume_loop(shared: &Shared, js: &Context) {
         let mut stream = match js.get_or_create_stream(stream_config(&shared.sharing)).await {
             Ok(s) => s,
             Err(e) => {
-                shared.note_error("opening the stream", e);
+                match e.kind() {
+                    CreateStreamErrorKind::JetStreamUnavailable => {
+                        shared.note_error("opening the stream", no_jetstream(&shared.sharing))
+                    }
+                    _ => shared.note_error("opening the stream", e),
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
@@ -348,6 +377,8 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                 continue;
             }
         };
+        shared.status().consuming = true;
+        shared.signal();
         let mut last_tick = Instant::now();
         while !shared.stop.load(Ordering::Acquire) {
             let next = tokio::time::timeout(TICK, messages.next()).await;
@@ -413,6 +444,14 @@ async fn consume_loop(shared: &Shared, js: &Context) {
         }
     }
     ack_durable(shared, &mut to_ack).await;
+}
+
+/// A server that answers requests but not JetStream's.
+fn no_jetstream(sharing: &Sharing) -> String {
+    format!(
+        "JetStream is not enabled on the NATS server at {}: start nats-server with -js (or enable JetStream for this account)",
+        sharing.url
+    )
 }
 
 fn gap(sharing: &Sharing, applied: u64, first: u64) -> String {

@@ -13,6 +13,9 @@ use crate::{Builder, Error, Hit, Namespace, Result, SharedWarm, Sharing, Ticket,
 /// How long a head waits for a conversation's previous turn to reach it before it routes the
 /// next one without it.
 const TURN_WAIT: Duration = Duration::from_secs(5);
+/// How long each head may take to connect and open the stream before the replay gives up:
+/// a server that is down, or has no JetStream, fails the replay in seconds, with the reason.
+const READY_WAIT: Duration = Duration::from_secs(5);
 
 /// What a replay over several heads found.
 #[derive(Clone, Debug, Default)]
@@ -87,7 +90,10 @@ fn route(config: &Config, load: &Load, names: &[String], hits: Vec<Hit>, tokens:
 /// over `heads` heads that do not share.
 ///
 /// # Errors
-/// [`Error::InvalidConfig`] for no nodes or no heads; any error of the index or the sharing.
+/// [`Error::InvalidConfig`] for no nodes or no heads; [`Error::Sharing`] within seconds if a
+/// head cannot connect to the server or open the stream (with the reason: nothing listening at
+/// the URL, no JetStream), or if a head halts; any error of the
+/// index or the sharing.
 pub fn run_heads(
     builder: &Builder,
     dir: &Path,
@@ -115,6 +121,9 @@ pub fn run_heads(
             )
         })
         .collect::<Result<_>>()?;
+    for head in &shared {
+        head.wait_ready(READY_WAIT)?;
+    }
     let alone: Vec<Warm> =
         (0..heads).map(|h| builder.open(dir.join(format!("alone-{h}.redb")))).collect::<Result<_>>()?;
     let mut report = HeadsReport { heads, requests: requests.len(), ..HeadsReport::default() };
@@ -167,10 +176,12 @@ pub fn run_heads(
     // Every head applies every event (the stream holds one per `ran`).
     for head in &shared {
         if !head.wait_applied(requests.len() as u64, Duration::from_secs(60)) {
-            return Err(Error::Sharing {
-                detail: format!("a head did not apply the whole stream: {:?}", head.share_stats()),
-                source: None,
-            });
+            let stats = head.share_stats();
+            let detail = match &stats.halted {
+                Some(halted) => halted.clone(),
+                None => format!("a head did not apply the whole stream within 60 s: {stats:?}"),
+            };
+            return Err(Error::Sharing { detail, source: None });
         }
     }
     report.wall = started.elapsed();

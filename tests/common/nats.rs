@@ -11,6 +11,7 @@ pub struct NatsServer {
     child: Option<Child>,
     pub port: u16,
     store: PathBuf,
+    jetstream: bool,
 }
 
 /// The server binary: `$NATS_SERVER`, or `nats-server` on the path (or Debian's /usr/sbin).
@@ -30,16 +31,29 @@ fn binary() -> PathBuf {
 impl NatsServer {
     /// Starts a server with its JetStream store in `store`.
     pub fn start(store: &Path) -> NatsServer {
+        Self::start_with(store, true)
+    }
+
+    /// Starts a server without JetStream (no `-js`): a plain NATS server no stream can be made on.
+    pub fn start_without_jetstream(store: &Path) -> NatsServer {
+        Self::start_with(store, false)
+    }
+
+    fn start_with(store: &Path, jetstream: bool) -> NatsServer {
         let port =
             TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port");
-        let mut server = NatsServer { child: None, port, store: store.to_path_buf() };
+        let mut server = NatsServer { child: None, port, store: store.to_path_buf(), jetstream };
         server.launch();
         server
     }
 
     fn launch(&mut self) {
-        let child = Command::new(binary())
-            .args(["-js", "-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
+        let mut command = Command::new(binary());
+        if self.jetstream {
+            command.arg("-js");
+        }
+        let child = command
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-sd"])
             .arg(&self.store)
             .stdout(Stdio::null())
             .stderr(Stdio::null())

@@ -1,9 +1,10 @@
 //! A sharing head facing a server it cannot use: a malformed URL, no server at the address, a
-//! server without JetStream. Each is refused or reported with its real reason, within seconds,
-//! never a hang.
+//! server without JetStream, and a stream that vanished from under the heads (the server lost
+//! its store). Each is refused or reported with its real reason, within seconds, never a hang.
 
 mod common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::nats::NatsServer;
@@ -99,4 +100,56 @@ fn a_sync_that_cannot_publish_says_why() {
         }
         other => panic!("sync against a server without JetStream: {other:?}"),
     }
+}
+
+fn head(dir: &Path, server: &NatsServer, name: &str) -> SharedWarm {
+    let sharing = Sharing::nats(&server.url(), "lost", name).publish_timeout(Duration::from_secs(2));
+    SharedWarm::open(&builder(), dir.join(format!("{name}.redb")), sharing).expect("a sharing head opens")
+}
+
+#[test]
+fn a_stream_deleted_under_the_heads_is_reported_not_waited_on() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut server = NatsServer::start(&dir.path().join("js"));
+    let (a, b) = (head(dir.path(), &server, "a"), head(dir.path(), &server, "b"));
+    for i in 0..40u32 {
+        [&a, &b][(i % 2) as usize].ran(MODEL, &prompt(i), "node-1").expect("ran");
+    }
+    for h in [&a, &b] {
+        h.sync().expect("published");
+    }
+    for h in [&a, &b] {
+        assert!(h.wait_applied(40, Duration::from_secs(30)), "{:?}", h.share_stats());
+    }
+    server.restart_without_store();
+    for i in 0..10u32 {
+        a.ran(MODEL, &prompt(100 + i), "node-2").expect("a ran never waits on the network");
+    }
+    // A new head makes a new stream of that name; a and b must not take it for theirs (it may
+    // come before or after they notice theirs is gone).
+    let c = head(dir.path(), &server, "c");
+    c.ran(MODEL, &prompt(200), "node-3").expect("ran");
+    let started = Instant::now();
+    while let Err(e) = c.sync() {
+        assert!(started.elapsed() < Duration::from_secs(20), "c publishes to the new stream: {e}");
+    }
+    assert!(c.wait_applied(1, Duration::from_secs(30)), "c applies the new stream: {:?}", c.share_stats());
+    let started = Instant::now();
+    while [&a, &b].iter().any(|h| h.share_stats().halted.is_none()) && started.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for h in [&a, &b] {
+        let s = h.share_stats();
+        let halted = s.halted.clone().unwrap_or_else(|| panic!("the head says its stream is gone: {s:?}"));
+        assert!(halted.contains("was deleted") && halted.contains("new files"), "{halted}");
+        assert_eq!((s.applied, s.durable), (40, 40), "nothing applied from the new stream: {s:?}");
+    }
+    // Waits end with the reason rather than run out (or, before, never end).
+    let started = Instant::now();
+    match a.sync() {
+        Err(e @ Error::Sharing { .. }) => assert!(e.to_string().contains("was deleted"), "{e}"),
+        other => panic!("sync after the stream was deleted: {other:?}"),
+    }
+    assert!(!b.wait_applied(41, Duration::from_secs(30)), "b applies nothing more");
+    assert!(started.elapsed() < Duration::from_secs(20), "the waits ended at the halt: {:?}", started.elapsed());
 }

@@ -311,25 +311,31 @@ impl SharedWarm {
     }
 
     /// Waits until this head has applied `ticket`'s event (and all its head made before it),
-    /// at most `timeout`; whether it has.
+    /// at most `timeout`, or until it halts ([`ShareStats::halted`]: it applies nothing more);
+    /// whether it has.
     pub fn wait_for(&self, ticket: &Ticket, timeout: Duration) -> bool {
         let origin = (ticket.head.to_string(), ticket.boot);
         self.wait_until(timeout, |status| status.from.get(&origin).is_some_and(|&l| l >= ticket.local))
     }
 
-    /// Waits until this head has applied the stream up to sequence `seq`, at most `timeout`.
+    /// Waits until this head has applied the stream up to sequence `seq`, at most `timeout`,
+    /// or until it halts ([`ShareStats::halted`]); whether it has.
     pub fn wait_applied(&self, seq: u64, timeout: Duration) -> bool {
         self.wait_until(timeout, |status| status.applied >= seq)
     }
 
     /// Waits until `done` holds, looked at with the link's status held each time the link makes
-    /// progress (and every 20 ms), at most `timeout`; whether it held.
+    /// progress (and every 20 ms), at most `timeout`, and no longer once the link has halted
+    /// (what it has not applied then it never will); whether it held.
     fn wait_until(&self, timeout: Duration, mut done: impl FnMut(&Status) -> bool) -> bool {
         let deadline = Instant::now() + timeout;
         let mut status = self.shared.status();
         loop {
             if done(&status) {
                 return true;
+            }
+            if status.halted.is_some() {
+                return false;
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -346,15 +352,21 @@ impl SharedWarm {
     /// (at most the publish timeout), then commits what it applied (as [`Warm::sync`]).
     ///
     /// # Errors
-    /// [`Error::Unpublished`] if events are still buffered after the publish timeout (they are
-    /// kept and published when the server answers), with what the link found wrong meanwhile;
-    /// as [`Warm::sync`].
+    /// [`Error::Sharing`] if the head has halted ([`ShareStats::halted`]: it applies nothing
+    /// more, and says why), at once or when it halts during the wait (its events are still
+    /// published if the stream takes them); [`Error::Unpublished`] if events are still buffered
+    /// after the publish timeout (they are kept and published when the server answers), with
+    /// what the link found wrong meanwhile; as [`Warm::sync`].
     pub fn sync(&self) -> Result<()> {
         let started = Instant::now();
         let timeout = self.shared.sharing.publish_timeout;
         // The events made before this call, not those made while it waits.
         let last = self.next_local.load(Ordering::Relaxed).saturating_sub(1);
-        if !self.wait_until(timeout, |_| self.shared.outbox().count_through(last) == 0) {
+        let published = self.wait_until(timeout, |_| self.shared.outbox().count_through(last) == 0);
+        if let Some(halted) = self.shared.status().halted.clone() {
+            return Err(Error::Sharing { detail: halted, source: None });
+        }
+        if !published {
             // (Published just after the wait gave up: then it is done.)
             let events = self.shared.outbox().count_through(last);
             if events > 0 {

@@ -9,9 +9,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
-use async_nats::jetstream::context::CreateStreamErrorKind;
+use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind, RequestError, RequestErrorKind};
 use async_nats::jetstream::stream::{Config as StreamConfig, RetentionPolicy, StorageType, Stream};
-use async_nats::jetstream::{self, Context};
+use async_nats::jetstream::{self, Context, ErrorCode};
 use async_nats::{ConnectOptions, HeaderMap};
 use futures_util::StreamExt;
 
@@ -103,6 +103,12 @@ impl Shared {
         let mut status = self.status();
         status.error = Some(format!("{what}: {e}"));
         status.error_at = Some(Instant::now());
+    }
+
+    /// Stops applying, for `why` (the head goes on routing and publishing), and wakes waiters.
+    fn halt(&self, why: String) {
+        self.status().halted = Some(why);
+        self.progress.notify_all();
     }
 
     /// Why this head's events may not be reaching the stream: why it halted, else the link's
@@ -296,32 +302,40 @@ async fn consume_loop(shared: &Shared, js: &Context) {
     shared.status().applied = applied;
     // Delivered events waiting for a durable commit before they are acked.
     let mut to_ack: VecDeque<(u64, jetstream::Message)> = VecDeque::new();
+    // When the stream this head applies was created (ns since the epoch), once it has opened it.
+    let mut created: Option<i128> = None;
     'connect: while !shared.stop.load(Ordering::Acquire) {
         if shared.status().halted.is_some() {
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
-        let mut stream = match js.get_or_create_stream(stream_config(&shared.sharing)).await {
+        let mut stream = match open_stream(shared, js, created, applied).await {
             Ok(s) => s,
-            Err(e) => {
-                match e.kind() {
-                    CreateStreamErrorKind::JetStreamUnavailable => {
-                        shared.note_error("opening the stream", no_jetstream(&shared.sharing))
-                    }
-                    _ => shared.note_error("opening the stream", e),
-                }
+            Err(Opening::Retry(e)) => {
+                shared.note_error("opening the stream", e);
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
+            Err(Opening::Halt(why)) => {
+                shared.halt(why);
+                continue;
+            }
         };
+        // The stream's identity: one deleted and created again (by this server after it lost its
+        // store, or by another head) no longer holds what this head applied.
+        let this = stream.cached_info().created.unix_timestamp_nanos();
+        if created.is_some_and(|c| c != this) {
+            shared.halt(deleted(&shared.sharing, applied, "and created again"));
+            continue;
+        }
+        created = Some(this);
         shared.ready.store(true, Ordering::Release);
         match stream.info().await {
             Ok(info) => {
                 let (first, last) = (info.state.first_sequence, info.state.last_sequence);
-                let mut status = shared.status();
-                status.stream_last = last;
+                shared.status().stream_last = last;
                 if applied > last {
-                    status.halted = Some(format!(
+                    shared.halt(format!(
                         "this file has applied the stream up to {applied}, but stream {} ends at {last}: it belongs to \
                          another stream (or one that was deleted); start this head from a new file or a copy of another head's",
                         shared.sharing.stream
@@ -329,7 +343,7 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                     continue;
                 }
                 if last > applied && first > applied + 1 {
-                    status.halted = Some(gap(&shared.sharing, applied, first));
+                    shared.halt(gap(&shared.sharing, applied, first));
                     continue;
                 }
             }
@@ -431,7 +445,7 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                 }
                 Err(e) if e.needs_reopen() => {
                     // redb takes no more writes through this handle: retrying cannot help.
-                    shared.status().halted = Some(format!("applying event {seq}: {e}"));
+                    shared.halt(format!("applying event {seq}: {e}"));
                     continue 'connect;
                 }
                 Err(e) => {
@@ -446,11 +460,54 @@ async fn consume_loop(shared: &Shared, js: &Context) {
     ack_durable(shared, &mut to_ack).await;
 }
 
+/// Why the stream could not be opened: worth retrying, or never (the link halts).
+enum Opening {
+    Retry(String),
+    Halt(String),
+}
+
+/// Opens the stream: creates it if it does not exist, the first time (`created` is `None`);
+/// after that only opens it, since one that is gone was deleted under this head (the server
+/// lost its store, or someone deleted the stream) and a new one would not hold what it applied.
+async fn open_stream(shared: &Shared, js: &Context, created: Option<i128>, applied: u64) -> Result<Stream, Opening> {
+    let sharing = &shared.sharing;
+    if created.is_none() {
+        return js.get_or_create_stream(stream_config(sharing)).await.map_err(|e| match e.kind() {
+            CreateStreamErrorKind::JetStreamUnavailable => Opening::Retry(no_jetstream(sharing)),
+            _ => Opening::Retry(e.to_string()),
+        });
+    }
+    js.get_stream(&sharing.stream).await.map_err(|e| match e.kind() {
+        GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND => {
+            Opening::Halt(deleted(sharing, applied, "(stream not found)"))
+        }
+        GetStreamErrorKind::Request
+            if std::error::Error::source(&e)
+                .and_then(|s| s.downcast_ref::<RequestError>())
+                .is_some_and(|r| r.kind() == RequestErrorKind::NoResponders) =>
+        {
+            Opening::Retry(no_jetstream(sharing))
+        }
+        _ => Opening::Retry(e.to_string()),
+    })
+}
+
 /// A server that answers requests but not JetStream's.
 fn no_jetstream(sharing: &Sharing) -> String {
     format!(
         "JetStream is not enabled on the NATS server at {}: start nats-server with -js (or enable JetStream for this account)",
         sharing.url
+    )
+}
+
+/// The stream this head applied was deleted from under it (`how`: and created again, or not
+/// found).
+fn deleted(sharing: &Sharing, applied: u64, how: &str) -> String {
+    format!(
+        "stream {} was deleted {how} while this head applied it (up to event {applied}): the server lost its store or \
+         someone deleted the stream, and a new stream of that name does not continue this file; stop the heads, delete \
+         their files and start them again from new files",
+        sharing.stream
     )
 }
 

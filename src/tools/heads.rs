@@ -92,7 +92,7 @@ fn route(config: &Config, load: &Load, names: &[String], hits: Vec<Hit>, tokens:
 /// # Errors
 /// [`Error::InvalidConfig`] for no nodes or no heads; [`Error::Sharing`] within seconds if a
 /// head cannot connect to the server or open the stream (with the reason: nothing listening at
-/// the URL, no JetStream), or if a head halts; any error of the
+/// the URL, no JetStream), or if a head halts (the stream deleted under it); any error of the
 /// index or the sharing.
 pub fn run_heads(
     builder: &Builder,

@@ -94,6 +94,14 @@ impl NatsServer {
         self.kill();
         self.launch();
     }
+
+    /// Kills it, deletes its store (every stream and consumer is gone) and starts it again on
+    /// the same port: a server that lost its disk.
+    pub fn restart_without_store(&mut self) {
+        self.kill();
+        std::fs::remove_dir_all(&self.store).expect("the store is deleted");
+        self.launch();
+    }
 }
 
 impl Drop for NatsServer {

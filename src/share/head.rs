@@ -327,14 +327,25 @@ impl SharedWarm {
     /// Waits until `done` holds, looked at with the link's status held each time the link makes
     /// progress (and every 20 ms), at most `timeout`, and no longer once the link has halted
     /// (what it has not applied then it never will); whether it held.
-    fn wait_until(&self, timeout: Duration, mut done: impl FnMut(&Status) -> bool) -> bool {
+    fn wait_until(&self, timeout: Duration, done: impl FnMut(&Status) -> bool) -> bool {
+        self.wait(timeout, |status| status.halted.is_some(), done)
+    }
+
+    /// [`SharedWarm::wait_until`] for what the link publishes: a halted link still publishes,
+    /// unless its stream is gone.
+    fn wait_while_publishing(&self, timeout: Duration, done: impl FnMut(&Status) -> bool) -> bool {
+        self.wait(timeout, |status| status.stream_gone, done)
+    }
+
+    /// Waits until `done` holds, or `ended` (then never), at most `timeout`; whether `done` held.
+    fn wait(&self, timeout: Duration, ended: impl Fn(&Status) -> bool, mut done: impl FnMut(&Status) -> bool) -> bool {
         let deadline = Instant::now() + timeout;
         let mut status = self.shared.status();
         loop {
             if done(&status) {
                 return true;
             }
-            if status.halted.is_some() {
+            if ended(&status) {
                 return false;
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -352,9 +363,10 @@ impl SharedWarm {
     /// (at most the publish timeout), then commits what it applied (as [`Warm::sync`]).
     ///
     /// # Errors
-    /// [`Error::Sharing`] if the head has halted ([`ShareStats::halted`]: it applies nothing
-    /// more, and says why), at once or when it halts during the wait (its events are still
-    /// published if the stream takes them); [`Error::Unpublished`] if events are still buffered
+    /// [`Error::Sharing`] if the stream this head applied was deleted ([`ShareStats::halted`]
+    /// says so: it applies and publishes nothing more), at once or when that is found during the
+    /// wait (a head halted for a retention gap still publishes, and syncs as any other);
+    /// [`Error::Unpublished`] if events are still buffered
     /// after the publish timeout (they are kept and published when the server answers), with
     /// what the link found wrong meanwhile; as [`Warm::sync`].
     pub fn sync(&self) -> Result<()> {
@@ -362,10 +374,13 @@ impl SharedWarm {
         let timeout = self.shared.sharing.publish_timeout;
         // The events made before this call, not those made while it waits.
         let last = self.next_local.load(Ordering::Relaxed).saturating_sub(1);
-        let published = self.wait_until(timeout, |_| self.shared.outbox().count_through(last) == 0);
-        if let Some(halted) = self.shared.status().halted.clone() {
-            return Err(Error::Sharing { detail: halted, source: None });
+        // A head halted for a retention gap still publishes; one whose stream is gone does not.
+        let published = self.wait_while_publishing(timeout, |_| self.shared.outbox().count_through(last) == 0);
+        let status = self.shared.status();
+        if let (true, Some(halted)) = (status.stream_gone, &status.halted) {
+            return Err(Error::Sharing { detail: halted.clone(), source: None });
         }
+        drop(status);
         if !published {
             // (Published just after the wait gave up: then it is done.)
             let events = self.shared.outbox().count_through(last);

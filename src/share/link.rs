@@ -73,8 +73,11 @@ pub(crate) struct Status {
     pub error_at: Option<Instant>,
     /// The link reads the stream through its consumer (it has connected and opened the stream).
     pub consuming: bool,
-    /// Why the link stopped applying (it goes on publishing).
+    /// Why the link stopped applying (it goes on publishing, unless `stream_gone`).
     pub halted: Option<String>,
+    /// The stream this head applied was deleted: it publishes no more (a new stream of that
+    /// name does not continue its file, and its events would mislead the heads of that one).
+    pub stream_gone: bool,
     /// Per head run (name, boot): the local number of its last event applied here.
     pub from: HashMap<(String, u64), u64>,
     /// Publish-to-applied lags of other heads' events, in ns (the newest [`LAG_SAMPLES`]).
@@ -109,6 +112,12 @@ impl Shared {
     fn halt(&self, why: String) {
         self.status().halted = Some(why);
         self.progress.notify_all();
+    }
+
+    /// Halts for good: the stream this head applied was deleted (`why`); publishing stops too.
+    fn lose_stream(&self, why: String) {
+        self.status().stream_gone = true;
+        self.halt(why);
     }
 
     /// Why this head's events may not be reaching the stream: why it halted, else the link's
@@ -229,6 +238,13 @@ async fn publish_loop(shared: &Shared, js: &Context) {
                 return;
             }
         }
+        if shared.status().stream_gone {
+            if stopping.is_some() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
         let window = match shared.ready.load(Ordering::Acquire) {
             true => shared.outbox().peek(PUBLISH_WINDOW),
             false => Vec::new(),
@@ -316,8 +332,8 @@ async fn consume_loop(shared: &Shared, js: &Context) {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
-            Err(Opening::Halt(why)) => {
-                shared.halt(why);
+            Err(Opening::Gone(why)) => {
+                shared.lose_stream(why);
                 continue;
             }
         };
@@ -325,7 +341,7 @@ async fn consume_loop(shared: &Shared, js: &Context) {
         // store, or by another head) no longer holds what this head applied.
         let this = stream.cached_info().created.unix_timestamp_nanos();
         if created.is_some_and(|c| c != this) {
-            shared.halt(deleted(&shared.sharing, applied, "and created again"));
+            shared.lose_stream(deleted(&shared.sharing, applied, "and created again"));
             continue;
         }
         created = Some(this);
@@ -463,7 +479,8 @@ async fn consume_loop(shared: &Shared, js: &Context) {
 /// Why the stream could not be opened: worth retrying, or never (the link halts).
 enum Opening {
     Retry(String),
-    Halt(String),
+    /// The stream this head applied was deleted.
+    Gone(String),
 }
 
 /// Opens the stream: creates it if it does not exist, the first time (`created` is `None`);
@@ -479,7 +496,7 @@ async fn open_stream(shared: &Shared, js: &Context, created: Option<i128>, appli
     }
     js.get_stream(&sharing.stream).await.map_err(|e| match e.kind() {
         GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND => {
-            Opening::Halt(deleted(sharing, applied, "(stream not found)"))
+            Opening::Gone(deleted(sharing, applied, "(stream not found)"))
         }
         GetStreamErrorKind::Request
             if std::error::Error::source(&e)

@@ -79,7 +79,7 @@ fn redb_insert(dir: &Path, run: u64, filled: usize) -> f64 {
 }
 
 fn main() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake-conversation.jsonl");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../traces/mooncake-conversation.jsonl");
     let prompts: Vec<Vec<u32>> = trace::read(&path).expect("the trace").iter().map(trace::Request::tokens).collect();
     let blocks: usize = prompts.iter().map(|p| p.len() / 64).sum();
     let distinct = {

@@ -16,7 +16,7 @@ use superfluid_warm::{Namespace, Warm};
 const MODEL: &str = "mooncake-conversation";
 
 fn requests() -> Vec<Vec<u32>> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake-conversation.jsonl");
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../traces/mooncake-conversation.jsonl");
     trace::read(&path).expect("the trace").iter().map(trace::Request::tokens).collect()
 }
 

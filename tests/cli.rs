@@ -869,6 +869,18 @@ fn the_replay_report_says_what_it_found_in_plain_words() {
     assert!(report.contains("--json"), "{report}");
     let big = report.split_whitespace().filter(|w| w.chars().all(|c| c.is_ascii_digit()) && w.len() > 4).count();
     assert_eq!(big, 0, "big numbers have separators: {report}");
+    // A capacity smaller than one prompt: 0.1.7's rule lets the `ran` overshoot, and `stats` says why.
+    let dir = tempdir();
+    let small = dir.path().join("small.redb");
+    {
+        let warm = superfluid_warm::Warm::builder().capacity(100).open(&small).expect("open");
+        warm.ran("m", &(0..50 * 64).collect::<Vec<u32>>(), "a").expect("ran");
+        // The eviction this `ran` brings takes the first one's 50 blocks; its own 200 stay.
+        warm.ran("m", &(100_000..100_000 + 200 * 64).collect::<Vec<u32>>(), "b").expect("ran");
+        warm.close().expect("close");
+    }
+    let stats = text(&run(&["stats", small.to_str().expect("utf-8")]).stdout);
+    assert!(stats.contains("% used) (over: 0.1.7's rule"), "{stats}");
     let more = run(&["replay", "--requests", "4000", "--json", "--no-baseline", "--no-back-to-back"]);
     let r: serde_json::Value = serde_json::from_slice(&more.stdout).expect("JSON");
     assert_eq!(r["requests"], 4000, "the built-in workload makes as many requests as asked");

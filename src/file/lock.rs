@@ -2,7 +2,9 @@
 //! (`<file>.seal`) for as long as it has the file open; a reader that finds no head holds a
 //! shared lock while it verifies the closed file, so that no head starts writing under it.
 //! The operating system releases a lock when its process ends, however it ends, so a crashed
-//! head never looks alive, and a reused process id means nothing.
+//! head never looks alive, and a reused process id means nothing while the side file is there.
+//! Only a file without one has its writer's process id consulted ([`process_running`]): a
+//! deleted side file takes its head's lock out of sight.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::path::{Path, PathBuf};

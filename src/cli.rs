@@ -1079,3 +1079,31 @@ fn replay_text(
     }
     t
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// A full disk is told in the command line's words: what to do, not the library's advice to
+    /// reopen a handle.
+    #[test]
+    fn a_full_disk_is_told_in_the_command_lines_words() {
+        let full = std::io::Error::new(std::io::ErrorKind::StorageFull, "No space left on device");
+        let storage = Error::Storage { context: "committing", source: Arc::new(redb::Error::Io(full)) };
+        assert!(storage.needs_reopen(), "the error this is about");
+        for e in [storage.clone(), Error::CommitFailed { source: Box::new(storage) }] {
+            let said = CliError::Index(e).to_string();
+            assert!(said.contains("No space left on device"), "{said}");
+            assert!(said.contains("free space") && said.contains("run the command again"), "{said}");
+            assert!(!said.contains("reopen") && !said.contains("handle"), "{said}");
+        }
+    }
+
+    #[test]
+    fn thousands_are_separated() {
+        let shown: Vec<String> = [0, 999, 1_000, 144_793_823].into_iter().map(thousands).collect();
+        assert_eq!(shown, ["0", "999", "1,000", "144,793,823"]);
+    }
+}

@@ -29,7 +29,7 @@ fn fill(path: &Path, entries: u64) -> Warm {
     let warm = Warm::builder().capacity(entries + entries / 4).open(path).expect("open");
     let ns = Namespace::new(MODEL).expect("namespace");
     for i in 0..(entries / u64::from(BLOCKS)) as u32 {
-        let p = warm.prefix(&ns, &prompt(i)).expect("prefix");
+        let p = warm.prefix(&ns, &prompt(i));
         warm.ran_prefix(&p, &node_name(i as usize % 8)).expect("ran");
     }
     warm.sync().expect("sync");
@@ -245,7 +245,7 @@ fn answer_child(path: &Path, entries: u64) {
     for _ in 0..20_000 {
         state = superfluid_warm::tools::trace::splitmix64(state);
         let i = (state % u64::from(n)) as u32;
-        let p = warm.prefix(&ns, &prompt(i)).expect("prefix");
+        let p = warm.prefix(&ns, &prompt(i));
         let t = Instant::now();
         hits += usize::from(black_box(warm.warmest_prefix(&p).expect("warmest")).is_some());
         times.push(t.elapsed());
@@ -277,7 +277,7 @@ fn threads() {
                         let conv = th * 1000 + i % 100;
                         let turn = i / 100 + 2;
                         let tokens: Vec<u32> = (0..turn * 64).map(|t| conv * 100_000 + t).collect();
-                        let p = warm.prefix(&ns, &tokens).expect("prefix");
+                        let p = warm.prefix(&ns, &tokens);
                         let _ = warm.warmest_prefix(&p).expect("warmest");
                         warm.ran_prefix(&p, &node_name((conv % 8) as usize)).expect("ran");
                         if i % 50 == 0 {

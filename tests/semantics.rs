@@ -53,9 +53,9 @@ fn tenants_never_share_a_prefix() -> Result<(), Error> {
     let tokens: Vec<u32> = (0..512).collect();
     let a = Namespace::with_tenant("m", b"tenant-a")?;
     let b = Namespace::with_tenant("m", b"tenant-b")?;
-    warm.ran_prefix(&warm.prefix(&a, &tokens)?, "node-a")?;
-    assert_eq!(warm.warmest_prefix(&warm.prefix(&a, &tokens)?)?, hit("node-a", 512));
-    assert_eq!(warm.warmest_prefix(&warm.prefix(&b, &tokens)?)?, None);
+    warm.ran_prefix(&warm.prefix(&a, &tokens), "node-a")?;
+    assert_eq!(warm.warmest_prefix(&warm.prefix(&a, &tokens))?, hit("node-a", 512));
+    assert_eq!(warm.warmest_prefix(&warm.prefix(&b, &tokens))?, None);
     assert_eq!(warm.warmest("m", &tokens)?, None, "the shared namespace is not a tenant's");
     Ok(())
 }

@@ -202,15 +202,12 @@ impl Warm {
 
     /// Hashes `tokens` in `namespace` once, for [`Warm::warmest_prefix`] and [`Warm::ran_prefix`].
     /// While entries imported from 0.1.7 remain, the 0.1.7 chain is computed too.
-    ///
-    /// # Errors
-    /// [`Error::Poisoned`] only.
-    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Result<Prefix> {
+    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
         let mut prefix = Prefix::in_scheme(self.inner.scheme, namespace, tokens);
         if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.inner.legacy.load(Ordering::Relaxed) {
             prefix.legacy = legacy_chain(namespace.model(), tokens);
         }
-        Ok(prefix)
+        prefix
     }
 
     /// The node that ran the longest remembered prefix of `tokens` for `model`, and how many
@@ -220,7 +217,7 @@ impl Warm {
     /// [`Error::InvalidName`] for an empty or over-long model name; [`Error::Storage`] if the
     /// file cannot be read.
     pub fn warmest(&self, model: &str, tokens: &[u32]) -> Result<Option<Hit>> {
-        let prefix = self.prefix(&Namespace::new(model)?, tokens)?;
+        let prefix = self.prefix(&Namespace::new(model)?, tokens);
         self.warmest_prefix(&prefix)
     }
 
@@ -262,7 +259,7 @@ impl Warm {
     /// # Errors
     /// As [`Warm::warmest`].
     pub fn warm_nodes(&self, model: &str, tokens: &[u32]) -> Result<Vec<Hit>> {
-        let prefix = self.prefix(&Namespace::new(model)?, tokens)?;
+        let prefix = self.prefix(&Namespace::new(model)?, tokens);
         self.warm_nodes_prefix(&prefix)
     }
 
@@ -311,7 +308,7 @@ impl Warm {
     /// with a zero sync window, [`Error::Storage`] if the commit fails (this `ran` is kept and
     /// retried with the next, but is not durable).
     pub fn ran(&self, model: &str, tokens: &[u32], node: &str) -> Result<()> {
-        let prefix = self.prefix(&Namespace::new(model)?, tokens)?;
+        let prefix = self.prefix(&Namespace::new(model)?, tokens);
         self.ran_prefix(&prefix, node)
     }
 

@@ -119,10 +119,7 @@ impl SharedWarm {
     }
 
     /// As [`Warm::prefix`].
-    ///
-    /// # Errors
-    /// As [`Warm::prefix`].
-    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Result<Prefix> {
+    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
         self.shared.warm.prefix(namespace, tokens)
     }
 
@@ -131,7 +128,7 @@ impl SharedWarm {
     /// # Errors
     /// As [`Warm::warmest`].
     pub fn warmest(&self, model: &str, tokens: &[u32]) -> Result<Option<Hit>> {
-        self.warmest_prefix(&self.prefix(&Namespace::new(model)?, tokens)?)
+        self.warmest_prefix(&self.prefix(&Namespace::new(model)?, tokens))
     }
 
     /// As [`Warm::warmest_prefix`], with this head's own events not yet back from the stream.
@@ -171,7 +168,7 @@ impl SharedWarm {
     /// # Errors
     /// As [`Warm::warm_nodes`].
     pub fn warm_nodes(&self, model: &str, tokens: &[u32]) -> Result<Vec<Hit>> {
-        self.warm_nodes_prefix(&self.prefix(&Namespace::new(model)?, tokens)?)
+        self.warm_nodes_prefix(&self.prefix(&Namespace::new(model)?, tokens))
     }
 
     /// As [`Warm::warm_nodes_prefix`], with this head's own events not yet back from the stream
@@ -207,7 +204,7 @@ impl SharedWarm {
     /// # Errors
     /// As [`Warm::ran`]; [`Error::Codec`] if the event cannot be encoded.
     pub fn ran(&self, model: &str, tokens: &[u32], node: &str) -> Result<Ticket> {
-        self.ran_prefix(&self.prefix(&Namespace::new(model)?, tokens)?, node)
+        self.ran_prefix(&self.prefix(&Namespace::new(model)?, tokens), node)
     }
 
     /// As [`SharedWarm::ran`] for a prefix hashed by [`SharedWarm::prefix`].

@@ -145,7 +145,7 @@ pub fn run_heads(
                 report.waited_for += t.elapsed();
             }
         }
-        let prefix = head.prefix(&namespace, &tokens)?;
+        let prefix = head.prefix(&namespace, &tokens);
         let hits = match config.policy {
             Policy::Balanced => head.warm_nodes_prefix(&prefix)?,
             Policy::Warmest => head.warmest_prefix(&prefix)?.into_iter().collect(),
@@ -158,7 +158,7 @@ pub fn run_heads(
         per_node[chosen] += tokens.len() as u64;
 
         let lone = &alone[h];
-        let prefix = lone.prefix(&namespace, &tokens)?;
+        let prefix = lone.prefix(&namespace, &tokens);
         let hits = match config.policy {
             Policy::Balanced => lone.warm_nodes_prefix(&prefix)?,
             Policy::Warmest => lone.warmest_prefix(&prefix)?.into_iter().collect(),

@@ -316,7 +316,7 @@ fn ask(
     policy: Policy,
     tokens: &[u32],
 ) -> Result<(crate::Prefix, Vec<(usize, usize)>)> {
-    let prefix = warm.prefix(namespace, tokens)?;
+    let prefix = warm.prefix(namespace, tokens);
     let found = match policy {
         Policy::Balanced => warm.warm_nodes_prefix(&prefix)?,
         Policy::Warmest => warm.warmest_prefix(&prefix)?.into_iter().collect(),
@@ -627,7 +627,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                     for request in mine {
                         let tokens = prompt(config, request);
                         let t0 = Instant::now();
-                        let prefix = warm.prefix(namespace, &tokens)?;
+                        let prefix = warm.prefix(namespace, &tokens);
                         let hit = warm.warmest_prefix(&prefix)?;
                         let mut elapsed = t0.elapsed();
                         let warm_node =

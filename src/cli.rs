@@ -477,7 +477,7 @@ fn forget(out: &mut impl Write, path: &Path, node: &str) -> Result<ExitCode, Cli
     let warm = Warm::open(path)?;
     let stats = warm.stats()?;
     say_how_opened(path, &stats);
-    let known = stats.nodes.iter().zip(&stats.forgotten).any(|(n, gone)| n == node && !gone);
+    let known = stats.nodes.iter().any(|n| n.name == node && !n.forgotten);
     if known {
         warm.forget_node(node)?;
     }

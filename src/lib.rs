@@ -46,7 +46,7 @@ pub use file::seal::seal_path;
 pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
 pub use file::verify::integrity_check_copy;
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
-pub use index::warm::{Hit, OpenCheck, Stats, Warm};
+pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
 pub use keys::{
     BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix,
 };

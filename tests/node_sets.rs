@@ -346,12 +346,12 @@ fn a_moved_conversation_stays_warm_on_both_nodes_until_one_is_forgotten() -> Res
         assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("a", 640)]);
         assert_eq!(warm.warmest("m", &second)?, Some(hit("a", 640)));
         let stats = warm.stats()?;
-        assert_eq!(stats.forgotten, vec![false, true]);
+        assert_eq!(stats.nodes.iter().map(|n| n.forgotten).collect::<Vec<_>>(), vec![false, true]);
         assert_eq!((stats.entries, stats.others, stats.reclaimable), (15, 10, 15), "b's 15 blocks are reclaimable");
         // b's next `ran` is a new incarnation.
         warm.ran("m", &first, "b")?;
         assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 640), hit("a", 640)]);
-        assert_eq!(warm.stats()?.nodes, vec!["a", "b", "b"]);
+        assert_eq!(warm.stats()?.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), vec!["a", "b", "b"]);
     }
     let warm = Warm::open(&path)?;
     let hit = |node: &str, tokens| Hit { node: node.into(), tokens };

@@ -53,7 +53,7 @@ fn a_schema_4_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
         let stats = warm.stats()?;
         assert_eq!(stats.upgraded_from, Some(4));
         assert_eq!((stats.entries, stats.legacy_entries, stats.others, stats.reclaimable), (1191, 240, 190, 140));
-        assert_eq!(stats.forgotten.iter().filter(|&&f| f).count(), 1);
+        assert_eq!(stats.nodes.iter().filter(|n| n.forgotten).count(), 1);
         assert!(stats.node_caches.iter().all(|c| c.capacity.is_none() && c.held == 0), "no sizes: no caches kept");
         let warm_answers = check_answers(&warm, &queries, "after the upgrade", |_| true)?;
         assert!(warm_answers > 400, "the fixture has warm answers to check ({warm_answers})");

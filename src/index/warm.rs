@@ -53,9 +53,7 @@ pub struct Stats {
     pub clock: u64,
     /// Every node ever seen, by id: one id per incarnation (a forgotten node's name gets a new
     /// id at its next `ran`).
-    pub nodes: Vec<String>,
-    /// By id: whether that incarnation was forgotten.
-    pub forgotten: Vec<bool>,
+    pub nodes: Vec<NodeStats>,
     /// Nodes named by blocks besides the last one to run them (the others), as last written
     /// into the batch.
     pub others: u64,
@@ -74,6 +72,17 @@ pub struct Stats {
     /// The cache of each current node incarnation: blocks held against its capacity, as of the
     /// last change.
     pub node_caches: Vec<NodeCacheStats>,
+}
+
+/// One node incarnation of [`Stats::nodes`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NodeStats {
+    /// The node's name.
+    pub name: String,
+    /// Whether this incarnation was forgotten ([`Warm::forget_node`]): nothing it ran is
+    /// answered, and its name's next `ran` is a new incarnation.
+    pub forgotten: bool,
 }
 
 /// How a file was found when it was opened.
@@ -584,8 +593,12 @@ impl Warm {
             legacy_entries: front.published.legacy_entries,
             capacity: front.published.capacity,
             clock: front.clock,
-            nodes: front.nodes.iter().map(|n| n.to_string()).collect(),
-            forgotten: front.retired.clone(),
+            nodes: front
+                .nodes
+                .iter()
+                .zip(&front.retired)
+                .map(|(name, &forgotten)| NodeStats { name: name.to_string(), forgotten })
+                .collect(),
             others: front.published.others,
             reclaimable: front.published.reclaimable,
             pending: front.oldest_pending.is_some(),

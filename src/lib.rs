@@ -25,6 +25,7 @@
 //! - `tools`: the 0.1.7 design, request traces and the replay, for the binary, the tests and
 //!   the benches. Hidden from these docs and outside semver: not for production use. A head
 //!   that links only the library sets `default-features = false`.
+#![forbid(unsafe_code)]
 #![deny(missing_docs, clippy::unwrap_used)]
 
 mod error;

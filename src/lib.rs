@@ -19,12 +19,13 @@
 //! ```
 //!
 //! # Features
-//! - `cli` (default): the `superfluid-warm` binary, and `tools`.
-//! - `nats` (with `cli`): [`SharedWarm`], several heads sharing one view through a NATS
-//!   JetStream stream (async-nats, on a tokio runtime of its own thread).
+//! None is on by default: a head that links the library gets the index alone.
+//! - `nats`: [`SharedWarm`], several heads sharing one view through a NATS JetStream stream
+//!   (async-nats, on a tokio runtime of its own thread).
 //! - `tools`: the 0.1.7 design, request traces and the replay, for the binary, the tests and
-//!   the benches. Hidden from these docs and outside semver: not for production use. A head
-//!   that links only the library sets `default-features = false`.
+//!   the benches. Hidden from these docs and outside semver: not for production use.
+//! - `cli`: the `superfluid-warm` binary (with `tools` and `nats`). Built from the repository's
+//!   root, the workspace turns it on.
 #![forbid(unsafe_code)]
 #![deny(missing_docs, clippy::unwrap_used)]
 

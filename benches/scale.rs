@@ -123,7 +123,7 @@ fn open_and_durable(label: &str, entries: u64) {
             &(0..7)
                 .map(|_| {
                     if unseal {
-                        let _ = std::fs::remove_file(superfluid_warm::seal_path(&path));
+                        let _ = std::fs::remove_file(superfluid_warm::IndexFile::new(&path).seal_path());
                     }
                     let t = Instant::now();
                     let warm = builder.open(&path).expect("open");

@@ -11,8 +11,8 @@ use superfluid_warm::tools::heads::{HeadsReport, run_heads};
 use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
 use superfluid_warm::{
-    DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, LegacyJson, MAX_CAPACITY, Snapshot,
-    Stats, Warm, check_file, seal_path,
+    DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, IndexFile, LegacyJson, MAX_CAPACITY,
+    Snapshot, Stats, Warm,
 };
 
 /// What every command does with a file a crashed head left, said once.
@@ -319,10 +319,10 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
                 say_how_opened(&path, &warm.stats()?);
                 warm.close()?;
             }
-            report_check(out, json, &check_file(&path)?)
+            report_check(out, json, &IndexFile::new(&path).check()?)
         }
         Command::Compact { path } => {
-            let done = superfluid_warm::compact(&path)?;
+            let done = IndexFile::new(&path).compact()?;
             if let Some(pid) = done.recovered_from {
                 eprintln!(
                     "superfluid-warm: recovered {} to its last commit: a head (process {pid}) had left it open",
@@ -410,7 +410,8 @@ impl Created {
             },
             _ => None,
         };
-        let had_side_file = target.as_deref().is_some_and(|t| std::fs::symlink_metadata(seal_path(t)).is_ok());
+        let had_side_file =
+            target.as_deref().is_some_and(|t| std::fs::symlink_metadata(IndexFile::new(t).seal_path()).is_ok());
         Created { target, had_side_file }
     }
 
@@ -419,7 +420,7 @@ impl Created {
         if let Some(target) = &self.target {
             let _ = std::fs::remove_file(target);
             if !self.had_side_file {
-                let _ = std::fs::remove_file(seal_path(target));
+                let _ = std::fs::remove_file(IndexFile::new(target).seal_path());
             }
         }
     }
@@ -613,7 +614,7 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
     text += &match (s.writer, side_file_missing) {
         (Some(pid), true) => format!(
             "writer         pid {pid}, running, but its side file {} was deleted: restart that head to recreate it\n",
-            seal_path(path).display()
+            IndexFile::new(path).seal_path().display()
         ),
         (Some(pid), false) => format!("writer         pid {pid}\n"),
         (None, _) => "writer         none (closed cleanly)\n".into(),

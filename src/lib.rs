@@ -42,11 +42,10 @@ mod store;
 pub mod tools;
 
 pub use error::{Error, Result};
-pub use file::check::{FileCheck, check_file};
-pub use file::compact::{Compacted, compact};
-pub use file::seal::seal_path;
+pub use file::check::FileCheck;
+pub use file::compact::Compacted;
+pub use file::index_file::IndexFile;
 pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
-pub use file::verify::integrity_check_copy;
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
 pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
 pub use keys::{

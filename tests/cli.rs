@@ -118,7 +118,7 @@ fn corrupt_and_foreign_files_get_a_clear_error_never_a_panic() {
     // cleanly, so it has a seal: each flipped copy gets that seal and the file's time too, so
     // only the seal's digest tells them apart.
     let mut bytes = std::fs::read(&path).expect("read");
-    let seal = std::fs::read(superfluid_warm::seal_path(&path)).expect("the repaired file is sealed");
+    let seal = std::fs::read(superfluid_warm::IndexFile::new(&path).seal_path()).expect("the repaired file is sealed");
     let modified = std::fs::metadata(&path).and_then(|m| m.modified()).expect("mtime");
     let len = bytes.len();
     let mut flipped_detected = 0;
@@ -132,7 +132,7 @@ fn corrupt_and_foreign_files_get_a_clear_error_never_a_panic() {
         let bad = dir.path().join(format!("bad-{i}.redb"));
         std::fs::write(&bad, &copy).expect("write");
         std::fs::File::options().write(true).open(&bad).and_then(|f| f.set_modified(modified)).expect("time");
-        std::fs::write(superfluid_warm::seal_path(&bad), &seal).expect("seal");
+        std::fs::write(superfluid_warm::IndexFile::new(&bad).seal_path(), &seal).expect("seal");
         let b = bad.to_str().expect("utf-8");
         let mut flagged = false;
         for args in [vec!["check", b], vec!["dump", b], vec!["stats", b, "--json"]] {
@@ -198,7 +198,7 @@ fn import_from_the_command_line_then_dump_shows_the_old_entries() {
     let out = run(&["import", bad.to_str().expect("utf-8"), fresh.to_str().expect("utf-8")]);
     assert_eq!(out.status.code(), Some(1));
     assert!(!fresh.exists(), "no new file");
-    assert!(!superfluid_warm::seal_path(&fresh).exists(), "no side file");
+    assert!(!superfluid_warm::IndexFile::new(&fresh).seal_path().exists(), "no side file");
     assert_eq!(
         std::fs::read_dir(dir.path()).expect("list").count(),
         3,
@@ -605,7 +605,7 @@ fn a_lost_index_beside_its_seal_is_refused_never_replaced() {
     let out = run(&["import", concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0001-from-0.1.7-json/warm.json"), p]);
     assert!(text(&out.stderr).contains("was lost"), "{}", text(&out.stderr));
     assert!(!path.exists(), "a missing index stays missing");
-    assert!(superfluid_warm::seal_path(&path).exists(), "its side file is kept");
+    assert!(superfluid_warm::IndexFile::new(&path).seal_path().exists(), "its side file is kept");
     let lib = superfluid_warm::Warm::open(&path);
     assert!(matches!(lib, Err(superfluid_warm::Error::FileLost { .. })), "{lib:?}");
 }
@@ -650,8 +650,10 @@ fn a_failed_import_removes_only_what_it_created() {
     assert!(dir.path().join("target.redb").is_file());
 
     let index = small_index(&dir, "kept.redb", "100000");
-    let (bytes, seal) =
-        (std::fs::read(&index).expect("read"), std::fs::read(superfluid_warm::seal_path(&index)).expect("seal"));
+    let (bytes, seal) = (
+        std::fs::read(&index).expect("read"),
+        std::fs::read(superfluid_warm::IndexFile::new(&index).seal_path()).expect("seal"),
+    );
     let wraps = dir.path().join("wraps.json");
     std::fs::write(&wraps, r#"{"prefixes":[[1,"n",18446744073709551615],[2,"n",3]]}"#).expect("write");
     for old in [b, wraps.to_str().expect("utf-8")] {
@@ -659,7 +661,11 @@ fn a_failed_import_removes_only_what_it_created() {
         assert_eq!(out.status.code(), Some(1), "{}", text(&out.stdout));
         assert!(text(&out.stderr).contains("cannot import"), "{}", text(&out.stderr));
         assert_eq!(std::fs::read(&index).expect("read"), bytes, "the index is byte for byte as it was");
-        assert_eq!(std::fs::read(superfluid_warm::seal_path(&index)).expect("seal"), seal, "and its seal");
+        assert_eq!(
+            std::fs::read(superfluid_warm::IndexFile::new(&index).seal_path()).expect("seal"),
+            seal,
+            "and its seal"
+        );
     }
     let err = superfluid_warm::LegacyJson::read(&wraps).expect_err("a clock with no room after it");
     assert!(err.to_string().contains("clock 18446744073709551615"), "{err}");
@@ -746,7 +752,7 @@ fn a_deleted_side_file_of_a_running_head_is_detected() -> Result<(), superfluid_
     let p = path.to_str().expect("utf-8");
     let warm = superfluid_warm::Warm::builder().sync_window(Duration::ZERO).open(&path)?;
     warm.ran("m", &(0..640).collect::<Vec<u32>>(), "a")?;
-    std::fs::remove_file(superfluid_warm::seal_path(&path)).expect("delete the side file");
+    std::fs::remove_file(superfluid_warm::IndexFile::new(&path).seal_path()).expect("delete the side file");
     let stats = run(&["stats", p, "--json"]);
     assert!(stats.status.success(), "a live head, not a crash: {}", text(&stats.stderr));
     let s: serde_json::Value = serde_json::from_slice(&stats.stdout).expect("stats JSON");

@@ -7,7 +7,11 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use common::backend::Disk;
 use common::{Conversations, Rng, db_path, tempdir};
-use superfluid_warm::{Error, Hit, OpenCheck, Warm, seal_path};
+use superfluid_warm::{Error, Hit, IndexFile, OpenCheck, Warm};
+
+fn seal_path(path: &std::path::Path) -> std::path::PathBuf {
+    IndexFile::new(path).seal_path()
+}
 
 /// How the opens of flipped files ended.
 #[derive(Default)]

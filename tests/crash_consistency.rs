@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::backend::{Disk, crash_images};
 use common::{Conversations, Rng, db_path, tempdir, torture, torture_writer};
 use superfluid_warm::tools::baseline::Baseline;
-use superfluid_warm::{Error, Hit, OpenCheck, Snapshot, Warm, integrity_check_copy};
+use superfluid_warm::{Error, Hit, IndexFile, OpenCheck, Snapshot, Warm};
 
 /// Opens (so recovers) the file as a head would, then checks every invariant read-only. Returns
 /// the clock and how the open verified the file.
@@ -25,7 +25,7 @@ fn recover_and_check(path: &Path) -> Result<(u64, OpenCheck), Error> {
     let snapshot = Snapshot::open(path)?;
     let check = snapshot.check()?;
     assert!(check.problems.is_empty(), "invariants after recovery: {:?}", check.problems);
-    assert!(integrity_check_copy(path)?, "redb integrity after recovery");
+    assert!(IndexFile::new(path).integrity_check_copy()?, "redb integrity after recovery");
     Ok((clock, opened))
 }
 
@@ -125,7 +125,7 @@ fn kill_9_during_the_compacting_close_loses_nothing() -> Result<(), Error> {
     let (mut killed_closing, mut closed, mut compared) = (0, 0, 0);
     for round in 0..rounds {
         let _ = std::fs::remove_file(&path);
-        let _ = std::fs::remove_file(superfluid_warm::seal_path(&path));
+        let _ = std::fs::remove_file(superfluid_warm::IndexFile::new(&path).seal_path());
         let seed = 100 + round as u64;
         let mut child = Command::new(torture_writer())
             .args(["--db", path.to_str().expect("utf-8"), "--capacity", &capacity.to_string()])

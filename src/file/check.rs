@@ -7,7 +7,7 @@ use super::snapshot::{Check, Snapshot};
 use super::verify::{integrity_check_copy, recovered_copy};
 use crate::error::{Error, Result};
 
-/// What [`check_file`] found.
+/// What [`crate::IndexFile::check`] found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct FileCheck {
@@ -63,15 +63,11 @@ impl FileCheck {
     }
 }
 
-/// Checks the index file at `path` without writing it: redb's integrity (on a copy, where no
-/// head has it open) and then, if that passed, the invariants ([`Snapshot::check`]). A file left
-/// by a crashed head is checked on a recovered copy.
+/// [`super::index_file::IndexFile::check`] of the file at `path`.
 ///
 /// # Errors
-/// [`Error::Io`], [`Error::UnknownFormat`], [`Error::NewerSchema`], [`Error::RetiredSchema`] or
-/// [`Error::Storage`]: the file could not be checked at all. A corrupted file is a verdict, not
-/// an error.
-pub fn check_file(path: impl AsRef<Path>) -> Result<FileCheck> {
+/// As that.
+pub(crate) fn check_file(path: impl AsRef<Path>) -> Result<FileCheck> {
     let path = path.as_ref();
     let (snapshot, crashed, copy) = match Snapshot::open_even_if_crashed(path) {
         Ok(snapshot) => {

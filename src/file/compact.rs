@@ -30,15 +30,11 @@ fn size(path: &Path) -> Result<u64> {
     })
 }
 
-/// Compacts the index at `path`, which no head may have open. Its entries are unchanged; every
-/// page is verified first, and the compacted file is sealed (see
-/// [`crate::Builder::check_integrity_on_open`]).
+/// [`super::index_file::IndexFile::compact`] of the file at `path`.
 ///
 /// # Errors
-/// [`Error::AlreadyOpen`] while a head has it open; [`Error::Io`] if it does not exist;
-/// [`Error::NewerSchema`], [`Error::RetiredSchema`] or [`Error::UnknownFormat`] for a file this
-/// build does not write (left as it is); [`Error::Corrupted`]; [`Error::Storage`].
-pub fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
+/// As that.
+pub(crate) fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
     let path = path.as_ref();
     let bytes_before = size(path)?;
     if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {

@@ -59,10 +59,8 @@ enum Mark {
     },
 }
 
-/// Where the side file of the index file at `path` is kept: the same name with `.seal`
-/// appended. Copy it with the file (after the head has closed it) to keep the next open fast; a
-/// file without its seal opens as safely, verified page by page.
-pub fn seal_path(path: &Path) -> PathBuf {
+/// Where the side file of the index file at `path` is kept: the same name with `.seal` appended.
+pub(crate) fn seal_path(path: &Path) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
     name.push(".seal");
     PathBuf::from(name)

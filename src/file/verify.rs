@@ -22,13 +22,11 @@ fn copy_of(path: &Path, purpose: &str) -> Result<TempPath> {
     Ok(copy.into_temp_path())
 }
 
-/// Runs redb's full integrity check (every page checksum) on a copy of `path`, so that the file
-/// itself is never repaired or written. Returns `Ok(false)` for a corrupted file, or one redb
-/// does not recognise at all.
+/// [`super::index_file::IndexFile::integrity_check_copy`] of the file at `path`.
 ///
 /// # Errors
-/// [`Error::Io`] if the copy cannot be made; [`Error::Storage`].
-pub fn integrity_check_copy(path: &Path) -> Result<bool> {
+/// As that.
+pub(crate) fn integrity_check_copy(path: &Path) -> Result<bool> {
     match check_copy(path) {
         Err(Error::UnknownFormat { .. }) => Ok(false),
         verdict => verdict,

@@ -88,7 +88,7 @@ impl Builder {
 
     /// Whether a clean close compacts the file when it is sparse (default on): at least a
     /// quarter of it free pages, at most 128 MiB of them in use and at most 512 MiB in all
-    /// (a bigger file would hold the close for seconds: use [`crate::compact`]). A head's
+    /// (a bigger file would hold the close for seconds: use [`crate::IndexFile::compact`]). A head's
     /// commits leave the file several times its live data, and the next open's seal check reads
     /// every byte of it; compacting costs the close about what a durable write of the live pages
     /// costs. Skipped while a reader holds a transaction on the file.

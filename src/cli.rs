@@ -392,38 +392,46 @@ fn thousands(n: u64) -> String {
 /// What a command that may create files finds at a path before it runs: so that on failure it
 /// removes only what it created (never a symlink, or a file, that was there before).
 struct Created {
-    /// The file a failure should remove, if the command creates it: `path` itself, or the
-    /// target of a dangling symlink at `path`.
+    /// The file a failure should remove, if the command creates it: `path` itself, or the end
+    /// of a chain of dangling symlinks at `path`.
     target: Option<PathBuf>,
-    /// Whether the target's side file was there before (then it is kept).
-    had_side_file: bool,
+    /// The side file a head makes beside `path` (beside the link, not its target), if it was
+    /// not there before.
+    side_file: Option<PathBuf>,
 }
 
 impl Created {
     fn note(path: &Path) -> Created {
         let target = match std::fs::metadata(path) {
             // Nothing is created where a file is, or where nothing can be (a symlink loop).
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match std::fs::read_link(path) {
-                // A dangling symlink: the command would create its target.
-                Ok(link) => Some(path.parent().map_or(link.clone(), |dir| dir.join(link))),
-                Err(_) => Some(path.to_path_buf()),
-            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Some(dangling_end(path)),
             _ => None,
         };
-        let had_side_file =
-            target.as_deref().is_some_and(|t| std::fs::symlink_metadata(IndexFile::new(t).seal_path()).is_ok());
-        Created { target, had_side_file }
+        let side_file = IndexFile::new(path).seal_path();
+        let side_file = (target.is_some() && std::fs::symlink_metadata(&side_file).is_err()).then_some(side_file);
+        Created { target, side_file }
     }
 
     /// Removes what the command created (the file and its side file), and nothing else.
     fn remove(&self) {
-        if let Some(target) = &self.target {
-            let _ = std::fs::remove_file(target);
-            if !self.had_side_file {
-                let _ = std::fs::remove_file(IndexFile::new(target).seal_path());
-            }
+        for made in self.target.iter().chain(&self.side_file) {
+            let _ = std::fs::remove_file(made);
         }
     }
+}
+
+/// Where a file created at `path`, which does not exist, lands: `path`, or the end of the chain
+/// of dangling symlinks that starts there.
+fn dangling_end(path: &Path) -> PathBuf {
+    let mut at = path.to_path_buf();
+    // As many links as the kernel follows.
+    for _ in 0..40 {
+        match std::fs::read_link(&at) {
+            Ok(link) => at = at.parent().map_or(link.clone(), |dir| dir.join(link)),
+            Err(_) => break,
+        }
+    }
+    at
 }
 
 fn import(out: &mut impl Write, old: &Path, path: &Path) -> Result<ExitCode, CliError> {
@@ -441,7 +449,10 @@ fn import(out: &mut impl Write, old: &Path, path: &Path) -> Result<ExitCode, Cli
     let (opened, report) = match imported {
         Ok(done) => done,
         Err(e) => {
-            created.remove();
+            // Another head's file, made since the look: not this command's to remove.
+            if !matches!(e, Error::AlreadyOpen { .. }) {
+                created.remove();
+            }
             return Err(e.into());
         }
     };
@@ -461,7 +472,6 @@ fn import(out: &mut impl Write, old: &Path, path: &Path) -> Result<ExitCode, Cli
 }
 
 fn forget(out: &mut impl Write, path: &Path, node: &str) -> Result<ExitCode, CliError> {
-    existing(path)?;
     // Read first: a node the file does not name needs no write (and no upgrade).
     let named = match Snapshot::open(path) {
         Ok(snapshot) => Some(snapshot.nodes().any(|(n, forgotten)| n == node && !forgotten)),

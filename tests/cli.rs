@@ -637,6 +637,16 @@ fn a_failed_import_removes_only_what_it_created() {
     let out = run(&["import", b, dangling.to_str().expect("utf-8")]);
     assert_eq!(out.status.code(), Some(1));
     assert!(std::fs::symlink_metadata(&dangling).is_ok(), "the dangling symlink is still there");
+    assert!(!superfluid_warm::IndexFile::new(&dangling).seal_path().exists(), "and no side file beside it");
+    // A chain of dangling links: the links stay, whatever the import.
+    let chain = dir.path().join("chain.redb");
+    std::os::unix::fs::symlink(&dangling, &chain).expect("symlink to a symlink");
+    let out = run(&["import", b, chain.to_str().expect("utf-8")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        std::fs::symlink_metadata(&chain).is_ok() && std::fs::symlink_metadata(&dangling).is_ok(),
+        "both links kept"
+    );
     let looping = dir.path().join("loop.redb");
     std::os::unix::fs::symlink(&looping, &looping).expect("symlink loop");
     for old in [b, good] {

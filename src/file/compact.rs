@@ -37,9 +37,6 @@ fn size(path: &Path) -> Result<u64> {
 pub(crate) fn compact(path: impl AsRef<Path>) -> Result<Compacted> {
     let path = path.as_ref();
     let bytes_before = size(path)?;
-    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
-        return Err(super::lock::not_a_file(path));
-    }
     // Compacting writes the file: it is this file's head meanwhile.
     let lock = HeadLock::acquire(path)?;
     let mut redb = redb::Builder::new();

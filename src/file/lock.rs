@@ -3,7 +3,7 @@
 //! shared lock while it verifies the closed file, so that no head starts writing under it.
 //! The operating system releases a lock when its process ends, however it ends, so a crashed
 //! head never looks alive, and a reused process id means nothing while the side file is there.
-//! Only a file without one has its writer's process id consulted ([`process_running`]): a
+//! Only a file without one has its writer's process id consulted ([`process_has_open`]): a
 //! deleted side file takes its head's lock out of sight.
 
 use std::fs::{File, OpenOptions, TryLockError};
@@ -26,9 +26,9 @@ pub(crate) const HELD_RETRY: Duration = Duration::from_secs(2);
 #[derive(Debug)]
 pub(crate) struct HeadLock {
     side: File,
-    /// The side file's path, if this lock created it: dropped while still empty (the head never
-    /// marked the file, so its open failed), it is removed, so that a failed command leaves no
-    /// side file behind.
+    /// The side file's path, if this lock created it (and then took it): dropped while still
+    /// empty (the head never marked the file, so its open failed), it is removed, so that a failed
+    /// command leaves no side file behind.
     created: Option<PathBuf>,
 }
 
@@ -43,20 +43,28 @@ impl HeadLock {
     /// side file cannot be opened or locked.
     pub(crate) fn acquire(path: &Path) -> Result<HeadLock> {
         let side_path = seal_path(path);
-        let index = std::fs::metadata(path);
-        if let Ok(meta) = &index
-            && !meta.is_file()
-        {
+        if std::fs::metadata(path).is_ok_and(|meta| !meta.is_file()) {
             return Err(not_a_file(path));
         }
         let io = |source| Error::io(side_path.clone(), source);
-        let created = !side_path.exists();
-        let side = match OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&side_path) {
-            Ok(side) => side,
+        let open = |create_new: bool| {
+            let mut options = OpenOptions::new();
+            options.read(true).write(true);
+            if create_new {
+                options.create_new(true)
+            } else {
+                options.create(true).truncate(false)
+            };
+            options.open(&side_path)
+        };
+        // Made here, or found: only the process that made it may remove it (once it holds it).
+        let (side, made) = match open(true) {
+            Ok(side) => (side, true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => (open(false).map_err(io)?, false),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(no_folder(path, e)),
             Err(e) => return Err(io(e)),
         };
-        let lock = HeadLock { side, created: created.then(|| side_path.clone()) };
+        let mut lock = HeadLock { side, created: None };
         let started = Instant::now();
         loop {
             match lock.side.try_lock() {
@@ -78,10 +86,12 @@ impl HeadLock {
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        // A side file that says a head wrote the file, beside no file or an empty one: the file
-        // was lost. A new index there would silently start cold.
-        let empty = index.as_ref().map_or(true, |meta| meta.len() == 0);
-        if empty && seal::claims_a_file(&lock.side) {
+        lock.created = made.then_some(side_path);
+        // A side file that says a head wrote the file, beside no file or an empty one (looked at
+        // now that no other head can be writing it): the file was lost. A new index there would
+        // silently start cold.
+        let index = std::fs::metadata(path);
+        if index.as_ref().map_or(true, |meta| meta.len() == 0) && seal::claims_a_file(&lock.side) {
             let detail = if index.is_ok() { "is empty" } else { "does not exist" };
             return Err(Error::FileLost { path: path.to_path_buf(), detail });
         }
@@ -153,10 +163,30 @@ impl ReadGuard {
     }
 }
 
-/// Whether process `pid` is running, where the system says (Linux's `/proc`); elsewhere `false`,
-/// as before this was asked. Only consulted where the lock cannot answer (the side file is gone).
-pub(crate) fn process_running(pid: u32) -> bool {
-    cfg!(target_os = "linux") && pid != 0 && Path::new("/proc").join(pid.to_string()).exists()
+/// Whether process `pid` has the file at `path` open (one of its descriptors is that very
+/// file, by device and inode), where the system says (Linux's `/proc`, readable for the
+/// process's user); elsewhere `false`, as before this was asked. Only consulted where the lock
+/// cannot answer (the side file is gone): a copy of a file, or one a process of a reused id has
+/// no descriptor of, is never taken for a live head's.
+pub(crate) fn process_has_open(pid: u32, path: &Path) -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if pid == std::process::id() {
+            // A head of this process (this reader has the file open too, so its descriptors say
+            // nothing): this process is running.
+            return true;
+        }
+        let Ok(file) = std::fs::metadata(path) else { return false };
+        let Ok(fds) = std::fs::read_dir(Path::new("/proc").join(pid.to_string()).join("fd")) else { return false };
+        fds.flatten()
+            .any(|fd| std::fs::metadata(fd.path()).is_ok_and(|m| m.dev() == file.dev() && m.ino() == file.ino()))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = (pid, path);
+        false
+    }
 }
 
 /// `None` if a live head has the index file at `path` open (its contents are redb's own

@@ -232,10 +232,10 @@ impl Snapshot {
             let (id, bytes) = item.map_err(redb_err("reading namespaces"))?;
             namespaces.insert(id.value(), codec::decode("namespace", bytes.value())?);
         }
-        // No side file, but the writer the file names is running: its side file was deleted
-        // under it (its pages were verified above, as for a closed file).
+        // No side file, but the writer the file names has this very file open: its side file was
+        // deleted under it (its pages were verified above, as for a closed file).
         let side_file_missing = closed.as_ref().is_some_and(|guard| !guard.has_side_file())
-            && meta.writer.as_ref().is_some_and(|w| lock::process_running(w.pid));
+            && meta.writer.as_ref().is_some_and(|w| lock::process_has_open(w.pid, path));
         let head_live = head_live || side_file_missing;
         drop((meta_table, closed));
         Ok(Snapshot {

@@ -294,15 +294,20 @@ impl SharedWarm {
         let started = Instant::now();
         self.wait_until(timeout, |status| status.consuming);
         let status = self.shared.status();
-        let detail = match (&status.halted, &status.error) {
-            (Some(halted), _) => halted.clone(),
-            (None, _) if status.consuming => return Ok(()),
-            (None, Some(error)) => format!("no stream after {:.1?}: {error}", started.elapsed()),
-            (None, None) => format!(
-                "no answer from the NATS server at {} after {:.1?}: check that nats-server -js runs there",
-                self.shared.sharing.url,
-                started.elapsed()
-            ),
+        let detail = match &status.halted {
+            Some(halted) => halted.clone(),
+            None if status.consuming => return Ok(()),
+            None => {
+                drop(status);
+                match self.shared.trouble(started) {
+                    Some(why) => format!("no stream after {:.1?}: {why}", started.elapsed()),
+                    None => format!(
+                        "no answer from the NATS server at {} after {:.1?}: check that nats-server -js runs there",
+                        self.shared.sharing.url,
+                        started.elapsed()
+                    ),
+                }
+            }
         };
         Err(Error::Sharing { detail, source: None })
     }

@@ -6,6 +6,7 @@
 use std::hint::black_box;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use superfluid_warm::ReadIndex;
 
 use criterion::{Criterion, criterion_group};
 use superfluid_warm::tools::baseline::{Baseline, MAX_0_1_7};

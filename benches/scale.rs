@@ -10,6 +10,7 @@ use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
+use superfluid_warm::ReadIndex;
 
 use superfluid_warm::tools::baseline::Baseline;
 use superfluid_warm::tools::replay::{Timing, node_name};

@@ -171,7 +171,7 @@ impl fmt::Display for Error {
             ),
             Error::ForeignPrefix { prefix, file } => write!(
                 f,
-                "this prefix was hashed with {prefix} but the index file uses {file}; make it with this index's `Warm::prefix`"
+                "this prefix was hashed with {prefix} but the index file uses {file}; make it with this index's `prefix` (`ReadIndex::prefix`)"
             ),
             Error::LegacyJson { path, detail, source } => write!(
                 f,

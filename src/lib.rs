@@ -8,7 +8,7 @@
 //!
 //! ```no_run
 //! # fn main() -> Result<(), superfluid_warm::Error> {
-//! use superfluid_warm::Warm;
+//! use superfluid_warm::{ReadIndex, Warm};
 //! let warm = Warm::builder().capacity(1 << 20).open("warm.redb")?;
 //! let turn: Vec<u32> = (0..300).collect();
 //! if let Some(hit) = warm.warmest("qwen-2.5-7b", &turn)? {
@@ -47,6 +47,7 @@ pub use file::compact::Compacted;
 pub use file::index_file::IndexFile;
 pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
+pub use index::read_index::ReadIndex;
 pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
 pub use keys::{
     BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix,

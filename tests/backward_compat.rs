@@ -2,6 +2,7 @@
 //! the import; bad files are refused without touching anything.
 
 use std::path::{Path, PathBuf};
+use superfluid_warm::ReadIndex;
 
 use redb::ReadableTable;
 use serde::Deserialize;

@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
+use superfluid_warm::ReadIndex;
 
 use common::{bin, db_path, tempdir, torture_writer};
 

@@ -4,6 +4,7 @@
 mod common;
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use superfluid_warm::ReadIndex;
 
 use common::backend::Disk;
 use common::{Conversations, Rng, db_path, tempdir};

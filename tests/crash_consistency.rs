@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use superfluid_warm::ReadIndex;
 
 use common::backend::{Disk, crash_images};
 use common::{Conversations, Rng, db_path, tempdir, torture, torture_writer};

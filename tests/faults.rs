@@ -4,6 +4,7 @@ mod common;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
+use superfluid_warm::ReadIndex;
 
 use common::backend::Disk;
 use superfluid_warm::{Error, Hit, Warm};

@@ -4,6 +4,7 @@ mod common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use superfluid_warm::ReadIndex;
 
 use common::{Conversations, Rng, db_path, tempdir};
 use superfluid_warm::tools::baseline::Baseline;

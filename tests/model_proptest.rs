@@ -3,6 +3,7 @@
 mod common;
 
 use proptest::prelude::*;
+use superfluid_warm::ReadIndex;
 use superfluid_warm::tools::baseline::Baseline;
 use superfluid_warm::{Hit, Warm};
 

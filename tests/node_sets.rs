@@ -6,6 +6,7 @@
 mod common;
 
 use std::collections::HashMap;
+use superfluid_warm::ReadIndex;
 
 use proptest::prelude::*;
 use superfluid_warm::{Hit, Warm};

@@ -1,5 +1,6 @@
 //! The behaviour of 0.1.7, kept: the seed's own test, ported, and the edges of the API.
 
+use superfluid_warm::ReadIndex;
 use superfluid_warm::{Error, Hit, Namespace, Warm};
 
 fn hit(node: &str, tokens: usize) -> Option<Hit> {

@@ -6,6 +6,7 @@ mod common;
 
 use std::path::Path;
 use std::time::Duration;
+use superfluid_warm::ReadIndex;
 
 use common::Rng;
 use common::nats::NatsServer;

@@ -5,6 +5,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use superfluid_warm::ReadIndex;
 
 use common::backend::{Disk, crash_images};
 use common::fixtures::{Query, queries};

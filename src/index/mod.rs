@@ -9,4 +9,5 @@ pub(crate) mod lookup;
 pub(crate) mod others;
 pub(crate) mod overlay;
 pub(crate) mod presence;
+pub(crate) mod read_index;
 pub(crate) mod warm;

@@ -22,6 +22,7 @@ use super::commit::{
 use super::front::{Front, MAX_QUEUED_BLOCKS};
 use super::lookup::{self, NodeDepth};
 use super::presence::Filters;
+use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
@@ -110,6 +111,7 @@ pub enum OpenCheck {
 ///
 /// ```no_run
 /// # fn main() -> Result<(), superfluid_warm::Error> {
+/// use superfluid_warm::ReadIndex; // warmest, warm_nodes, prefix
 /// let warm = superfluid_warm::Warm::open("warm.redb")?;
 /// let prompt: Vec<u32> = (0..300).collect();
 /// warm.ran("llama-3-8b", &prompt, "node-a")?;
@@ -209,97 +211,6 @@ impl Warm {
         self.inner.front.lock().map_err(|_| Error::Poisoned)
     }
 
-    /// Hashes `tokens` in `namespace` once, for [`Warm::warmest_prefix`] and [`Warm::ran_prefix`].
-    /// While entries imported from 0.1.7 remain, the 0.1.7 chain is computed too.
-    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        let mut prefix = Prefix::in_scheme(self.inner.scheme, namespace, tokens);
-        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.inner.legacy.load(Ordering::Relaxed) {
-            prefix.legacy = legacy_chain(namespace.model(), tokens);
-        }
-        prefix
-    }
-
-    /// The node that ran the longest remembered prefix of `tokens` for `model`, and how many
-    /// tokens that prefix is; `None` under two blocks (128 tokens). Sees every `ran` that returned.
-    ///
-    /// # Errors
-    /// [`Error::InvalidName`] for an empty or over-long model name; [`Error::Storage`] if the
-    /// file cannot be read.
-    pub fn warmest(&self, model: &str, tokens: &[u32]) -> Result<Option<Hit>> {
-        let prefix = self.prefix(&Namespace::new(model)?, tokens);
-        self.warmest_prefix(&prefix)
-    }
-
-    /// [`Warm::warmest`] for a prefix hashed by [`Warm::prefix`]: about log2(blocks) lookups.
-    ///
-    /// # Errors
-    /// [`Error::ForeignPrefix`] for a prefix hashed in another scheme than this file's;
-    /// [`Error::Storage`] if the file cannot be read.
-    pub fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
-        self.same_scheme(prefix)?;
-        if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
-            return Ok(None);
-        }
-        let mut front = self.front()?;
-        let found = lookup::searched(&mut front, &prefix.blocks)?;
-        // The last block's node was forgotten, or its cache no longer holds it: the next node
-        // that ran the most of the prompt.
-        let found = match found {
-            Some(((node, clock), _)) if !lookup::answered(&front, node, clock) => {
-                lookup::warm_nodes(&mut front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
-            }
-            found => found,
-        };
-        let found = if prefix.legacy.is_empty() {
-            found
-        } else {
-            lookup::longer(found, lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?)
-        };
-        Ok(found
-            .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-            .map(|((node, _), blocks)| Hit { node: front.node_name(node), tokens: blocks * BLOCK_TOKENS }))
-    }
-
-    /// Every remembered node that ran a prefix of `tokens` for `model` (at least two blocks),
-    /// with how many tokens of it, longest first (ties: the newest first). Its first entry is
-    /// [`Warm::warmest`]'s answer. Each block keeps up to [`Builder::nodes_per_prefix`] nodes;
-    /// a forgotten node is never listed.
-    ///
-    /// # Errors
-    /// As [`Warm::warmest`].
-    pub fn warm_nodes(&self, model: &str, tokens: &[u32]) -> Result<Vec<Hit>> {
-        let prefix = self.prefix(&Namespace::new(model)?, tokens);
-        self.warm_nodes_prefix(&prefix)
-    }
-
-    /// [`Warm::warm_nodes`] for a prefix hashed by [`Warm::prefix`]: a few reads a run of
-    /// blocks one `ran` wrote, a read of each block's others, and a look at the uncommitted
-    /// `ran`s per block (costlier than [`Warm::warmest_prefix`], which reads about log2(blocks)).
-    ///
-    /// # Errors
-    /// As [`Warm::warmest_prefix`].
-    pub fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
-        self.same_scheme(prefix)?;
-        let mut front = self.front()?;
-        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, &prefix.blocks)?;
-        if !prefix.legacy.is_empty()
-            && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
-        {
-            // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
-            match found.iter().position(|d| d.node == node) {
-                Some(i) if found[i].blocks >= blocks => {}
-                Some(i) => found[i] = NodeDepth { node, blocks, clock },
-                None => found.push(NodeDepth { node, blocks, clock }),
-            }
-            found.sort_by(NodeDepth::longest_first);
-        }
-        Ok(found
-            .into_iter()
-            .filter(|d| d.blocks >= MIN_BLOCKS)
-            .map(|d| Hit { node: front.node_name(d.node), tokens: d.blocks * BLOCK_TOKENS })
-            .collect())
-    }
-
     /// Records that `node` ran `tokens` for `model`: every whole block of it now points at
     /// `node`. Atomic: after any crash either all of its blocks are there or none. Durable after
     /// the next [`Warm::sync`], or about the sync window after it returns.
@@ -321,7 +232,7 @@ impl Warm {
         self.ran_prefix(&prefix, node)
     }
 
-    /// [`Warm::ran`] for a prefix hashed by [`Warm::prefix`]. Costs the caller a hash-map insert
+    /// [`Warm::ran`] for a prefix hashed by [`ReadIndex::prefix`]. Costs the caller a hash-map insert
     /// per block; the commit thread writes it to the file.
     ///
     /// # Errors
@@ -629,6 +540,67 @@ impl Warm {
         flush(&self.inner, Flush::Close)?;
         self.inner.sealer.clean.store(true, Ordering::Release);
         Ok(())
+    }
+}
+
+impl ReadIndex for Warm {
+    fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
+        let mut prefix = Prefix::in_scheme(self.inner.scheme, namespace, tokens);
+        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.inner.legacy.load(Ordering::Relaxed) {
+            prefix.legacy = legacy_chain(namespace.model(), tokens);
+        }
+        prefix
+    }
+
+    /// About log2(blocks) lookups: a binary search over the uncommitted `ran`s and the last
+    /// commit.
+    fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        self.same_scheme(prefix)?;
+        if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
+            return Ok(None);
+        }
+        let mut front = self.front()?;
+        let found = lookup::searched(&mut front, &prefix.blocks)?;
+        // The last block's node was forgotten, or its cache no longer holds it: the next node
+        // that ran the most of the prompt.
+        let found = match found {
+            Some(((node, clock), _)) if !lookup::answered(&front, node, clock) => {
+                lookup::warm_nodes(&mut front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
+            }
+            found => found,
+        };
+        let found = if prefix.legacy.is_empty() {
+            found
+        } else {
+            lookup::longer(found, lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?)
+        };
+        Ok(found
+            .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
+            .map(|((node, _), blocks)| Hit { node: front.node_name(node), tokens: blocks * BLOCK_TOKENS }))
+    }
+
+    /// A few reads a run of blocks one `ran` wrote, a read of each block's others, and a look at
+    /// the uncommitted `ran`s per block (costlier than [`ReadIndex::warmest_prefix`]).
+    fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        self.same_scheme(prefix)?;
+        let mut front = self.front()?;
+        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, &prefix.blocks)?;
+        if !prefix.legacy.is_empty()
+            && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
+        {
+            // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
+            match found.iter().position(|d| d.node == node) {
+                Some(i) if found[i].blocks >= blocks => {}
+                Some(i) => found[i] = NodeDepth { node, blocks, clock },
+                None => found.push(NodeDepth { node, blocks, clock }),
+            }
+            found.sort_by(NodeDepth::longest_first);
+        }
+        Ok(found
+            .into_iter()
+            .filter(|d| d.blocks >= MIN_BLOCKS)
+            .map(|d| Hit { node: front.node_name(d.node), tokens: d.blocks * BLOCK_TOKENS })
+            .collect())
     }
 }
 

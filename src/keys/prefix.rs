@@ -16,7 +16,7 @@ pub struct Prefix {
 
 impl Prefix {
     /// The prefix of `tokens` in `namespace`, in the scheme of new files, without the 0.1.7
-    /// chain. Use [`crate::Warm::prefix`] to get one in the scheme of the index's file that also
+    /// chain. Use [`crate::ReadIndex::prefix`] to get one in the scheme of the index's file that also
     /// matches entries imported from 0.1.7.
     pub fn new(namespace: &Namespace, tokens: &[u32]) -> Prefix {
         Prefix::in_scheme(Scheme::TreeChain, namespace, tokens)

@@ -13,6 +13,7 @@ use super::pending::Pending;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
+use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
 use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, check_len};
 
@@ -118,84 +119,12 @@ impl SharedWarm {
         Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1) })
     }
 
-    /// As [`Warm::prefix`].
-    pub fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        self.shared.warm.prefix(namespace, tokens)
-    }
-
-    /// As [`Warm::warmest`], with this head's own events not yet back from the stream.
-    ///
-    /// # Errors
-    /// As [`Warm::warmest`].
-    pub fn warmest(&self, model: &str, tokens: &[u32]) -> Result<Option<Hit>> {
-        self.warmest_prefix(&self.prefix(&Namespace::new(model)?, tokens))
-    }
-
-    /// As [`Warm::warmest_prefix`], with this head's own events not yet back from the stream.
-    ///
-    /// # Errors
-    /// As [`Warm::warmest_prefix`].
-    pub fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
-        let Some((own, forgotten)) = self.own(|p| p.longest(prefix.keys())) else {
-            return self.shared.warm.warmest_prefix(prefix);
-        };
-        let applied = if forgotten.is_empty() {
-            self.shared.warm.warmest_prefix(prefix)?
-        } else {
-            let nodes = self.shared.warm.warm_nodes_prefix(prefix)?;
-            nodes.into_iter().find(|h| !names(&forgotten, h))
-        };
-        Ok(match own {
-            Some((blocks, node))
-                if blocks >= MIN_BLOCKS && applied.as_ref().is_none_or(|h| blocks * BLOCK_TOKENS >= h.tokens) =>
-            {
-                Some(Hit { node: node.to_string(), tokens: blocks * BLOCK_TOKENS })
-            }
-            _ => applied,
-        })
-    }
-
     /// What this head's own unapplied events say of a prompt (`read`), and the nodes it forgot
     /// that the stream has not yet brought back; `None` when it has none (the file answers
     /// alone). Read before the file: an event applied meanwhile is then in the file's answer.
     fn own<T>(&self, read: impl FnOnce(&Pending) -> T) -> Option<(T, Vec<Arc<str>>)> {
         let pending = self.shared.pending();
         (!pending.is_empty()).then(|| (read(&pending), pending.forgotten()))
-    }
-
-    /// As [`Warm::warm_nodes`], with this head's own events not yet back from the stream.
-    ///
-    /// # Errors
-    /// As [`Warm::warm_nodes`].
-    pub fn warm_nodes(&self, model: &str, tokens: &[u32]) -> Result<Vec<Hit>> {
-        self.warm_nodes_prefix(&self.prefix(&Namespace::new(model)?, tokens))
-    }
-
-    /// As [`Warm::warm_nodes_prefix`], with this head's own events not yet back from the stream
-    /// (listed first among equal lengths: they are the newest).
-    ///
-    /// # Errors
-    /// As [`Warm::warm_nodes_prefix`].
-    pub fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
-        let Some((own, forgotten)) = self.own(|p| p.nodes(prefix.keys())) else {
-            return self.shared.warm.warm_nodes_prefix(prefix);
-        };
-        let mut hits: Vec<Hit> =
-            self.shared.warm.warm_nodes_prefix(prefix)?.into_iter().filter(|h| !names(&forgotten, h)).collect();
-        for (node, blocks) in own.into_iter().filter(|&(_, b)| b >= MIN_BLOCKS) {
-            let tokens = blocks * BLOCK_TOKENS;
-            match hits.iter().position(|h| *h.node == *node) {
-                Some(i) if hits[i].tokens > tokens => {}
-                Some(i) => {
-                    hits.remove(i);
-                    hits.insert(0, Hit { node: node.to_string(), tokens });
-                }
-                None => hits.insert(0, Hit { node: node.to_string(), tokens }),
-            }
-        }
-        // Longest first; the stable sort keeps this head's own first among equals.
-        hits.sort_by_key(|h| std::cmp::Reverse(h.tokens));
-        Ok(hits)
     }
 
     /// As [`Warm::ran`]: answered here at once, published to the stream in the background, and
@@ -207,7 +136,7 @@ impl SharedWarm {
         self.ran_prefix(&self.prefix(&Namespace::new(model)?, tokens), node)
     }
 
-    /// As [`SharedWarm::ran`] for a prefix hashed by [`SharedWarm::prefix`].
+    /// As [`SharedWarm::ran`] for a prefix hashed by [`ReadIndex::prefix`].
     ///
     /// # Errors
     /// As [`SharedWarm::ran`].
@@ -458,6 +387,58 @@ impl SharedWarm {
             // A link that panicked has nothing left to do.
             let _ = link.join();
         }
+    }
+}
+
+impl ReadIndex for SharedWarm {
+    /// As a [`Warm`]'s.
+    fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
+        self.shared.warm.prefix(namespace, tokens)
+    }
+
+    /// As a [`Warm`]'s, with this head's own events not yet back from the stream.
+    fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        let Some((own, forgotten)) = self.own(|p| p.longest(prefix.keys())) else {
+            return self.shared.warm.warmest_prefix(prefix);
+        };
+        let applied = if forgotten.is_empty() {
+            self.shared.warm.warmest_prefix(prefix)?
+        } else {
+            let nodes = self.shared.warm.warm_nodes_prefix(prefix)?;
+            nodes.into_iter().find(|h| !names(&forgotten, h))
+        };
+        Ok(match own {
+            Some((blocks, node))
+                if blocks >= MIN_BLOCKS && applied.as_ref().is_none_or(|h| blocks * BLOCK_TOKENS >= h.tokens) =>
+            {
+                Some(Hit { node: node.to_string(), tokens: blocks * BLOCK_TOKENS })
+            }
+            _ => applied,
+        })
+    }
+
+    /// As a [`Warm`]'s, with this head's own events not yet back from the stream (listed first
+    /// among equal lengths: they are the newest).
+    fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        let Some((own, forgotten)) = self.own(|p| p.nodes(prefix.keys())) else {
+            return self.shared.warm.warm_nodes_prefix(prefix);
+        };
+        let mut hits: Vec<Hit> =
+            self.shared.warm.warm_nodes_prefix(prefix)?.into_iter().filter(|h| !names(&forgotten, h)).collect();
+        for (node, blocks) in own.into_iter().filter(|&(_, b)| b >= MIN_BLOCKS) {
+            let tokens = blocks * BLOCK_TOKENS;
+            match hits.iter().position(|h| *h.node == *node) {
+                Some(i) if hits[i].tokens > tokens => {}
+                Some(i) => {
+                    hits.remove(i);
+                    hits.insert(0, Hit { node: node.to_string(), tokens });
+                }
+                None => hits.insert(0, Hit { node: node.to_string(), tokens }),
+            }
+        }
+        // Longest first; the stable sort keeps this head's own first among equals.
+        hits.sort_by_key(|h| std::cmp::Reverse(h.tokens));
+        Ok(hits)
     }
 }
 

@@ -2,6 +2,7 @@
 //! one view through a NATS JetStream stream, beside the same requests over `H` heads that do
 //! not share (each knows only what it routed).
 
+use crate::ReadIndex;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};

@@ -2,6 +2,7 @@
 //! choose a node by a routing policy, record the `ran`. The 0.1.7 design is driven with the same
 //! decisions in the same run, so the two index times compare.
 
+use crate::ReadIndex;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 

@@ -324,10 +324,7 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Compact { path } => {
             let done = IndexFile::new(&path).compact()?;
             if let Some(pid) = done.recovered_from {
-                eprintln!(
-                    "superfluid-warm: recovered {} to its last commit: a head (process {pid}) had left it open",
-                    path.display()
-                );
+                say_recovered(&path, pid);
             }
             emit(out, &format!("compacted {}: {} -> {} bytes", path.display(), done.bytes_before, done.bytes_after))
         }
@@ -357,10 +354,7 @@ fn existing(path: &Path) -> Result<(), CliError> {
 /// head's file, upgrading an older schema.
 fn say_how_opened(path: &Path, stats: &Stats) {
     if let Some(pid) = stats.recovered_from {
-        eprintln!(
-            "superfluid-warm: recovered {} to its last commit: a head (process {pid}) had left it open",
-            path.display()
-        );
+        say_recovered(path, pid);
     }
     if let Some(from) = stats.upgraded_from {
         eprintln!(
@@ -369,6 +363,14 @@ fn say_how_opened(path: &Path, stats: &Stats) {
             superfluid_warm::SCHEMA_VERSION
         );
     }
+}
+
+/// Says on stderr that a writing command recovered a crashed head's file.
+fn say_recovered(path: &Path, pid: u32) {
+    eprintln!(
+        "superfluid-warm: recovered {} to its last commit: a head (process {pid}) had left it open",
+        path.display()
+    );
 }
 
 /// Lower-case hex of a key.

@@ -5,10 +5,12 @@ use std::time::Duration;
 
 use redb::{ConcurrencyMode, Database};
 
+use super::decided::Decided;
 use super::warm::{OpenCheck, Opened, Warm};
 use crate::error::{Error, Result, open_error};
 use crate::file::lock::{HeadLock, retry_while_held};
 use crate::file::seal;
+use crate::store::caches::named_pairs;
 use crate::store::import::{LegacyJson, read_json};
 use crate::store::records::MAX_CAPACITY;
 use crate::store::schema;
@@ -203,28 +205,35 @@ impl Builder {
     ) -> Result<Warm> {
         let prepared = schema::prepare(&db, self.capacity)?;
         let (scheme, resized) = (prepared.scheme, prepared.resized);
-        let mut writer = Writer::load(&db)?;
+        let mut writer = Writer::load(&db, self.nodes_per_prefix)?;
         // A file whose meta still names a writer was left open by one (this head holds the lock).
         let recovered_from = writer.meta.writer.as_ref().map(|w| w.pid);
         let check = Opened { check, upgraded_from: prepared.upgraded_from, recovered_from };
-        writer.nodes_per_prefix = self.nodes_per_prefix;
+        let mut decided = Decided::load(&db)?;
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.
-        if resized && let Err(e) = writer.evict(&db) {
-            return Err(writer.roll_back(&db, e).error);
+        let mut effects = match resized {
+            true => decided.evict_to_capacity(),
+            false => Vec::new(),
+        };
+        // A new node cache size too: the caches it starts keeping start from what the file
+        // names of their nodes, above the floor just decided.
+        if let Some(blocks) = self.node_cache_blocks.filter(|&b| decided.caches.default != Some(b)) {
+            let ids = decided.caches_to_seed(None, Some(blocks));
+            let floor = decided.horizon.floor;
+            let caches = &decided.caches;
+            let seeds = named_pairs(&db, &ids, |node| floor.max(caches.floor(node)))?;
+            effects.extend(decided.set_cache_default(Some(blocks), seeds));
         }
-        // A new node cache size too.
-        if let Some(blocks) = self.node_cache_blocks.filter(|&b| writer.caches.default != Some(b))
-            && let Err(e) = writer.set_node_cache_default(&db, Some(blocks))
-        {
+        if let Err(e) = writer.apply(&db, &effects, 0) {
             return Err(writer.roll_back(&db, e).error);
         }
         writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
+        let warm = Warm::start(db, (writer, decided), self.sync_window, check, scheme, lock, self.compact_on_close)?;
         if let Some(file) = &legacy {
-            writer.import(&db, file)?;
-            writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
+            warm.import(file)?;
         }
-        Warm::start(db, writer, self.sync_window, check, scheme, lock, self.compact_on_close)
+        Ok(warm)
     }
 }

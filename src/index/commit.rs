@@ -1,29 +1,37 @@
 //! The writer's side of a `Warm`: what both locks guard, and the commit thread. A flush takes
-//! the queue, writes it into the batch, commits it as asked, then tells the callers (a fresh
-//! view of the last commit, and the overlay maps it made redundant dropped).
+//! the queue, gives its effects to the writer, commits as asked, then tells the callers (a fresh
+//! view of the last commit, built outside their lock and swapped in whole, and the memtable maps
+//! it made redundant dropped).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 
-use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published};
-use super::horizon::Horizon;
+use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published, Queued};
 use super::presence::Filters;
 use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
 use crate::file::{compact, seal};
 use crate::keys::{BlockKey, Scheme};
-use crate::store::tables::{LIVE, OTHERS, PREFIXES, STATE};
-use crate::store::writer::{Change, RolledBack, Writer, read_floor};
+use crate::store::tables::{OTHERS, PREFIXES};
+use crate::store::writer::{RolledBack, Writer};
+
+/// What the writer lock guards: redb's writer, and the changes its open batch holds.
+pub(crate) struct Back {
+    pub writer: Writer,
+    /// The changes in the batch, oldest first: retried if it is rolled back, dropped from the
+    /// memtable once it is committed.
+    pub batch: Vec<Queued>,
+}
 
 /// Dropped in this order: the batch and the read view, then redb (which closes the file), then
 /// the sealer (which seals the closed file and lets go of its lock).
 pub(crate) struct Inner {
-    pub back: Mutex<Writer>,
+    pub back: Mutex<Back>,
     pub front: Mutex<Front>,
     /// Wakes the commit thread (work queued, or closing).
     pub wake: Condvar,
@@ -88,55 +96,33 @@ pub(crate) fn committed(db: &Database) -> Result<(Committed, CommittedOthers)> {
     Ok((prefixes, others))
 }
 
-/// The callers' horizon of the file as last committed, whose meta `published` gives (nothing
-/// may be pending: no `ran` since, nothing in the batch).
-pub(crate) fn horizon(db: &Database, published: Published) -> Result<Horizon> {
-    let read = db.begin_read().map_err(redb_err("starting a read"))?;
-    let live = read.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-    let floor = read_floor(&read.open_table(STATE).map_err(redb_err("reading the floor"))?)?;
-    Horizon::load(&live, floor, published.entries, published.capacity)
-}
-
-/// Reads the callers' horizon if it has not been read since the open (or an import): before the first `ran`
-/// (by it, or earlier by the commit thread), so that opening a file never waits for it.
-pub(crate) fn ensure_horizon<'a>(db: &Database, front: &'a mut Front) -> Result<&'a mut Horizon> {
-    let horizon = match front.horizon.take() {
-        Some(h) => h,
-        None => horizon(db, front.published)?,
-    };
-    front.searched = None;
-    Ok(front.horizon.insert(horizon))
-}
-
+/// The file's figures as the writer has them.
 pub(crate) fn published(writer: &Writer) -> Published {
-    let nodes = &writer.nodes;
-    let named: u64 = nodes.held.iter().sum();
-    let reclaimable = nodes.held.iter().zip(&nodes.retired).filter(|(_, r)| r.is_some()).map(|(h, _)| h).sum();
     Published {
         entries: writer.meta.entries,
         legacy_entries: writer.meta.legacy_entries,
         capacity: writer.meta.capacity,
-        others: named.saturating_sub(writer.meta.entries),
-        reclaimable,
-        floor: writer.floor,
+        held: writer.held.by_id().into(),
     }
 }
 
 /// What a flush ends with.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Flush {
-    /// Write the queue into the batch; commit only if the oldest change is a window old or the
+    /// Give the queue to the batch; commit only if the oldest change is a window old or the
     /// batch is full.
     IfDue,
+    /// Give the queue to the batch and write it (for figures as of every change); commit if due.
+    Write,
     /// Write the queue and commit.
     Commit,
     /// Write the queue, commit, and mark the file closed.
     Close,
 }
 
-/// Takes the queue, writes it into the batch and commits as `how` says, then tells the callers.
-/// On failure the batch is rolled back and its `ran`s go back to the head of the queue (still in
-/// the overlay) to be retried; the error is returned and kept in `failed` until a commit
+/// Takes the queue, gives it to the batch and commits as `how` says, then tells the callers.
+/// On failure the batch is rolled back and its changes go back to the head of the queue (still
+/// in the memtable) to be retried; the error is returned and kept in `failed` until a commit
 /// succeeds.
 pub(crate) fn flush(inner: &Inner, how: Flush) -> Result<()> {
     let mut back = inner.back.lock().map_err(|_| Error::Poisoned)?;
@@ -144,107 +130,105 @@ pub(crate) fn flush(inner: &Inner, how: Flush) -> Result<()> {
 }
 
 /// [`flush`] with the writer already held.
-pub(crate) fn flush_locked(inner: &Inner, back: &mut Writer, how: Flush) -> Result<()> {
-    let (rans, due) = take_queue(inner)?;
-    let written = write_batch(inner, back, rans);
-    let due = due || back.applied.iter().map(Change::blocks).sum::<usize>() >= MAX_BATCH_BLOCKS;
+pub(crate) fn flush_locked(inner: &Inner, back: &mut Back, how: Flush) -> Result<()> {
+    let (queue, due) = take_queue(inner)?;
+    let written = give_batch(inner, back, queue);
+    let due = due || back.batch.iter().map(Queued::blocks).sum::<usize>() >= MAX_BATCH_BLOCKS;
     let outcome = match written {
-        Err(rolled_back) => Err(rolled_back),
+        Err(e) => Err(e),
         Ok(()) if matches!(how, Flush::Commit | Flush::Close) || due => {
-            back.commit(&inner.db, how == Flush::Close).map(Some)
+            back.writer.commit(&inner.db, how == Flush::Close).map(|()| Some(std::mem::take(&mut back.batch)))
         }
+        Ok(()) if how == Flush::Write => match back.writer.write(&inner.db) {
+            Ok(()) => Ok(None),
+            Err(e) => Err(back.writer.roll_back(&inner.db, e)),
+        },
         Ok(()) => Ok(None),
     };
     publish(inner, back, outcome)
 }
 
 /// Takes the queue from the callers, and whether its oldest change is a window old.
-fn take_queue(inner: &Inner) -> Result<(Vec<Change>, bool)> {
+fn take_queue(inner: &Inner) -> Result<(Vec<Queued>, bool)> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
-    let rans = front.take();
+    let queue = front.take();
     inner.drained.notify_all();
-    Ok((rans, due))
+    Ok((queue, due))
 }
 
-/// Writes `rans` into the batch, merged, with the evictions their floors carry. On an error the
-/// batch is rolled back and every `ran` it held or was to hold is returned with it.
-fn write_batch(inner: &Inner, back: &mut Writer, rans: Vec<Change>) -> Result<(), Box<RolledBack>> {
-    if rans.is_empty() {
+/// Gives `queue`'s effects to the batch. On an error the batch is rolled back.
+fn give_batch(inner: &Inner, back: &mut Back, queue: Vec<Queued>) -> Result<(), Box<RolledBack>> {
+    if queue.is_empty() {
         return Ok(());
     }
     // Into the filters before any commit can hold them.
     let filters = lock_filters(inner);
-    for change in &rans {
-        if let Change::Ran(ran) = change {
-            filters.insert_all(&ran.blocks);
-        }
+    for keys in queue.iter().flat_map(Queued::keys) {
+        filters.insert_all(keys);
     }
     drop(filters);
-    match back.apply(&inner.db, &rans) {
-        Ok(()) => {
-            back.applied.extend(rans);
-            Ok(())
-        }
-        Err(e) => {
-            let mut rolled_back = back.roll_back(&inner.db, e);
-            rolled_back.rans.extend(rans);
-            Err(rolled_back)
-        }
-    }
+    let applied = queue.iter().try_for_each(|q| back.writer.apply(&inner.db, &q.effects, q.position));
+    back.batch.extend(queue);
+    applied.map_err(|e| back.writer.roll_back(&inner.db, e))
 }
 
-/// Tells the callers what a flush did: the counts, and after a commit a fresh view of it with
-/// the overlay maps it made redundant dropped; after a failure, the `ran`s back in the queue.
-fn publish(inner: &Inner, back: &mut Writer, outcome: Result<Option<Vec<Change>>, Box<RolledBack>>) -> Result<()> {
-    // Without a fresh view (a read that failed), the committed `ran`s stay in the overlay and
+/// Tells the callers what a flush did: the figures, and after a commit a fresh view of it with
+/// the memtable maps it made redundant dropped; after a failure, the changes back in the queue.
+fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, Box<RolledBack>>) -> Result<()> {
+    let figures = published(&back.writer);
+    // Without a fresh read (one that failed), the committed changes stay in the memtable and
     // the old view stays: the answers stay right, and the next commit drops them.
     let fresh = match &outcome {
-        Ok(Some(_)) => committed(&inner.db).ok(),
+        Ok(Some(_)) => committed(&inner.db).ok().map(Arc::new),
         _ => None,
     };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
-    // A search reads the file's floor until the horizon is read (a new view is dealt with
-    // below).
-    if front.horizon.is_none() {
-        front.searched = None;
-    }
-    front.adopt(&back.nodes);
-    front.published = published(back);
-    inner.legacy.store(front.published.legacy_entries > 0, Ordering::Relaxed);
-    // An import may carry clocks past the callers' (0.1.7's own): the clock never goes back.
-    front.clock = front.clock.max(back.meta.clock);
+    inner.legacy.store(figures.legacy_entries > 0, Ordering::Relaxed);
     // What is replaced is dropped after the lock is released.
-    let (result, _old_view, _gone) = match outcome {
+    let (result, _replaced) = match outcome {
         Ok(Some(committed)) => {
             front.failed = None;
-            inner.durable_position.store(back.position, Ordering::Release);
+            inner.durable_position.store(back.writer.position, Ordering::Release);
             match fresh {
-                Some((fresh, fresh_others)) => {
-                    front.others.committed(&std::mem::take(&mut back.nodes.others_changed));
-                    front.searched = None;
-                    let old = std::mem::replace(&mut front.committed, fresh);
-                    let old_others = std::mem::replace(&mut front.committed_others, fresh_others);
-                    (Ok(()), Some((old, old_others)), front.drop_committed(&committed))
+                Some(tables) => {
+                    let view = front.view.next(|v| {
+                        v.tables = tables;
+                        v.published = figures;
+                    });
+                    let changed = std::mem::take(&mut back.writer.held.others_changed);
+                    (Ok(()), Some(front.install(view, &committed, &changed)))
                 }
                 None => {
-                    front.oldest_pending = front.queue.first().map(Change::at);
-                    (Ok(()), None, Vec::new())
+                    // Their memtable maps stay (answered from there) until a later commit's
+                    // install drops them with its own.
+                    front.oldest_pending = front.queue.first().map(|q| q.at);
+                    drop(committed);
+                    (Ok(()), None)
                 }
             }
         }
-        Ok(None) => (Ok(()), None, Vec::new()),
+        Ok(None) => {
+            if front.view.published.entries != figures.entries || front.view.published.held != figures.held {
+                // The same answers: the generation stays.
+                let mut view = front.view.next(|v| v.published = figures);
+                view.generation = front.view.generation;
+                front.view = Arc::new(view);
+            }
+            (Ok(()), None)
+        }
         Err(rolled_back) => {
-            let RolledBack { error, rans } = *rolled_back;
+            let RolledBack { error } = *rolled_back;
             front.failed = Some(error.clone());
-            front.requeue(rans);
-            (Err(error), None, Vec::new())
+            front.requeue(std::mem::take(&mut back.batch));
+            (Err(error), None)
         }
     };
     drop(front);
     inner.drained.notify_all();
     result
 }
+
 /// The filters (a panic while they were held cannot have left them wrong: each insert is one
 /// atomic word).
 pub(crate) fn lock_filters(inner: &Inner) -> std::sync::MutexGuard<'_, Filters> {
@@ -277,15 +261,8 @@ fn build_presence(inner: &Inner) {
             continue;
         }
         if filters.wants_build() {
-            let applied: Vec<&[BlockKey]> = back
-                .applied
-                .iter()
-                .filter_map(|c| match c {
-                    Change::Ran(ran) => Some(&ran.blocks[..]),
-                    Change::Forget { .. } => None,
-                })
-                .collect();
-            let keys = back.meta.capacity.max(back.meta.entries);
+            let applied: Vec<&[BlockKey]> = back.batch.iter().flat_map(Queued::keys).collect();
+            let keys = back.writer.meta.capacity.max(back.writer.meta.entries);
             filters.start(usize::try_from(keys).unwrap_or(usize::MAX), &applied);
         }
         let stepped = filters.step(&inner.db);
@@ -293,7 +270,8 @@ fn build_presence(inner: &Inner) {
         match stepped {
             Ok(Some(whole)) => {
                 if let Ok(mut front) = inner.front.lock() {
-                    front.presence = Some(whole);
+                    let view = front.view.next(|v| v.presence = Some(whole));
+                    front.view = Arc::new(view);
                 }
                 return;
             }
@@ -335,12 +313,7 @@ fn index_segments(inner: &Inner) {
 /// The commit thread: writes queued `ran`s into the batch as they come, and commits the batch
 /// once its oldest change is a window old.
 pub(crate) fn flush_loop(inner: &Inner) {
-    // Read the horizon now, while the head is likely still starting up; a failure is met
-    // again, and reported, by the first `ran`.
     mark_open(inner);
-    if let Ok(mut front) = inner.front.lock() {
-        let _ = ensure_horizon(&inner.db, &mut front);
-    }
     index_segments(inner);
     build_presence(inner);
     loop {

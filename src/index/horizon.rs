@@ -1,5 +1,6 @@
 //! The horizon: 0.1.7's eviction rule, decided on the caller's side as each `ran` returns, so
-//! that answers never depend on how far the commit thread has got.
+//! that answers never depend on how far the commit thread has got. Its floor is the index's
+//! low-water mark: every entry with a clock up to it is evicted.
 //!
 //! 0.1.7 evicts, whenever it holds more than `capacity` entries after a `ran`, every entry whose
 //! clock is at most the clock of the `capacity / 8`-th oldest. Each cut is newer than the one
@@ -76,20 +77,36 @@ impl Horizon {
         self.entries = self.entries.saturating_sub(kept) + blocks;
         // Once a `ran`, as 0.1.7 does: a `ran` longer than the eviction makes room for may leave
         // more than `capacity` until the next one.
-        if self.entries > self.capacity {
-            let skip = self.capacity / 8;
-            let mut seen = 0;
-            if let Some(cut) = self.live.iter().find_map(|(&c, &n)| {
-                seen += n;
-                (seen > skip).then_some(c)
-            }) {
-                let rest = self.live.split_off(&(cut + 1));
-                let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
-                self.entries = self.entries.saturating_sub(gone);
-                self.floor = cut;
-            }
-        }
+        self.evict_once();
         self.floor
+    }
+
+    /// Applies 0.1.7's rule until no more than `capacity` entries are live (a file opened with
+    /// a smaller capacity, or over it after an import). Returns the floor after it.
+    pub(crate) fn evict_to_capacity(&mut self) -> u64 {
+        while self.evict_once() {}
+        self.floor
+    }
+
+    /// If more than `capacity` entries are live, evicts every entry whose clock is at most the
+    /// clock of the `capacity / 8`-th oldest (0.1.7's rule); whether it did.
+    fn evict_once(&mut self) -> bool {
+        if self.entries <= self.capacity {
+            return false;
+        }
+        let skip = self.capacity / 8;
+        let mut seen = 0;
+        let Some(cut) = self.live.iter().find_map(|(&c, &n)| {
+            seen += n;
+            (seen > skip).then_some(c)
+        }) else {
+            return false;
+        };
+        let rest = self.live.split_off(&(cut + 1));
+        let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
+        self.entries = self.entries.saturating_sub(gone);
+        self.floor = cut;
+        gone > 0
     }
 }
 

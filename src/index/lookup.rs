@@ -1,4 +1,4 @@
-//! `warmest`'s search: the longest remembered prefix of a chain, over the overlay of uncommitted
+//! `warmest`'s search: the longest remembered prefix of a chain, over the memtable of uncommitted
 //! `ran`s and the last commit.
 //!
 //! Every `ran` writes all the blocks of its prompt at one clock, and eviction removes whole clock
@@ -21,42 +21,44 @@ pub(crate) type Longest<T> = Option<(T, usize)>;
 /// thread has removed it yet or not). A forgotten node's entries are still found: they count
 /// for eviction until they go.
 pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    match front.overlay.get(key) {
+    match front.memtable.get(key) {
         Some(found) => Ok(Some(found).filter(|&(_, clock)| front.holds(clock))),
         None => committed_probe(front, key),
     }
 }
 
 /// [`search`] of `keys` with [`probe`], or its result from the last time, if it was of the same
-/// chain and nothing it read has changed since (`Front::searched` is cleared at every change).
+/// chain and nothing it read has changed since (the view's generation, the memtable's and the
+/// floor: [`Front::state`]).
 pub(crate) fn searched(front: &mut Front, keys: &[BlockKey]) -> Result<Longest<(u32, u64)>> {
     let Some(&last) = keys.last() else { return Ok(None) };
-    if let Some(s) = front.searched.filter(|s| s.last == last && s.len == keys.len()) {
+    let at = front.state();
+    if let Some(s) = front.searched.filter(|s| s.last == last && s.len == keys.len() && s.at == at) {
         return Ok(s.found);
     }
     let found = search(keys, |k| probe(front, k))?;
-    front.searched = Some(Searched { last, len: keys.len(), found });
+    front.searched = Some(Searched { last, len: keys.len(), at, found });
     Ok(found)
 }
 
 /// [`probe`] of the last commit alone.
 fn committed_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    if front.presence.as_ref().is_some_and(|p| !p.may_hold(key)) {
+    if front.view.presence.as_ref().is_some_and(|p| !p.may_hold(key)) {
         return Ok(None);
     }
-    let entry = front.committed.get(table_key(key)).map_err(redb_err("reading a prefix"))?;
+    let entry = front.view.prefixes().get(table_key(key)).map_err(redb_err("reading a prefix"))?;
     Ok(entry.map(|g| Entry::from_tuple(g.value())).map(|e| (e.node, e.clock)).filter(|&(_, c)| front.holds(c)))
 }
 
 /// [`probe`] for answers: nothing for a forgotten node (0.1.7's imported entries are not counted
 /// in a node's cache, so its floor does not apply to them).
 pub(crate) fn answer_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    Ok(probe(front, key)?.filter(|&(node, _)| !front.is_retired(node)))
+    Ok(probe(front, key)?.filter(|&(node, _)| !front.decided.nodes.is_retired(node)))
 }
 
 /// Whether `node`'s pair of `clock` is answered: not forgotten, and still in its cache.
 pub(crate) fn answered(front: &Front, node: u32, clock: u64) -> bool {
-    !front.is_retired(node) && clock > front.caches.floor(node)
+    front.decided.answered(node, clock)
 }
 
 /// The blocks of `keys` node `node` holds in its cache, by the clock it last ran them at: runs
@@ -73,7 +75,7 @@ pub(crate) fn node_runs(
     runs_by_writer: &[((u32, u64), u64)],
 ) -> Result<Vec<(u64, u64)>> {
     let Some(node) = node else { return Ok(Vec::new()) };
-    let floor = front.caches.floor(node);
+    let floor = front.decided.caches.floor(node);
     if runs_by_writer.iter().all(|&((n, _), _)| n == node) {
         return Ok(runs_by_writer.iter().map(|&((_, c), k)| (c, k)).filter(|&(c, _)| c > floor).collect());
     }
@@ -143,7 +145,7 @@ fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
     let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];
     if front.nodes_per_prefix > 1 {
-        front.others.fill(&front.committed_others, keys)?;
+        front.others.fill(front.view.others(), keys)?;
     }
     let front = &*front;
     let rows = match front.nodes_per_prefix {
@@ -154,8 +156,8 @@ fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
     // node): the last commit, and each pending batch. Where no source changes and no block has
     // others, every block names the same nodes, so only the last block of such a stretch is
     // looked at.
-    let maps: Vec<_> = front.overlay.maps().collect();
-    let pending = |map: &super::overlay::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
+    let maps: Vec<_> = front.memtable.maps().collect();
+    let pending = |map: &super::memtable::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
     let mut looked_at: Vec<usize> = Vec::new();
     let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
     // If no pending batch has the last remembered block, the search found it in the last

@@ -1,13 +1,14 @@
-//! The index layer: `Warm` and its `Builder`, the caller's side (clock, overlay, queue, lookup)
-//! and the commit thread. Depends on `file`, `store` and `keys`.
+//! The index layer: `Warm` and its `Builder`, the caller's side (decided state, memtable, queue,
+//! committed view, lookup) and the commit thread. Depends on `file`, `store` and `keys`.
 
 pub(crate) mod builder;
 pub(crate) mod commit;
+pub(crate) mod decided;
 pub(crate) mod front;
 pub(crate) mod horizon;
 pub(crate) mod lookup;
+pub(crate) mod memtable;
 pub(crate) mod others;
-pub(crate) mod overlay;
 pub(crate) mod presence;
 pub(crate) mod read_index;
 pub(crate) mod warm;

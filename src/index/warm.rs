@@ -16,20 +16,22 @@ use std::time::{Duration, Instant};
 use redb::Database;
 
 use super::builder::Builder;
-use super::commit::{
-    Flush, Inner, Sealer, committed, ensure_horizon, flush, flush_locked, flush_loop, mark_open, published,
-};
-use super::front::{Front, MAX_QUEUED_BLOCKS};
+use super::commit::{Back, Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, mark_open, published};
+use super::decided::Decided;
+use super::front::{Front, MAX_QUEUED_BLOCKS, Queued, View};
 use super::lookup::{self, NodeDepth};
 use super::presence::Filters;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
-use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain};
-use crate::store::caches::NodeCacheStats;
+use crate::keys::{
+    BLOCK_TOKENS, BlockKey, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain, legacy_key,
+};
+use crate::store::caches::{NodeCacheStats, named_pairs};
+use crate::store::effect::Effect;
 use crate::store::import::{ImportReport, LegacyJson, read_json};
-use crate::store::records::{MAX_CAPACITY, MAX_CLOCK};
-use crate::store::writer::{Change, Ran, Writer};
+use crate::store::records::MAX_CAPACITY;
+use crate::store::writer::Writer;
 
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -150,27 +152,22 @@ impl Warm {
     /// backend).
     pub(crate) fn start(
         db: Database,
-        writer: Writer,
+        (writer, decided): (Writer, Decided),
         window: Duration,
         opened: Opened,
         scheme: Scheme,
         lock: Option<(HeadLock, PathBuf)>,
         compact_on_close: bool,
     ) -> Result<Warm> {
-        let front = Front::new(
-            writer.meta.clock,
-            &writer.nodes,
-            published(&writer),
-            committed(&db)?,
-            writer.nodes_per_prefix,
-            writer.caches.view(),
-        );
+        let view =
+            View { generation: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
+        let front = Front::new(decided, view, writer.nodes_per_prefix);
         let inner = Arc::new(Inner {
             durable_position: AtomicU64::new(writer.position),
             scheme,
             legacy: AtomicBool::new(writer.meta.legacy_entries > 0),
             presence: Mutex::default(),
-            back: Mutex::new(writer),
+            back: Mutex::new(Back { writer, batch: Vec::new() }),
             front: Mutex::new(front),
             wake: Condvar::new(),
             drained: Condvar::new(),
@@ -209,6 +206,10 @@ impl Warm {
 
     fn front(&self) -> Result<MutexGuard<'_, Front>> {
         self.inner.front.lock().map_err(|_| Error::Poisoned)
+    }
+
+    fn back(&self) -> Result<MutexGuard<'_, Back>> {
+        self.inner.back.lock().map_err(|_| Error::Poisoned)
     }
 
     /// Records that `node` ran `tokens` for `model`: every whole block of it now points at
@@ -253,14 +254,14 @@ impl Warm {
         // held from before it is queued, so no other caller's commit (or failure) takes it.
         let back = match self.flusher {
             Some(_) => None,
-            None => Some(self.inner.back.lock().map_err(|_| Error::Poisoned)?),
+            None => Some(self.back()?),
         };
         {
             let mut front = self.front()?;
             // Back-pressure: the commit thread is behind (queue) or a commit is (overlay). And
             // an import in progress (with a commit thread; without one, it holds the writer).
             while front.importing
-                || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.overlay.blocks() > 4 * MAX_QUEUED_BLOCKS)
+                || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.memtable.blocks() > 4 * MAX_QUEUED_BLOCKS)
                     && self.flusher.is_some()
                     && front.failed.is_none()
             {
@@ -272,40 +273,23 @@ impl Warm {
             if let Some(failed) = front.failed.as_ref().filter(|_| full) {
                 return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
-            // 0.1.7's eviction, decided now: the blocks this `ran` keeps live (a prefix of its
-            // chain, in runs of equal clocks) and the floor after it.
-            // (Until the horizon is read, the file's own floor is what has been evicted.)
+            // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in runs
+            // of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept, the blocks
+            // of the prompt it held, by the clock it last ran them at.
             let found = lookup::searched(&mut front, &prefix.blocks)?;
             let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(&front, k), |&(_, c)| c)?;
             let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
-            // The node's cache, if kept: the blocks of the prompt it held, by the clock it last
-            // ran them at.
-            let held = match front.caches.tracks(node) {
+            let held = match front.decided.caches.tracks(node) {
                 true => {
-                    let id = front.current_id(node);
+                    let id = front.decided.nodes.current(node);
                     lookup::node_runs(&mut front, id, &prefix.blocks, &by_writer)?
                 }
                 false => Vec::new(),
             };
-            let clock = next_clock(front.clock)?;
-            let blocks = prefix.blocks.len() as u64;
-            let floor = ensure_horizon(&self.inner.db, &mut front)?.ran(clock, blocks, &runs);
-            front.clock = clock;
-            let (id, name) = front.name(node);
-            front.caches.ran((id, &name), clock, blocks, &held, floor);
-            let ran = Ran {
-                namespace: prefix.namespace.clone(),
-                blocks: prefix.blocks.as_slice().into(),
-                node: id,
-                name,
-                clock,
-                floor,
-                held,
-                at: Instant::now(),
-                position,
-            };
+            let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
+            let (clock, effects) = front.decided.ran(&prefix.namespace, &blocks, node, (&runs, &held))?;
             let was_idle = front.oldest_pending.is_none();
-            front.push(Change::Ran(ran));
+            front.push(Queued { effects, clock, at: Instant::now(), position });
             if self.flusher.is_some() {
                 if was_idle {
                     self.inner.wake.notify_one();
@@ -343,11 +327,13 @@ impl Warm {
             while front.importing {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
-            if let Some(node) = front.forget(name) {
-                front.caches.forget(node);
-                let clock = front.clock;
+            // A node never seen is nothing to forget; a shared event's position is still
+            // recorded, so that the stream's last event is acknowledged whatever it was.
+            let effects = front.decided.forget(name);
+            if effects.is_some() || position > 0 {
+                let clock = front.decided.clock;
                 let was_idle = front.oldest_pending.is_none();
-                front.push(Change::Forget { node, clock, at: Instant::now(), position });
+                front.push(Queued { effects: effects.unwrap_or_default(), clock, at: Instant::now(), position });
                 if was_idle {
                     self.inner.wake.notify_one();
                 }
@@ -374,7 +360,7 @@ impl Warm {
     /// with the change, as a `ran`'s is).
     pub(crate) fn set_node_capacity_at(&self, name: &str, blocks: Option<u64>, position: u64) -> Result<()> {
         check_node_capacity(name, blocks)?;
-        self.change_caches(|back, db| back.set_node_capacity(db, name, blocks, position))
+        self.change_caches(Some(name), blocks, position)
     }
 
     /// Sets (or with `None` removes) the default size of a node's KV cache, as
@@ -387,31 +373,72 @@ impl Warm {
     /// if a commit fails (the change is not made).
     pub fn set_node_cache_default(&self, blocks: Option<u64>) -> Result<()> {
         check_cache_size(blocks)?;
-        self.change_caches(|back, db| back.set_node_cache_default(db, blocks))
+        self.change_caches(None, blocks, 0)
     }
 
-    /// Makes `change` to the node caches as an import is made: with the writer held and `ran`s
-    /// waiting, everything before is committed, then the change is committed on its own, and the
-    /// callers take the writer's caches (a node whose cache was not kept starts from a scan of
-    /// the file, and both must start from the same one).
-    fn change_caches(&self, change: impl FnOnce(&mut Writer, &Database) -> Result<()>) -> Result<()> {
-        let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
+    /// Sets node `name`'s cache size (`Some`), or the default (`None`), as an import is made:
+    /// with the writer held and changes waiting, everything before is committed, then the
+    /// change is decided (a cache kept from now on starts from a scan of the file, which then
+    /// holds every change decided before) and committed on its own.
+    fn change_caches(&self, name: Option<&str>, blocks: Option<u64>, position: u64) -> Result<()> {
+        let mut back = self.back()?;
         self.front()?.importing = true;
-        let set = flush_locked(&self.inner, &mut back, Flush::Commit).and_then(|()| {
-            if let Err(e) = change(&mut back, &self.inner.db) {
-                return Err(back.roll_back(&self.inner.db, e).error);
+        let mut decided = false;
+        let changed = self.change_caches_locked(&mut back, (name, blocks, position), &mut decided);
+        self.end_alone(changed.is_err() && decided)?;
+        changed
+    }
+
+    /// [`Warm::change_caches`] with the writer held; `decided` is set once the change is.
+    fn change_caches_locked(
+        &self,
+        back: &mut Back,
+        (name, blocks, position): (Option<&str>, Option<u64>, u64),
+        decided: &mut bool,
+    ) -> Result<()> {
+        flush_locked(&self.inner, back, Flush::Commit)?;
+        *decided = true;
+        let (ids, floors, floor) = {
+            let front = self.front()?;
+            let ids = front.decided.caches_to_seed(name, blocks);
+            let floors: Vec<u64> = ids.iter().map(|&id| front.decided.caches.floor(id)).collect();
+            (ids, floors, front.decided.horizon.floor)
+        };
+        let above = |node: u32| {
+            floor.max(ids.iter().position(|&id| id == node).and_then(|i| floors.get(i).copied()).unwrap_or(0))
+        };
+        let seeds = named_pairs(&self.inner.db, &ids, above)?;
+        let effects = {
+            let mut front = self.front()?;
+            match name {
+                Some(name) => front.decided.set_capacity(name, blocks, seeds)?,
+                None => front.decided.set_cache_default(blocks, seeds),
             }
-            flush_locked(&self.inner, &mut back, Flush::Commit)
-        });
+        };
+        self.persist_alone(back, &effects, position)
+    }
+
+    /// Gives `effects`, decided with the writer held alone, to the batch and commits it.
+    fn persist_alone(&self, back: &mut Back, effects: &[Effect], position: u64) -> Result<()> {
+        if let Err(e) = back.writer.apply(&self.inner.db, effects, position) {
+            return Err(back.writer.roll_back(&self.inner.db, e).error);
+        }
+        flush_locked(&self.inner, back, Flush::Commit)
+    }
+
+    /// Ends a change made with the writer held alone (and every change before it committed):
+    /// if it was decided and then failed, what was decided goes back to what the file holds;
+    /// then the callers' changes go on.
+    fn end_alone(&self, undo: bool) -> Result<()> {
+        let reloaded = if undo { Decided::load(&self.inner.db).ok() } else { None };
         let mut front = self.front()?;
         front.importing = false;
-        if set.is_ok() {
-            front.caches = back.caches.view();
-            front.searched = None;
+        if let Some(decided) = reloaded {
+            front.decided = decided;
         }
         drop(front);
         self.inner.drained.notify_all();
-        set
+        Ok(())
     }
 
     #[cfg(feature = "nats")]
@@ -459,35 +486,66 @@ impl Warm {
     /// # Errors
     /// [`Error::Storage`] if the commit fails.
     pub fn import(&self, file: &LegacyJson) -> Result<ImportReport> {
-        let mut back = self.inner.back.lock().map_err(|_| Error::Poisoned)?;
-        // `ran`s wait for the import; after one, the next reads the callers' horizon again,
-        // from the file as the import committed it (with everything before it). A failed
-        // import changed nothing the horizon counts.
+        let mut back = self.back()?;
+        // Changes wait for the import; after it, what was decided is read again from the file
+        // as the import committed it (with everything before it).
         self.front()?.importing = true;
         // The import writes keys no batch carries: the callers read the file until a filter
         // is rebuilt from it.
-        self.front()?.presence = None;
         *self.inner.presence.lock().map_err(|_| Error::Poisoned)? = Filters::default();
-        let imported = self.import_locked(&mut back, file);
-        let mut front = self.front()?;
-        front.importing = false;
-        if imported.is_ok() {
-            front.horizon = None;
-            front.searched = None;
-            front.caches = back.caches.view();
+        {
+            let mut front = self.front()?;
+            let view = front.view.next(|v| v.presence = None);
+            front.view = Arc::new(view);
         }
-        drop(front);
-        self.inner.drained.notify_all();
+        let mut decided = false;
+        let imported = self.import_locked(&mut back, file, &mut decided);
+        self.end_alone(imported.is_err() && decided)?;
         imported
     }
 
-    /// The import, with the writer held and the callers' `ran`s waiting.
-    fn import_locked(&self, back: &mut Writer, file: &LegacyJson) -> Result<ImportReport> {
+    /// The import, with the writer held and the callers' changes waiting; `decided` is set once
+    /// it decides anything.
+    fn import_locked(&self, back: &mut Back, file: &LegacyJson, decided: &mut bool) -> Result<ImportReport> {
+        let db = &self.inner.db;
         // Everything before is committed first, under the same hold of the writer: the import's
         // batch then holds no `ran`, and a failure of it loses none.
         flush_locked(&self.inner, back, Flush::Commit)?;
-        let report = back.import(&self.inner.db, file)?;
+        *decided = true;
+        let mut report = ImportReport { in_file: file.len() as u64, imported: 0, already_imported: false, evicted: 0 };
+        if back.writer.imported(&file.source()) {
+            report.already_imported = true;
+            return Ok(report);
+        }
+        let (ids, effects) = self.front()?.decided.import_nodes(file.entries().iter().map(|(_, n, _)| n.as_str()))?;
+        let written = (|| {
+            back.writer.apply(db, &effects, 0)?;
+            // 0.1.7's own clocks may be older than the floor.
+            back.writer.reset_floor(db)?;
+            let mut entries = Vec::with_capacity(file.len());
+            for (hash, node, at) in file.entries() {
+                let id = ids.get(node).copied().ok_or(Error::Poisoned)?;
+                entries.push((legacy_key(*hash), id, *at));
+            }
+            let written = back.writer.write_legacy(db, &entries)?;
+            back.writer.note_import(file.source(), written);
+            Ok(written)
+        })();
+        report.imported = written.map_err(|e| back.writer.roll_back(db, e).error)?;
         flush_locked(&self.inner, back, Flush::Commit)?;
+        // What is live now is the file's: decided again from it, then 0.1.7's eviction to the
+        // capacity.
+        let loaded = Decided::load(db)?;
+        let before = back.writer.meta.entries;
+        let effects = {
+            let mut front = self.front()?;
+            front.decided = loaded;
+            front.decided.evict_to_capacity()
+        };
+        if !effects.is_empty() {
+            self.persist_alone(back, &effects, 0)?;
+        }
+        report.evicted = before.saturating_sub(back.writer.meta.entries);
         Ok(report)
     }
 
@@ -497,26 +555,24 @@ impl Warm {
     /// # Errors
     /// [`Error::Storage`] if writing the queue fails (those `ran`s are kept and retried).
     pub fn stats(&self) -> Result<Stats> {
-        flush(&self.inner, Flush::IfDue)?;
+        flush(&self.inner, Flush::Write)?;
         let front = self.front()?;
+        let (published, nodes) = (&front.view.published, &front.decided.nodes);
+        let named: u64 = published.held.iter().sum();
+        let reclaimable = published.held.iter().zip(nodes.all()).filter(|(_, (_, gone))| *gone).map(|(h, _)| h).sum();
         Ok(Stats {
-            entries: front.published.entries,
-            legacy_entries: front.published.legacy_entries,
-            capacity: front.published.capacity,
-            clock: front.clock,
-            nodes: front
-                .nodes
-                .iter()
-                .zip(&front.retired)
-                .map(|(name, &forgotten)| NodeStats { name: name.to_string(), forgotten })
-                .collect(),
-            others: front.published.others,
-            reclaimable: front.published.reclaimable,
+            entries: published.entries,
+            legacy_entries: published.legacy_entries,
+            capacity: published.capacity,
+            clock: front.decided.clock,
+            nodes: nodes.all().map(|(name, forgotten)| NodeStats { name: name.to_string(), forgotten }).collect(),
+            others: named.saturating_sub(published.entries),
+            reclaimable,
             pending: front.oldest_pending.is_some(),
             open_check: self.inner.opened.check,
             upgraded_from: self.inner.opened.upgraded_from,
             recovered_from: self.inner.opened.recovered_from,
-            node_caches: front.caches.stats(front.nodes.iter().map(|n| n.as_ref()).zip(front.retired.iter().copied())),
+            node_caches: front.decided.caches.stats(nodes.all()),
         })
     }
 
@@ -576,7 +632,7 @@ impl ReadIndex for Warm {
         };
         Ok(found
             .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-            .map(|((node, _), blocks)| Hit { node: front.node_name(node), tokens: blocks * BLOCK_TOKENS }))
+            .map(|((node, _), blocks)| Hit { node: front.decided.nodes.name(node), tokens: blocks * BLOCK_TOKENS }))
     }
 
     /// A few reads a run of blocks one `ran` wrote, a read of each block's others, and a look at
@@ -599,7 +655,7 @@ impl ReadIndex for Warm {
         Ok(found
             .into_iter()
             .filter(|d| d.blocks >= MIN_BLOCKS)
-            .map(|d| Hit { node: front.node_name(d.node), tokens: d.blocks * BLOCK_TOKENS })
+            .map(|d| Hit { node: front.decided.nodes.name(d.node), tokens: d.blocks * BLOCK_TOKENS })
             .collect())
     }
 }
@@ -609,14 +665,6 @@ impl Drop for Warm {
         // Best effort: a caller who needs to know uses `close`.
         let _ = self.shutdown();
     }
-}
-
-/// The clock of the next `ran` after `clock`: never past [`MAX_CLOCK`] (a file that holds a
-/// clock past it, which no build writes, is refused rather than wrapped).
-fn next_clock(clock: u64) -> Result<u64> {
-    clock.checked_add(1).filter(|&c| c <= MAX_CLOCK).ok_or_else(|| Error::Corrupted {
-        detail: format!("its clock is at {clock}, past the {MAX_CLOCK} a file may hold, and cannot advance"),
-    })
 }
 
 /// A node name and cache size [`Warm::set_node_capacity`] takes.
@@ -646,7 +694,17 @@ mod presence_tests {
     use super::*;
     use crate::error::redb_err;
     use crate::index::commit::lock_filters;
+    use crate::index::presence::Presence;
     use crate::store::tables::PREFIXES;
+
+    /// Gives the callers a view with `filter` instead; returns the one it had.
+    fn set_filter(warm: &Warm, filter: Option<Arc<Presence>>) -> Result<Option<Arc<Presence>>> {
+        let mut front = warm.front()?;
+        let old = front.view.presence.clone();
+        let view = front.view.next(|v| v.presence = filter);
+        front.view = Arc::new(view);
+        Ok(old)
+    }
 
     /// With the commit thread, a small file whose filter fills and is rebuilt many times: after
     /// every round, once the build is whole, every key of the committed table is in the
@@ -668,13 +726,14 @@ mod presence_tests {
             }
             warm.sync()?;
             let started = Instant::now();
-            let settling =
-                || lock_filters(&warm.inner).building.is_some() || warm.front().is_ok_and(|f| f.presence.is_none());
+            let settling = || {
+                lock_filters(&warm.inner).building.is_some() || warm.front().is_ok_and(|f| f.view.presence.is_none())
+            };
             while settling() && started.elapsed() < Duration::from_secs(5) {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let front = warm.front()?;
-            let Some(filter) = front.presence.clone() else { panic!("round {round}: no filter") };
+            let Some(filter) = front.view.presence.clone() else { panic!("round {round}: no filter") };
             let read = warm.inner.db.begin_read().map_err(redb_err("read"))?;
             let table = read.open_table(PREFIXES).map_err(redb_err("table"))?;
             for item in table.iter().map_err(redb_err("iter"))? {
@@ -693,15 +752,13 @@ mod presence_tests {
             drop(front);
             for tokens in &prompts {
                 let with = warm.warmest("m", tokens)?;
-                let hold = warm.front()?.presence.take();
+                let hold = set_filter(&warm, None)?;
                 let without = warm.warmest("m", tokens)?;
                 // Unless the commit thread gave the callers a rebuilt filter meanwhile (putting
                 // the old one back would leave them one that misses the keys written since).
-                let mut front = warm.front()?;
-                if front.presence.is_none() {
-                    front.presence = hold;
+                if warm.front()?.view.presence.is_none() {
+                    set_filter(&warm, hold)?;
                 }
-                drop(front);
                 assert_eq!(with, without, "round {round}: the filter changed an answer");
             }
         }

@@ -9,9 +9,8 @@
 //! keeps less, never more). A (block, node) pair at or below the node's floor is not answered,
 //! wherever it still is; it is reclaimed with its block, as a forgotten node's are.
 //!
-//! The callers decide (as each `ran` returns, like the global eviction) and the writer applies
-//! the same changes in the same order to its own copy, which it writes with the batch: both
-//! start from the committed file and run the same code, so they agree.
+//! One copy, the callers' (`index/decided.rs`): each change is decided there once, and the
+//! rows it changes leave as effects (`effect.rs`) for the writer to persist.
 //!
 //! The counts are of blocks the node ran, whether or not a block still names it: a block that
 //! dropped the node (past `nodes_per_prefix`) still takes room in that node's cache, as in an
@@ -21,9 +20,10 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use redb::{ReadableTable, WriteTransaction};
+use redb::{Database, ReadableDatabase, ReadableTable};
 
-use super::tables::{Entry, NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE, members};
+use super::effect::Effect;
+use super::tables::{Entry, NODE_CACHE_KEY, OTHERS, PREFIXES, members};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::is_legacy;
 
@@ -52,13 +52,6 @@ pub(crate) struct NodeCache {
     by_clock: BTreeMap<u64, u64>,
 }
 
-/// A row change for the batch.
-#[derive(Clone, Copy, Debug)]
-enum RowChange {
-    Clock { node: u32, clock: u64, blocks: u64 },
-    Floor { node: u32, floor: u64 },
-}
-
 /// Every node's cache, the capacities and the default.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct NodeCaches {
@@ -71,14 +64,8 @@ pub(crate) struct NodeCaches {
     nodes: Vec<NodeCache>,
     /// The global floor last applied.
     global_floor: u64,
-    /// Row changes since the last write, in order (kept only with `record`).
-    changes: Vec<RowChange>,
-    /// Capacities changed since the last write (`None`: removed); the default, if it changed.
-    capacity_changes: Vec<(Arc<str>, Option<u64>)>,
-    default_changed: bool,
-    /// Whether the row changes are kept (the writer's copy, which writes them; the callers'
-    /// copy only answers from its counts).
-    record: bool,
+    /// The effects of the changes since they were last taken, in order.
+    effects: Vec<Effect>,
 }
 
 impl NodeCaches {
@@ -102,7 +89,7 @@ impl NodeCaches {
                 detail: format!("a node cache names node id {node}, and the file has handed out {next_node}"),
             }),
         };
-        let mut caches = NodeCaches { global_floor, record: true, ..NodeCaches::default() };
+        let mut caches = NodeCaches { global_floor, ..NodeCaches::default() };
         for item in clocks.iter().map_err(redb_err(READ))? {
             let (key, count) = item.map_err(redb_err(READ))?;
             let ((node, clock), count) = (key.value(), count.value());
@@ -125,27 +112,14 @@ impl NodeCaches {
         Ok(caches)
     }
 
-    /// The same caches without the changes not yet written (the callers' copy).
-    pub(crate) fn view(&self) -> NodeCaches {
-        NodeCaches {
-            default: self.default,
-            capacity: self.capacity.clone(),
-            nodes: self.nodes.clone(),
-            global_floor: self.global_floor,
-            ..NodeCaches::default()
-        }
+    /// Takes the effects of the changes made since the last take, in order.
+    pub(crate) fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
     }
 
-    fn note(&mut self, change: RowChange) {
-        if self.record {
-            self.changes.push(change);
-        }
-    }
-
-    fn note_all(&mut self, changes: impl IntoIterator<Item = RowChange>) {
-        if self.record {
-            self.changes.extend(changes);
-        }
+    /// Clock rows dropped whole (`(clock, blocks)` as they were) from node `node`'s cache.
+    fn note_dropped(&mut self, node: u32, dropped: impl IntoIterator<Item = (u64, u64)>) {
+        self.effects.extend(dropped.into_iter().map(|(clock, was)| Effect::CacheClock { node, clock, blocks: 0, was }));
     }
 
     fn cache_mut(&mut self, node: u32) -> &mut NodeCache {
@@ -181,7 +155,7 @@ impl NodeCaches {
     /// it, for a node whose cache was not kept).
     fn seed(&mut self, node: u32, clocks: BTreeMap<u64, u64>) {
         for (&clock, &blocks) in &clocks {
-            self.note(RowChange::Clock { node, clock, blocks });
+            self.effects.push(Effect::CacheClock { node, clock, blocks, was: 0 });
         }
         let cache = self.cache_mut(node);
         cache.held = clocks.values().sum();
@@ -194,17 +168,13 @@ impl NodeCaches {
         let Some(cache) = self.nodes.get_mut(node as usize) else { return };
         cache.held = 0;
         let gone = std::mem::take(&mut cache.by_clock);
-        self.note_all(gone.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+        self.note_dropped(node, gone);
     }
 
     fn set_count(&mut self, node: u32, clock: u64, blocks: u64) {
         let cache = self.cache_mut(node);
-        if blocks == 0 {
-            cache.by_clock.remove(&clock);
-        } else {
-            cache.by_clock.insert(clock, blocks);
-        }
-        self.note(RowChange::Clock { node, clock, blocks });
+        let was = if blocks == 0 { cache.by_clock.remove(&clock) } else { cache.by_clock.insert(clock, blocks) };
+        self.effects.push(Effect::CacheClock { node, clock, blocks, was: was.unwrap_or(0) });
     }
 
     /// Node `node` (named `name`) ran `blocks` blocks at `clock`, of which the first ones it held
@@ -255,7 +225,7 @@ impl NodeCaches {
             Some(b) => self.capacity.insert(Arc::clone(&name), b),
             None => self.capacity.remove(&name),
         };
-        self.capacity_changes.push((Arc::clone(&name), blocks));
+        self.effects.push(Effect::Capacity { name: Arc::clone(&name), blocks });
         match (was, self.tracks(&name)) {
             (false, true) => self.seed(node, seeds.remove(&node).unwrap_or_default()),
             (true, false) => self.untrack(node),
@@ -275,7 +245,7 @@ impl NodeCaches {
         let nodes: Vec<(u32, &str)> = nodes.collect();
         let was: Vec<bool> = nodes.iter().map(|(_, name)| self.tracks(name)).collect();
         self.default = blocks;
-        self.default_changed = true;
+        self.effects.push(Effect::CacheDefault { blocks });
         for (&(node, name), was) in nodes.iter().zip(was) {
             match (was, self.tracks(name)) {
                 (false, true) => self.seed(node, seeds.remove(&node).unwrap_or_default()),
@@ -296,12 +266,12 @@ impl NodeCaches {
             let Some((clock, n)) = cache.by_clock.pop_first() else { break };
             cache.held = cache.held.saturating_sub(n);
             floor = floor.max(clock);
-            gone.push(clock);
+            gone.push((clock, n));
         }
         if floor > cache.floor {
             cache.floor = floor;
-            self.note_all(gone.into_iter().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
-            self.note(RowChange::Floor { node, floor });
+            self.note_dropped(node, gone);
+            self.effects.push(Effect::CacheFloor { node, floor });
         }
     }
 
@@ -309,9 +279,9 @@ impl NodeCaches {
     pub(crate) fn forget(&mut self, node: u32) {
         let Some(cache) = self.nodes.get_mut(node as usize) else { return };
         let gone = std::mem::take(cache);
-        self.note_all(gone.by_clock.into_keys().map(|clock| RowChange::Clock { node, clock, blocks: 0 }));
+        self.note_dropped(node, gone.by_clock);
         if gone.floor > 0 {
-            self.note(RowChange::Floor { node, floor: 0 });
+            self.effects.push(Effect::CacheFloor { node, floor: 0 });
         }
     }
 
@@ -321,61 +291,14 @@ impl NodeCaches {
             return;
         }
         self.global_floor = floor;
-        let (record, changes) = (self.record, &mut self.changes);
-        for (node, cache) in self.nodes.iter_mut().enumerate() {
+        let effects = &mut self.effects;
+        for (node, cache) in (0u32..).zip(self.nodes.iter_mut()) {
             while let Some(entry) = cache.by_clock.first_entry().filter(|e| *e.key() <= floor) {
                 let (clock, n) = entry.remove_entry();
                 cache.held = cache.held.saturating_sub(n);
-                if record {
-                    changes.push(RowChange::Clock { node: node as u32, clock, blocks: 0 });
-                }
+                effects.push(Effect::CacheClock { node, clock, blocks: 0, was: n });
             }
         }
-    }
-
-    /// Lowers the global floor to 0 (an import brings older clocks; see `Writer::reset_floor`).
-    pub(crate) fn reset_floor(&mut self) {
-        self.global_floor = 0;
-    }
-
-    /// Writes the changes since the last write into the batch.
-    ///
-    /// # Errors
-    /// [`Error::Storage`].
-    pub(crate) fn write(&mut self, txn: &WriteTransaction) -> Result<()> {
-        const WRITE: &str = "writing the node caches";
-        if !self.changes.is_empty() {
-            let mut clocks = txn.open_table(NODE_CLOCKS).map_err(redb_err(WRITE))?;
-            let mut floors = txn.open_table(NODE_FLOORS).map_err(redb_err(WRITE))?;
-            for change in self.changes.drain(..) {
-                match change {
-                    RowChange::Clock { node, clock, blocks: 0 } => clocks.remove((node, clock)).map(drop),
-                    RowChange::Clock { node, clock, blocks } => clocks.insert((node, clock), blocks).map(drop),
-                    RowChange::Floor { node, floor: 0 } => floors.remove(node).map(drop),
-                    RowChange::Floor { node, floor } => floors.insert(node, floor).map(drop),
-                }
-                .map_err(redb_err(WRITE))?;
-            }
-        }
-        if !self.capacity_changes.is_empty() {
-            let mut capacity = txn.open_table(NODE_CAPACITY).map_err(redb_err(WRITE))?;
-            for (name, blocks) in self.capacity_changes.drain(..) {
-                match blocks {
-                    Some(b) => capacity.insert(name.as_ref(), b).map(drop),
-                    None => capacity.remove(name.as_ref()).map(drop),
-                }
-                .map_err(redb_err(WRITE))?;
-            }
-        }
-        if std::mem::take(&mut self.default_changed) {
-            let mut state = txn.open_table(STATE).map_err(redb_err(WRITE))?;
-            match self.default {
-                Some(b) => state.insert(NODE_CACHE_KEY, b).map(drop),
-                None => state.remove(NODE_CACHE_KEY).map(drop),
-            }
-            .map_err(redb_err(WRITE))?;
-        }
-        Ok(())
     }
 
     /// The cache of each current incarnation in `nodes` (by id: name, whether forgotten).
@@ -400,11 +323,6 @@ impl NodeCaches {
     /// Node ids with a cache.
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
-    }
-
-    /// Whether there are changes to write.
-    pub(crate) fn dirty(&self) -> bool {
-        !self.changes.is_empty() || !self.capacity_changes.is_empty() || self.default_changed
     }
 }
 
@@ -436,6 +354,33 @@ pub(crate) fn each_named_pair(
     Ok(())
 }
 
+/// Per node of `ids`, the blocks the last commit names it on (prefix table or others), by
+/// clock, those above `above(node)` (the eviction floor and the node's own); 0.1.7's entries
+/// are not counted. What a node cache starts from when it is first kept: one scan of each
+/// table (nothing to scan for no ids).
+///
+/// # Errors
+/// [`Error::Storage`] for a failed read.
+pub(crate) fn named_pairs(
+    db: &Database,
+    ids: &[u32],
+    above: impl Fn(u32) -> u64,
+) -> Result<BTreeMap<u32, BTreeMap<u64, u64>>> {
+    let mut counts: BTreeMap<u32, BTreeMap<u64, u64>> = BTreeMap::new();
+    if ids.is_empty() {
+        return Ok(counts);
+    }
+    let read = db.begin_read().map_err(redb_err("starting a read"))?;
+    let primary = read.open_table(PREFIXES).map_err(redb_err("reading the prefix table"))?;
+    let others = read.open_table(OTHERS).map_err(redb_err("reading the others"))?;
+    each_named_pair(&primary, Some(&others), |node, clock| {
+        if ids.contains(&node) && clock > above(node) {
+            *counts.entry(node).or_default().entry(clock).or_default() += 1;
+        }
+    })?;
+    Ok(counts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -464,6 +409,6 @@ mod tests {
         assert_eq!(caches.cache(0).map(|c| c.held), Some(0));
         caches.forget(1);
         assert_eq!(caches.cache(1).map(|c| c.held), Some(0));
-        assert!(caches.dirty());
+        assert!(!caches.take_effects().is_empty());
     }
 }

@@ -5,13 +5,11 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use redb::Database;
 use serde::{Deserialize, Serialize};
 
-use super::records::{Import, MAX_CLOCK};
-use super::writer::Writer;
+use super::records::MAX_CLOCK;
 use crate::error::{Error, Result};
-use crate::keys::{MAX_NODE_BYTES, legacy_key};
+use crate::keys::MAX_NODE_BYTES;
 
 /// 0.1.7's `warm.json`: every prefix as (FNV hash, node, clock).
 #[derive(Serialize, Deserialize)]
@@ -56,6 +54,16 @@ impl LegacyJson {
     /// Its prefixes (a hash listed twice counts once).
     pub fn len(&self) -> usize {
         self.entries.len()
+    }
+
+    /// (hash, node, clock), each hash once, oldest first.
+    pub(crate) fn entries(&self) -> &[(u64, String, u64)] {
+        &self.entries
+    }
+
+    /// The blake3 digest of the file's bytes (the same file is imported once).
+    pub(crate) fn source(&self) -> [u8; 32] {
+        self.source
     }
 
     /// Whether it holds no prefix.
@@ -104,37 +112,4 @@ pub(crate) fn read_json(path: &Path) -> Result<LegacyJson> {
     let mut entries: Vec<(u64, String, u64)> = newest.into_iter().map(|(h, (n, at))| (h, n, at)).collect();
     entries.sort_unstable_by_key(|&(h, _, at)| (at, h));
     Ok(LegacyJson { entries, source: *blake3::hash(&bytes).as_bytes() })
-}
-
-impl Writer {
-    /// Writes a parsed 0.1.7 file into the batch (the caller commits it). On error the batch
-    /// is rolled back.
-    ///
-    /// # Errors
-    /// [`Error::InvalidName`], [`Error::Corrupted`] or [`Error::Storage`].
-    pub(crate) fn import(&mut self, db: &Database, file: &LegacyJson) -> Result<ImportReport> {
-        let mut report =
-            ImportReport { in_file: file.entries.len() as u64, imported: 0, already_imported: false, evicted: 0 };
-        if self.meta.imports.iter().any(|i| i.source == file.source) {
-            report.already_imported = true;
-            return Ok(report);
-        }
-        match self.import_in_batch(db, file, &mut report) {
-            Ok(()) => Ok(report),
-            Err(e) => Err(self.roll_back(db, e).error),
-        }
-    }
-
-    fn import_in_batch(&mut self, db: &Database, file: &LegacyJson, report: &mut ImportReport) -> Result<()> {
-        self.reset_floor(db)?;
-        let mut entries = Vec::with_capacity(file.entries.len());
-        for (hash, node, at) in &file.entries {
-            entries.push((legacy_key(*hash), self.intern_node(db, node)?, *at));
-        }
-        let (_, written) = self.apply_legacy(db, &entries)?;
-        report.imported = written;
-        self.meta.imports.push(Import { source: file.source, entries: written });
-        report.evicted = self.evict(db)?;
-        Ok(())
-    }
 }

@@ -1,4 +1,4 @@
-//! The overlay: every `ran` not yet committed, answerable by block key. One small entry per
+//! The memtable: every `ran` not yet committed, answerable by block key. One small entry per
 //! block: the last 8 bytes of its key (already a uniform hash of everything up to it) → the index
 //! of the node that wrote it and the clock of that `ran`. Entries live in one map per batch: `ran`s go into the open map;
 //! when the commit thread takes the queue, the open map is sealed with it; when that batch is
@@ -10,7 +10,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::keys::BlockKey;
 use crate::store::tables::add_member;
 
-/// Hashes an overlay key as itself: it is already 8 bytes of a uniform hash, so there is nothing
+/// Hashes an memtable key as itself: it is already 8 bytes of a uniform hash, so there is nothing
 /// left to mix.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct KeyHasher(u64);
@@ -46,12 +46,14 @@ pub(crate) struct Map {
 
 /// The `ran`s not yet committed.
 #[derive(Default)]
-pub(crate) struct Overlay {
+pub(crate) struct Memtable {
     /// Sealed batches, oldest first: (clock of their newest `ran`, blocks written, map).
     sealed: VecDeque<(u64, usize, Map)>,
     open: Map,
     open_clock: u64,
     open_blocks: usize,
+    /// Changes with every write and every drop: what a memo of an answer read is valid for.
+    generation: u64,
 }
 
 impl Map {
@@ -107,10 +109,11 @@ fn tail(key: &BlockKey) -> u64 {
     u64::from_le_bytes(t)
 }
 
-impl Overlay {
+impl Memtable {
     /// Adds a `ran` to the open batch (clocks only grow). With `others`, a block whose node
     /// changes keeps the one before.
     pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32, others: bool) {
+        self.generation += 1;
         self.open.newest.reserve(blocks.len());
         for key in blocks {
             let t = tail(key);
@@ -182,6 +185,7 @@ impl Overlay {
     /// Takes out every sealed batch whose `ran`s all have a clock up to `clock` (committed, or
     /// lost); the caller drops them (outside its lock).
     pub(crate) fn forget_through(&mut self, clock: u64) -> Vec<Map> {
+        self.generation += 1;
         let mut gone = Vec::new();
         while self.sealed.front().is_some_and(|(newest, _, _)| *newest <= clock) {
             if let Some((_, _, map)) = self.sealed.pop_front() {
@@ -189,6 +193,11 @@ impl Overlay {
             }
         }
         gone
+    }
+
+    /// What a memo of an answer read from it is valid for.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// Blocks held, counting each `ran`'s.
@@ -209,51 +218,51 @@ mod tests {
 
     #[test]
     fn the_newest_pending_ran_answers_and_a_committed_batch_goes_whole() {
-        let mut overlay = Overlay::default();
+        let mut memtable = Memtable::default();
         let a = chain(1, 40);
-        overlay.push(1, &a, 0, true);
-        overlay.seal(true);
-        overlay.push(2, &a[..20], 1, true);
-        overlay.push(3, &a[..10], 2, true);
-        assert_eq!(overlay.get(&a[5]), Some((2, 3)), "the open batch is newer than the sealed one");
-        assert_eq!(overlay.get(&a[15]), Some((1, 2)));
-        assert_eq!(overlay.get(&a[30]), Some((0, 1)));
+        memtable.push(1, &a, 0, true);
+        memtable.seal(true);
+        memtable.push(2, &a[..20], 1, true);
+        memtable.push(3, &a[..10], 2, true);
+        assert_eq!(memtable.get(&a[5]), Some((2, 3)), "the open batch is newer than the sealed one");
+        assert_eq!(memtable.get(&a[15]), Some((1, 2)));
+        assert_eq!(memtable.get(&a[30]), Some((0, 1)));
         let mut writes = Vec::new();
-        overlay.writes(&a[5], &mut writes);
+        memtable.writes(&a[5], &mut writes);
         writes.sort_unstable();
         assert_eq!(writes, vec![(0, 1), (1, 2), (2, 3)], "every node that wrote it, in either batch");
-        assert_eq!(overlay.get(&chain(2, 1)[0]), None);
-        assert_eq!(overlay.blocks(), 70);
-        assert!(overlay.forget_through(0).is_empty(), "batch 1 is not committed yet");
-        assert_eq!(overlay.forget_through(1).len(), 1);
-        assert_eq!(overlay.get(&a[30]), None, "a's own blocks went with its batch");
-        assert_eq!(overlay.get(&a[5]), Some((2, 3)), "the open batch stays");
-        assert!(overlay.forget_through(3).is_empty(), "an open batch is never forgotten");
-        overlay.seal(true);
-        assert!(overlay.forget_through(2).is_empty(), "its newest `ran` (3) is not committed");
-        assert_eq!(overlay.forget_through(3).len(), 1);
-        assert_eq!((overlay.get(&a[5]), overlay.blocks()), (None, 0));
+        assert_eq!(memtable.get(&chain(2, 1)[0]), None);
+        assert_eq!(memtable.blocks(), 70);
+        assert!(memtable.forget_through(0).is_empty(), "batch 1 is not committed yet");
+        assert_eq!(memtable.forget_through(1).len(), 1);
+        assert_eq!(memtable.get(&a[30]), None, "a's own blocks went with its batch");
+        assert_eq!(memtable.get(&a[5]), Some((2, 3)), "the open batch stays");
+        assert!(memtable.forget_through(3).is_empty(), "an open batch is never forgotten");
+        memtable.seal(true);
+        assert!(memtable.forget_through(2).is_empty(), "its newest `ran` (3) is not committed");
+        assert_eq!(memtable.forget_through(3).len(), 1);
+        assert_eq!((memtable.get(&a[5]), memtable.blocks()), (None, 0));
     }
 
     /// Takes before a commit join one sealed map, keeping every node that wrote a key; the
     /// commit of the newest drops it whole.
     #[test]
     fn takes_between_commits_share_one_sealed_map() {
-        let mut overlay = Overlay::default();
+        let mut memtable = Memtable::default();
         let a = chain(3, 12);
         for (clock, node) in [(1, 0), (2, 1), (3, 0), (4, 2)] {
-            overlay.push(clock, &a[..(clock as usize * 3)], node, true);
-            overlay.seal(true);
+            memtable.push(clock, &a[..(clock as usize * 3)], node, true);
+            memtable.seal(true);
         }
-        assert_eq!(overlay.sealed.len(), 1, "one map a commit");
-        assert_eq!(overlay.get(&a[0]), Some((2, 4)));
-        assert_eq!(overlay.get(&a[8]), Some((2, 4)));
+        assert_eq!(memtable.sealed.len(), 1, "one map a commit");
+        assert_eq!(memtable.get(&a[0]), Some((2, 4)));
+        assert_eq!(memtable.get(&a[8]), Some((2, 4)));
         let mut writes = Vec::new();
-        overlay.writes(&a[0], &mut writes);
+        memtable.writes(&a[0], &mut writes);
         writes.sort_unstable();
         assert_eq!(writes, vec![(0, 3), (1, 2), (2, 4)], "each node once, with its newest write");
-        assert!(overlay.forget_through(3).is_empty(), "the map holds clock 4, not committed yet");
-        assert_eq!(overlay.forget_through(4).len(), 1);
-        assert_eq!(overlay.blocks(), 0);
+        assert!(memtable.forget_through(3).is_empty(), "the map holds clock 4, not committed yet");
+        assert_eq!(memtable.forget_through(4).len(), 1);
+        assert_eq!(memtable.blocks(), 0);
     }
 }

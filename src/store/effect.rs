@@ -1,0 +1,46 @@
+//! Effects: what a change, decided once on the callers' side (`index/decided.rs`), does to the
+//! file. Each states its results (a key's new node and clock, a count to set, the new floor),
+//! never the inputs to decide again, so the writer decides nothing: it persists effects, in
+//! order, and keeps the file's own bookkeeping (generations, live counts, others rows, node
+//! counts) in step with them. Applying a rolled-back batch's effects again, from the commit
+//! before it, gives the same file.
+
+use std::sync::Arc;
+
+use crate::keys::{BlockKey, Namespace};
+
+/// One effect of a decided change.
+#[derive(Clone, Debug)]
+pub(crate) enum Effect {
+    /// Node id `id` is handed out to `name` (the next id: a new name, or a forgotten node's
+    /// next incarnation).
+    Node { id: u32, name: Arc<str> },
+    /// Every block of `blocks` (a prompt's chain, from its first block) now names `node` at
+    /// `clock` (the nodes before it join the block's others, by the merge rule of
+    /// `Writer::apply`).
+    Put { namespace: Namespace, blocks: Arc<[BlockKey]>, node: u32, clock: u64 },
+    /// Node id `node`, the current incarnation of `name`, is forgotten at `clock`.
+    Retire { node: u32, name: Arc<str>, clock: u64 },
+    /// Every entry (and every node of a block) seen at or below `floor` is evicted.
+    Evict { floor: u64 },
+    /// A node cache row: node `node` holds `blocks` blocks it last ran at `clock` (0: no row).
+    /// `was` is what the row held before this effect, so that a row made and dropped within
+    /// one batch is never written.
+    CacheClock { node: u32, clock: u64, blocks: u64, was: u64 },
+    /// Node `node`'s cache floor is `floor` (0: no row).
+    CacheFloor { node: u32, floor: u64 },
+    /// Node name `name`'s own cache size (`None`: the default).
+    Capacity { name: Arc<str>, blocks: Option<u64> },
+    /// The default cache size (`None`: caches are not kept).
+    CacheDefault { blocks: Option<u64> },
+}
+
+impl Effect {
+    /// Blocks it writes into the prefix table (for batch bounds).
+    pub(crate) fn blocks(&self) -> usize {
+        match self {
+            Effect::Put { blocks, .. } => blocks.len(),
+            _ => 0,
+        }
+    }
+}

@@ -152,7 +152,8 @@ impl Decided {
         namespace: &Namespace,
         blocks: &Arc<[BlockKey]>,
         node: &str,
-        (runs, held): (&[(u64, u64)], &[(u64, u64)]),
+        runs: &[(u64, u64)],
+        held: &[(u64, u64)],
     ) -> Result<(u64, Vec<Effect>)> {
         let clock = next_clock(self.clock)?;
         let mut effects = Vec::with_capacity(4);

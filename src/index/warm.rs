@@ -287,7 +287,7 @@ impl Warm {
                 false => Vec::new(),
             };
             let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
-            let (clock, effects) = front.decided.ran(&prefix.namespace, &blocks, node, (&runs, &held))?;
+            let (clock, effects) = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
             let was_idle = front.oldest_pending.is_none();
             front.push(Queued { effects, clock, at: Instant::now(), position });
             if self.flusher.is_some() {

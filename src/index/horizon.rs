@@ -6,7 +6,7 @@
 //! clock is at most the clock of the `capacity / 8`-th oldest. Each cut is newer than the one
 //! before (everything up to it is gone), so what has been evicted is always "every entry with a
 //! clock up to `floor`". The horizon keeps the floor and, per clock, how many live entries have
-//! it; `warmest` treats anything at or below the floor as absent, wherever it still is (overlay,
+//! it; `warmest` treats anything at or below the floor as absent, wherever it still is (memtable,
 //! last commit), and each queued `ran` carries the floor for the commit thread to apply.
 
 use std::collections::BTreeMap;

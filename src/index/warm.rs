@@ -2,7 +2,7 @@
 //!
 //! Two locks, taken in this order when both are held: `back` (redb's writer: the batch, held by
 //! the commit thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero) and
-//! `front` (the clock, the overlay of uncommitted `ran`s, the queue, the read snapshot). With a
+//! `front` (the decided state, the memtable of uncommitted changes, the queue, the committed view). With a
 //! commit thread, `warmest` and `ran` take only `front`, for microseconds; they never wait for
 //! redb's writer, a commit or an fsync (only for back-pressure, when the commit thread is far
 //! behind).
@@ -258,7 +258,7 @@ impl Warm {
         };
         {
             let mut front = self.front()?;
-            // Back-pressure: the commit thread is behind (queue) or a commit is (overlay). And
+            // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
             while front.importing
                 || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.memtable.blocks() > 4 * MAX_QUEUED_BLOCKS)

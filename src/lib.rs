@@ -27,7 +27,7 @@
 //! - `cli`: the `superfluid-warm` binary (with `tools` and `nats`). Built from the repository's
 //!   root, the workspace turns it on.
 #![forbid(unsafe_code)]
-#![deny(missing_docs, clippy::unwrap_used)]
+#![deny(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
 mod error;
 mod file;

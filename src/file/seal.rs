@@ -162,8 +162,11 @@ fn digest_on(path: &Path, len: u64, threads: usize) -> std::io::Result<u128> {
                         while at < end {
                             let n =
                                 usize::try_from((end - at).min(READ_BYTES as u64)).map_err(std::io::Error::other)?;
-                            read_exact_at(file, &mut buf[..n], at)?;
-                            hasher.update(&buf[..n]);
+                            let chunk = buf.get_mut(..n).ok_or_else(|| {
+                                std::io::Error::other(format!("a read of {n} bytes into a buffer of {READ_BYTES}"))
+                            })?;
+                            read_exact_at(file, chunk, at)?;
+                            hasher.update(chunk);
                             at += n as u64;
                         }
                         out.push((piece, hasher.digest128()));
@@ -175,7 +178,10 @@ fn digest_on(path: &Path, len: u64, threads: usize) -> std::io::Result<u128> {
         for worker in workers {
             let done = worker.join().map_err(|_| std::io::Error::other("a seal hashing thread panicked"))??;
             for (piece, hash) in done {
-                hashes[piece] = hash;
+                let slot = hashes.get_mut(piece).ok_or_else(|| {
+                    std::io::Error::other(format!("a hash of piece {piece} of a file of {pieces} pieces"))
+                })?;
+                *slot = hash;
             }
         }
         Ok(())
@@ -197,8 +203,8 @@ fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
     #[cfg(windows)]
     {
         let mut done = 0;
-        while done < buf.len() {
-            let n = std::os::windows::fs::FileExt::seek_read(file, &mut buf[done..], at + done as u64)?;
+        while let Some(rest) = buf.get_mut(done..).filter(|rest| !rest.is_empty()) {
+            let n = std::os::windows::fs::FileExt::seek_read(file, rest, at + done as u64)?;
             if n == 0 {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
@@ -210,6 +216,7 @@ fn read_exact_at(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
     use super::*;
 
     fn file_of(dir: &Path, len: usize) -> PathBuf {

@@ -87,18 +87,18 @@ fn narrow(block: &[u32]) -> bool {
     block.iter().all(|&t| t < 1 << 24)
 }
 
-/// A block's bytes (see the module docs) into `buf`; returns how many.
-fn block_bytes(block: &[u32], buf: &mut [u8; 4 * BLOCK_TOKENS]) -> usize {
+/// A block's bytes (see the module docs), written into `buf`; returns the part of `buf` they fill.
+fn block_bytes<'a>(block: &[u32], buf: &'a mut [u8; 4 * BLOCK_TOKENS]) -> &'a [u8] {
     if narrow(block) {
         for (dst, t) in buf.chunks_exact_mut(3).zip(block) {
             dst.copy_from_slice(&t.to_le_bytes()[..3]);
         }
-        3 * BLOCK_TOKENS
+        &buf[..3 * BLOCK_TOKENS]
     } else {
         for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
             dst.copy_from_slice(&t.to_le_bytes());
         }
-        4 * BLOCK_TOKENS
+        buf
     }
 }
 
@@ -109,8 +109,7 @@ fn keyed_chain(ns_key: &[u8; 32], tokens: &[u32]) -> Vec<[u8; 32]> {
     tokens
         .chunks_exact(BLOCK_TOKENS)
         .map(|block| {
-            let n = block_bytes(block, &mut buf);
-            cv = *blake3::keyed_hash(&cv, &buf[..n]).as_bytes();
+            cv = *blake3::keyed_hash(&cv, block_bytes(block, &mut buf)).as_bytes();
             cv
         })
         .collect()
@@ -141,44 +140,45 @@ const CHUNK_END: u8 = 1 << 1;
 /// `hash_many` is public but undocumented in blake3, which is why the version is pinned and
 /// `leaves_match_the_public_api` compares the two.
 fn leaves(ns_key: &[u8; 32], tokens: &[u32]) -> Vec<[u8; 32]> {
-    let blocks: Vec<&[u32]> = tokens.chunks_exact(BLOCK_TOKENS).collect();
+    let blocks = tokens.chunks_exact(BLOCK_TOKENS);
     let mut out = vec![[0u8; 32]; blocks.len()];
     let key = blake3::platform::words_from_le_bytes_32(ns_key);
     let platform = blake3::platform::Platform::detect();
-    let (narrow_at, wide_at): (Vec<usize>, Vec<usize>) = (0..blocks.len()).partition(|&i| narrow(blocks[i]));
-    hash_width::<{ 3 * BLOCK_TOKENS }>(&platform, &key, &blocks, &narrow_at, &mut out);
-    hash_width::<{ 4 * BLOCK_TOKENS }>(&platform, &key, &blocks, &wide_at, &mut out);
+    // Each block beside the place of its leaf in `out`, split by width.
+    let (narrow_blocks, wide_blocks): (Vec<_>, Vec<_>) = out.iter_mut().zip(blocks).partition(|(_, b)| narrow(b));
+    hash_width::<{ 3 * BLOCK_TOKENS }>(&platform, &key, narrow_blocks);
+    hash_width::<{ 4 * BLOCK_TOKENS }>(&platform, &key, wide_blocks);
     out
 }
 
-/// Hashes the blocks at `at` (all `N` bytes wide) into their places in `out`.
+/// Hashes `blocks` (all `N` bytes wide) into the place beside each.
 fn hash_width<const N: usize>(
     platform: &blake3::platform::Platform,
     key: &[u32; 8],
-    blocks: &[&[u32]],
-    at: &[usize],
-    out: &mut [[u8; 32]],
+    blocks: Vec<(&mut [u8; 32], &[u32])>,
 ) {
-    if at.is_empty() {
+    if blocks.is_empty() {
         return;
     }
     let width = N / BLOCK_TOKENS;
-    let mut bytes = vec![[0u8; N]; at.len()];
-    for (dst, &i) in bytes.iter_mut().zip(at) {
-        for (d, t) in dst.chunks_exact_mut(width).zip(blocks[i]) {
-            d.copy_from_slice(&t.to_le_bytes()[..width]);
+    let mut bytes = vec![[0u8; N]; blocks.len()];
+    for (dst, (_, block)) in bytes.iter_mut().zip(&blocks) {
+        for (d, t) in dst.chunks_exact_mut(width).zip(block.iter()) {
+            // `d` is `width` bytes: the low `width` bytes of the token, LE.
+            d.iter_mut().zip(t.to_le_bytes()).for_each(|(d, b)| *d = b);
         }
     }
     let inputs: Vec<&[u8; N]> = bytes.iter().collect();
-    let mut hashed = vec![0u8; 32 * at.len()];
+    let mut hashed = vec![0u8; 32 * blocks.len()];
     platform.hash_many(&inputs, key, 0, blake3::IncrementCounter::No, KEYED_HASH, CHUNK_START, CHUNK_END, &mut hashed);
-    for (leaf, &i) in hashed.chunks_exact(32).zip(at) {
-        out[i].copy_from_slice(leaf);
+    for (leaf, (place, _)) in hashed.chunks_exact(32).zip(blocks) {
+        place.copy_from_slice(leaf);
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
     use super::*;
     use crate::keys::Namespace;
 
@@ -250,9 +250,9 @@ mod tests {
         let mut cv = *key;
         let mut want = Vec::new();
         for (i, block) in tokens.chunks_exact(BLOCK_TOKENS).enumerate() {
-            let n = block_bytes(block, &mut buf);
-            assert_eq!(n == 4 * BLOCK_TOKENS, [3, 10, 11, 36].contains(&i));
-            let leaf = blake3::Hasher::new_keyed(key).update(&buf[..n]).finalize_non_root();
+            let bytes = block_bytes(block, &mut buf);
+            assert_eq!(bytes.len() == 4 * BLOCK_TOKENS, [3, 10, 11, 36].contains(&i));
+            let leaf = blake3::Hasher::new_keyed(key).update(bytes).finalize_non_root();
             assert_eq!(leaves(key, &tokens)[i], leaf, "leaf {i}");
             cv = merge_subtrees_non_root(&cv, &leaf, Mode::KeyedHash(key));
             want.push(cv);

@@ -101,7 +101,7 @@ pub(crate) fn members_row(members: &[(u32, u64)]) -> Vec<u8> {
 /// newest first (ties by node id). What a block names, whatever order its writes came in: the
 /// writer stores it, and readers take it of everything they see.
 pub(crate) fn newest_members(members: &mut Vec<(u32, u64)>, k: usize) {
-    if members.iter().all(|m| m.0 == members[0].0) {
+    if members.first().is_none_or(|first| members.iter().all(|m| m.0 == first.0)) {
         // One node (the usual block): its newest write.
         if let Some(newest) = members.iter().copied().max_by_key(|m| m.1) {
             members.clear();

@@ -62,8 +62,10 @@ impl Baseline {
         if self.by_prefix.len() > self.max {
             let mut ages: Vec<u64> = self.by_prefix.values().map(|&(_, at)| at).collect();
             ages.sort_unstable();
-            let cut = ages[self.max / 8];
-            self.by_prefix.retain(|_, &mut (_, at)| at > cut);
+            // `ages` holds more than `max` entries, so the cut is always there.
+            if let Some(&cut) = ages.get(self.max / 8) {
+                self.by_prefix.retain(|_, &mut (_, at)| at > cut);
+            }
         }
         self.dirty = true;
     }

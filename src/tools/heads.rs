@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::replay::{Config, Load, Policy, choose_among, conversations, node_name, prompt};
+use super::replay::{Config, Load, Policy, choose_among, conversations, node_name, nth, nth_mut, prompt};
 use super::trace::Request;
 use crate::{Builder, Error, Hit, Namespace, Result, SharedWarm, Sharing, Ticket, Warm};
 
@@ -132,11 +132,11 @@ pub fn run_heads(
     let (mut per_node, mut per_node_alone) = (vec![0u64; config.nodes], vec![0u64; config.nodes]);
     let mut last_turn: HashMap<usize, (usize, Ticket)> = HashMap::new();
     let started = Instant::now();
-    for (i, request) in requests.iter().enumerate() {
-        let h = i % heads;
+    // Request `i` goes to head `i % heads`: its sharing head and the head that does not share.
+    let round_robin = shared.iter().zip(&alone).enumerate().cycle();
+    for ((request, &conv), (h, (head, lone))) in requests.iter().zip(&conversation).zip(round_robin) {
         let tokens = prompt(config, request);
-        let head = &shared[h];
-        if let Some((made_on, ticket)) = last_turn.get(&conversation[i])
+        if let Some((made_on, ticket)) = last_turn.get(&conv)
             && *made_on != h
         {
             let t = Instant::now();
@@ -153,12 +153,11 @@ pub fn run_heads(
         };
         let (chosen, warm) = route(config, &load, &names, hits, tokens.len());
         report.warm_tokens += warm as u64;
-        let ticket = head.ran_prefix(&prefix, &names[chosen])?;
-        last_turn.insert(conversation[i], (h, ticket));
-        load.add(chosen, tokens.len() as u64);
-        per_node[chosen] += tokens.len() as u64;
+        let ticket = head.ran_prefix(&prefix, nth(&names, chosen)?)?;
+        last_turn.insert(conv, (h, ticket));
+        load.add(chosen, tokens.len() as u64)?;
+        *nth_mut(&mut per_node, chosen)? += tokens.len() as u64;
 
-        let lone = &alone[h];
         let prefix = lone.prefix(&namespace, &tokens);
         let hits = match config.policy {
             Policy::Balanced => lone.warm_nodes_prefix(&prefix)?,
@@ -166,9 +165,9 @@ pub fn run_heads(
         };
         let (chosen, warm) = route(config, &load_alone, &names, hits, tokens.len());
         report.warm_tokens_unshared += warm as u64;
-        lone.ran_prefix(&prefix, &names[chosen])?;
-        load_alone.add(chosen, tokens.len() as u64);
-        per_node_alone[chosen] += tokens.len() as u64;
+        lone.ran_prefix(&prefix, nth(&names, chosen)?)?;
+        load_alone.add(chosen, tokens.len() as u64)?;
+        *nth_mut(&mut per_node_alone, chosen)? += tokens.len() as u64;
         report.prompt_tokens += tokens.len() as u64;
     }
     for head in &shared {

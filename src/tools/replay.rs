@@ -193,6 +193,22 @@ pub fn node_name(i: usize) -> String {
     format!("node-{i}")
 }
 
+/// Node `i` of a replay's per-node `items` (names, loads, caches). Every node index a replay
+/// makes is below its node count; one that is not is an error rather than a panic.
+pub(super) fn nth<T>(items: &[T], i: usize) -> Result<&T> {
+    items.get(i).ok_or_else(|| no_such_node(i, items.len()))
+}
+
+/// [`nth`], to change.
+pub(super) fn nth_mut<T>(items: &mut [T], i: usize) -> Result<&mut T> {
+    let len = items.len();
+    items.get_mut(i).ok_or_else(|| no_such_node(i, len))
+}
+
+fn no_such_node(i: usize, nodes: usize) -> Error {
+    Error::InvalidConfig { detail: format!("node {i} in a replay of {nodes} nodes") }
+}
+
 /// Sliding-window load per node.
 pub(super) struct Load {
     per_node: Vec<u64>,
@@ -205,18 +221,25 @@ impl Load {
         Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) }
     }
 
-    pub(super) fn add(&mut self, node: usize, tokens: u64) {
-        self.per_node[node] += tokens;
+    /// Adds `tokens` run on `node`; the oldest addition leaves the window.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a node not in the cluster (nothing is added).
+    pub(super) fn add(&mut self, node: usize, tokens: u64) -> Result<()> {
+        *nth_mut(&mut self.per_node, node)? += tokens;
         self.recent.push_back((node, tokens));
         if self.recent.len() > self.window
             && let Some((n, t)) = self.recent.pop_front()
+            // Always there: `add` took it.
+            && let Some(load) = self.per_node.get_mut(n)
         {
-            self.per_node[n] -= t;
+            *load -= t;
         }
+        Ok(())
     }
 
     fn least(&self) -> usize {
-        (0..self.per_node.len()).min_by_key(|&n| (self.per_node[n], n)).unwrap_or(0)
+        self.per_node.iter().enumerate().min_by_key(|&(n, &load)| (load, n)).map_or(0, |(n, _)| n)
     }
 
     fn imbalanced(&self, abs: u64) -> bool {
@@ -291,8 +314,10 @@ pub(super) fn choose_among(config: &Config, load: &Load, warm: &[(usize, usize)]
         Policy::Balanced => warm
             .iter()
             .filter(|&&(_, len)| len as f64 >= config.min_share * tokens as f64)
-            .min_by_key(|&&(node, _)| (load.per_node[node], node))
-            .map_or_else(|| load.least(), |&(node, _)| node),
+            // (A node without a load, never given, is not one to route to.)
+            .filter_map(|&(node, _)| load.per_node.get(node).map(|&l| (l, node)))
+            .min()
+            .map_or_else(|| load.least(), |(_, node)| node),
     };
     (chosen, warm_len(chosen))
 }
@@ -389,10 +414,10 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
             && i % every == 0
         {
             let node = (crate::tools::trace::splitmix64(i as u64) % nodes as u64) as usize;
-            ran[node].clear();
+            nth_mut(ran, node)?.clear();
             restarts += 1;
             if config.forget {
-                warm.forget_node(&names[node])?;
+                warm.forget_node(nth(&names, node)?)?;
             }
         }
         let tokens = prompt(config, request);
@@ -400,6 +425,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
         let (prefix, found) = ask(warm, &namespace, &names, config.policy, &tokens)?;
         let mut elapsed = t0.elapsed();
         let (chosen, warm_len) = choose_among(config, &load, &found, tokens.len());
+        let name = nth(&names, chosen)?;
         let warm_node = (warm_len > 0).then_some((chosen, warm_len));
         if warm_len > 0 {
             report.warm_tokens += warm_len as u64;
@@ -407,29 +433,31 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
         }
         if let Some(ran) = since_restart.as_mut() {
             let blocks: Vec<u64> = fnv_chain(&config.model, &tokens).collect();
-            let held = blocks.iter().take_while(|b| ran[chosen].contains(b)).count() * BLOCK_TOKENS;
+            let ran = nth_mut(ran, chosen)?;
+            let held = blocks.iter().take_while(|b| ran.contains(b)).count() * BLOCK_TOKENS;
             to_restarted += warm_len.saturating_sub(held) as u64;
-            ran[chosen].extend(blocks);
+            ran.extend(blocks);
         }
         let t1 = Instant::now();
-        warm.ran_prefix(&prefix, &names[chosen])?;
+        warm.ran_prefix(&prefix, name)?;
         elapsed += t1.elapsed();
         ours.push(elapsed);
         if let Some(b) = baseline.as_mut() {
-            theirs.push(saves.call(b, &config.model, &tokens, &names[chosen]));
+            theirs.push(saves.call(b, &config.model, &tokens, name));
         }
         if let Some(caches) = caches.as_mut() {
             let blocks: Vec<u64> = fnv_chain(&config.model, &tokens).collect();
-            let held = caches[chosen].cached_prefix(&blocks);
+            let cache = nth_mut(caches, chosen)?;
+            let held = cache.cached_prefix(&blocks);
             cached_tokens += (held * BLOCK_TOKENS) as u64;
             if let Some((_, len)) = warm_node.filter(|&(node, _)| node == chosen) {
                 claimed_cached += (held * BLOCK_TOKENS).min(len) as u64;
                 warm_not_cached += usize::from(held * BLOCK_TOKENS < len);
             }
-            caches[chosen].run(&blocks);
+            cache.run(&blocks);
         }
-        load.add(chosen, tokens.len() as u64);
-        report.load[chosen] += tokens.len() as u64;
+        load.add(chosen, tokens.len() as u64)?;
+        *nth_mut(&mut report.load, chosen)? += tokens.len() as u64;
         report.prompt_tokens += tokens.len() as u64;
         progress(i + 1);
     }
@@ -536,8 +564,8 @@ pub fn back_to_back(
     for tokens in &prompts {
         let (prefix, found) = ask(warm, &namespace, &names, config.policy, tokens)?;
         let (node, warm_len) = choose_among(config, &load, &found, tokens.len());
-        warm.ran_prefix(&prefix, &names[node])?;
-        load.add(node, tokens.len() as u64);
+        warm.ran_prefix(&prefix, nth(&names, node)?)?;
+        load.add(node, tokens.len() as u64)?;
         report.warm_tokens += warm_len as u64;
         chosen.push(node);
         // Told every 256 requests: a call per request would be timed with the index.
@@ -556,7 +584,7 @@ pub fn back_to_back(
         let mut model = Baseline::kept_in(dir.path().join("warm.json"), MAX_0_1_7);
         let (mut total, mut saves) = (Duration::ZERO, Saves::default());
         for (tokens, &node) in prompts.iter().zip(&chosen) {
-            total += saves.call(&mut model, &config.model, tokens, &names[node]);
+            total += saves.call(&mut model, &config.model, tokens, nth(&names, node)?);
         }
         report.baseline = Some(total);
         report.baseline_bytes_written = Some(saves.bytes + model.save() as u64);
@@ -586,7 +614,8 @@ pub fn conversations(requests: &[Request]) -> Vec<usize> {
     let mut out = Vec::with_capacity(requests.len());
     for (i, r) in requests.iter().enumerate() {
         let earlier = r.hash_ids.iter().skip(1).rev().find_map(|id| first_seen.get(id).copied());
-        out.push(earlier.map_or(i, |j: usize| out[j]));
+        // `j` is an earlier request's, so in `out`; a new conversation if not.
+        out.push(earlier.and_then(|j: usize| out.get(j).copied()).unwrap_or(i));
         for id in &r.hash_ids {
             first_seen.entry(*id).or_insert(i);
         }
@@ -641,13 +670,13 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                                 report.warm_tokens += len as u64;
                                 report.warm_requests += 1;
                             }
-                            load.add(chosen, tokens.len() as u64);
-                            report.load[chosen] += tokens.len() as u64;
+                            load.add(chosen, tokens.len() as u64)?;
+                            *nth_mut(&mut report.load, chosen)? += tokens.len() as u64;
                             report.prompt_tokens += tokens.len() as u64;
                             chosen
                         };
                         let t1 = Instant::now();
-                        warm.ran_prefix(&prefix, &names[chosen])?;
+                        warm.ran_prefix(&prefix, nth(names, chosen)?)?;
                         elapsed += t1.elapsed();
                         times.push(elapsed);
                     }
@@ -687,9 +716,9 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                                 .and_then(|(node, len)| names.iter().position(|n| n == node).map(|n| (n, len)));
                             let mut load = load.lock().map_err(|_| Error::Poisoned)?;
                             let chosen = choose(config, &load, warm_node, tokens.len());
-                            load.add(chosen, tokens.len() as u64);
+                            load.add(chosen, tokens.len() as u64)?;
                             drop(load);
-                            model.ran(&config.model, &tokens, &names[chosen]);
+                            model.ran(&config.model, &tokens, nth(names, chosen)?);
                         }
                         Ok(())
                     })

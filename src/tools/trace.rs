@@ -148,7 +148,9 @@ pub fn synthetic(requests: usize, sessions: usize, seed: u64) -> Vec<Request> {
     let mut out = Vec::with_capacity(requests);
     for r in 0..requests {
         let s = (next() % sessions as u64) as usize;
-        let (ids, len) = &mut convs[s];
+        // `s < sessions == convs.len()`: the spare (a new conversation) is never taken.
+        let mut spare = (Vec::new(), 0);
+        let (ids, len) = convs.get_mut(s).unwrap_or(&mut spare);
         if ids.is_empty() || *len > 60_000 {
             // A new conversation: a system prompt of 1 to 3 blocks.
             let system = next() % 4;
@@ -164,14 +166,10 @@ pub fn synthetic(requests: usize, sessions: usize, seed: u64) -> Vec<Request> {
             ids.push(next_id);
             next_id += 1;
         }
-        out.push(Request {
-            timestamp: r as u64 * 50,
-            input_length: *len,
-            output_length: 100 + (next() % 400) as usize,
-            hash_ids: ids.clone(),
-        });
+        let output_length = 100 + (next() % 400) as usize;
+        out.push(Request { timestamp: r as u64 * 50, input_length: *len, output_length, hash_ids: ids.clone() });
         // The reply becomes part of the next turn.
-        *len += out[r].output_length;
+        *len += output_length;
         while ids.len() * TOKENS_PER_HASH_ID < *len {
             ids.push(next_id);
             next_id += 1;
@@ -182,6 +180,7 @@ pub fn synthetic(requests: usize, sessions: usize, seed: u64) -> Vec<Request> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
     use super::*;
 
     #[test]

@@ -1095,6 +1095,8 @@ fn replay_text(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use std::sync::Arc;
 
     use super::*;

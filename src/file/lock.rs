@@ -213,6 +213,8 @@ pub(crate) fn no_head(path: &Path) -> Result<Option<ReadGuard>> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     #[test]

@@ -116,7 +116,7 @@ impl Decided {
         }
         let names: Vec<Arc<str>> = names.into_iter().map(Arc::from).collect();
         // The newest live incarnation of each name is its current id.
-        let ids = (0u32..).zip(&names).filter(|&(id, _)| !retired[id as usize]).map(|(id, n)| (Arc::clone(n), id));
+        let ids = (0u32..).zip(&names).zip(&retired).filter(|&(_, gone)| !gone).map(|((id, n), _)| (Arc::clone(n), id));
         let nodes = Registry { ids: ids.collect(), names, retired };
         let live = read.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
         let horizon = Horizon::load(&live, floor, meta.entries, meta.capacity)?;

@@ -112,6 +112,8 @@ impl Horizon {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use std::collections::HashMap;
 
     use super::*;

@@ -208,6 +208,8 @@ impl Memtable {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     fn chain(seed: u8, n: usize) -> Vec<BlockKey> {

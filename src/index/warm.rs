@@ -645,9 +645,9 @@ impl ReadIndex for Warm {
             && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
         {
             // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
-            match found.iter().position(|d| d.node == node) {
-                Some(i) if found[i].blocks >= blocks => {}
-                Some(i) => found[i] = NodeDepth { node, blocks, clock },
+            match found.iter_mut().find(|d| d.node == node) {
+                Some(d) if d.blocks >= blocks => {}
+                Some(d) => *d = NodeDepth { node, blocks, clock },
                 None => found.push(NodeDepth { node, blocks, clock }),
             }
             found.sort_by(NodeDepth::longest_first);
@@ -687,6 +687,8 @@ pub(crate) fn check_cache_size(blocks: Option<u64>) -> Result<()> {
 
 #[cfg(test)]
 mod presence_tests {
+    #![allow(clippy::indexing_slicing)]
+
     use std::time::{Duration, Instant};
 
     use redb::{ReadableDatabase, ReadableTable};

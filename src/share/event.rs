@@ -68,6 +68,8 @@ impl Event {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     fn ran() -> Event {

@@ -428,7 +428,7 @@ impl ReadIndex for SharedWarm {
         for (node, blocks) in own.into_iter().filter(|&(_, b)| b >= MIN_BLOCKS) {
             let tokens = blocks * BLOCK_TOKENS;
             match hits.iter().position(|h| *h.node == *node) {
-                Some(i) if hits[i].tokens > tokens => {}
+                Some(i) if hits.get(i).is_some_and(|h| h.tokens > tokens) => {}
                 Some(i) => {
                     hits.remove(i);
                     hits.insert(0, Hit { node: node.to_string(), tokens });

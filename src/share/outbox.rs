@@ -63,6 +63,8 @@ impl Outbox {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     fn out(local: u64) -> Out {

@@ -108,6 +108,8 @@ impl Pending {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     fn keys(n: u8) -> Arc<[BlockKey]> {

@@ -122,6 +122,8 @@ impl NodeCaches {
         self.effects.extend(dropped.into_iter().map(|(clock, was)| Effect::CacheClock { node, clock, blocks: 0, was }));
     }
 
+    // Resized first: `node` is in bounds.
+    #[allow(clippy::indexing_slicing)]
     fn cache_mut(&mut self, node: u32) -> &mut NodeCache {
         let i = node as usize;
         if self.nodes.len() <= i {
@@ -383,6 +385,8 @@ pub(crate) fn named_pairs(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     /// An engine's LRU of whole `ran`s: the blocks of each node by the clock it last ran them

@@ -183,6 +183,8 @@ fn create_tables(txn: &WriteTransaction) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
     use crate::keys::{HASH_SCHEME, HASH_SCHEME_V2};
 

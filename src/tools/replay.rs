@@ -738,6 +738,8 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::indexing_slicing)]
+
     use super::*;
 
     #[test]

@@ -206,18 +206,30 @@ fn ten_million() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path: PathBuf = dir.path().join("warm.redb");
     let entries = 10_000_000u64;
-    // The peak is the process's since it started: reset it (Linux), so the parts run before
-    // (the 0.1.7 design's 1M-entry map among them) do not count.
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
+    // Each in a fresh process, so that what the parts run before left in this one's heap (the
+    // 0.1.7 design's 1M-entry map among them, freed but kept by the allocator) is not counted:
+    // a head that fills the file, then one that opens it and answers.
+    for child in ["SCALE_FILL_CHILD", "SCALE_ANSWER_CHILD"] {
+        let status = Command::new(std::env::current_exe().expect("exe"))
+            .env(child, &path)
+            .env("SCALE_ENTRIES", entries.to_string())
+            .status()
+            .expect("spawn a child");
+        assert!(status.success(), "{child} failed");
+    }
+}
+
+/// Fills a 10M-entry file from one thread, as a head would, and closes it.
+fn fill_child(path: &Path, entries: u64) {
     let t = Instant::now();
-    let warm = fill(&path, entries);
+    let warm = fill(path, entries);
     let filled = t.elapsed();
     let (_, peak) = rss();
-    let before_close = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let before_close = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     let closing = Instant::now();
     warm.close().expect("close");
     let closed = closing.elapsed();
-    let file = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    let file = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     println!(
         "10M: filled {entries} entries in {:.1} s from one thread (peak resident while filling {peak:.0} MiB); close {} (file {:.0} -> {:.0} MiB)",
         filled.as_secs_f64(),
@@ -225,12 +237,6 @@ fn ten_million() {
         before_close as f64 / 1048576.0,
         file as f64 / 1048576.0
     );
-    let status = Command::new(std::env::current_exe().expect("exe"))
-        .env("SCALE_ANSWER_CHILD", &path)
-        .env("SCALE_ENTRIES", entries.to_string())
-        .status()
-        .expect("spawn the answering child");
-    assert!(status.success(), "the answering child failed");
 }
 
 /// The answering child: opens the 10M file and times warmest on random filled prompts.
@@ -323,9 +329,13 @@ fn main() {
     if let Some(path) = std::env::var_os("SCALE_CRASH_CHILD") {
         crash_child(Path::new(&path));
     }
+    let entries = || std::env::var("SCALE_ENTRIES").ok().and_then(|e| e.parse().ok()).unwrap_or(0);
+    if let Some(path) = std::env::var_os("SCALE_FILL_CHILD") {
+        fill_child(Path::new(&path), entries());
+        return;
+    }
     if let Some(path) = std::env::var_os("SCALE_ANSWER_CHILD") {
-        let entries = std::env::var("SCALE_ENTRIES").ok().and_then(|e| e.parse().ok()).unwrap_or(0);
-        answer_child(Path::new(&path), entries);
+        answer_child(Path::new(&path), entries());
         return;
     }
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();

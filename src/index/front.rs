@@ -22,6 +22,11 @@ pub(crate) type CommittedOthers = redb::ReadOnlyTable<u128, &'static [u8]>;
 /// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
 pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
 
+/// Bytes of changes not yet committed (the memtable, and the keys and effects the queue and the
+/// batch hold) above which `ran` waits for the commit thread: memory stays bounded in bytes,
+/// whatever the prompts' lengths.
+pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 48 << 20;
+
 /// Blocks in one batch above which it is committed without waiting for the window: bounds the
 /// dirty pages a write transaction holds in memory when the commit thread is saturated.
 pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
@@ -158,6 +163,12 @@ impl Front {
     /// What a search's result depends on: the view, the memtable and the floor.
     pub(crate) fn state(&self) -> (u64, u64, u64) {
         (self.view.generation, self.memtable.generation(), self.decided.horizon.floor)
+    }
+
+    /// Bytes of the changes not yet committed: the memtable's maps, and each uncommitted block's
+    /// key (held once, shared by the queue or the batch and the writer).
+    pub(crate) fn uncommitted_bytes(&self) -> usize {
+        self.memtable.bytes() + self.memtable.blocks() * std::mem::size_of::<BlockKey>()
     }
 
     /// Whether an entry of `clock` is live (not yet evicted by 0.1.7's rule).

@@ -31,6 +31,9 @@ impl std::hash::Hasher for KeyHasher {
     }
 }
 
+/// Most keys an open map is made with room for.
+const MAX_ROOM: usize = 1 << 16;
+
 type Tails<V> = HashMap<u64, V, std::hash::BuildHasherDefault<KeyHasher>>;
 
 /// One batch's entries: block key tail → (node id, clock) of its newest write, and the other
@@ -73,6 +76,13 @@ impl Map {
             return &[];
         }
         self.earlier.get(&tail(key)).map_or(&[], Vec::as_slice)
+    }
+
+    /// Bytes it holds (its tables' room; the earlier writers' lists counted at a few each).
+    fn bytes(&self) -> usize {
+        let slot = std::mem::size_of::<(u64, (u32, u64))>() + 1;
+        let earlier = std::mem::size_of::<(u64, Vec<(u32, u64)>)>() + 1 + 4 * std::mem::size_of::<(u32, u64)>();
+        self.newest.capacity() * slot + self.earlier.capacity() * earlier
     }
 
     /// Whether any key of this batch was written by more than one node.
@@ -148,7 +158,8 @@ impl Memtable {
                 *blocks += self.open_blocks;
             }
             None => {
-                let room = self.open.newest.len();
+                // Bounded: one take of a far-behind queue must not size every open map after it.
+                let room = self.open.newest.len().min(MAX_ROOM);
                 let open = std::mem::replace(&mut self.open, Map::with_room(room));
                 self.sealed.push_back((self.open_clock, self.open_blocks, open));
             }
@@ -198,6 +209,11 @@ impl Memtable {
     /// What a memo of an answer read from it is valid for.
     pub(crate) fn generation(&self) -> u64 {
         self.generation
+    }
+
+    /// Bytes its maps hold.
+    pub(crate) fn bytes(&self) -> usize {
+        self.maps().map(Map::bytes).sum()
     }
 
     /// Blocks held, counting each `ran`'s.

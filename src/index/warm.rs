@@ -18,7 +18,7 @@ use redb::Database;
 use super::builder::Builder;
 use super::commit::{Back, Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, mark_open, published};
 use super::decided::Decided;
-use super::front::{Front, MAX_QUEUED_BLOCKS, Queued, View};
+use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
 use super::lookup::{self, NodeDepth};
 use super::presence::Filters;
 use super::read_index::ReadIndex;
@@ -261,7 +261,7 @@ impl Warm {
             // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
             while front.importing
-                || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.memtable.blocks() > 4 * MAX_QUEUED_BLOCKS)
+                || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
                     && self.flusher.is_some()
                     && front.failed.is_none()
             {

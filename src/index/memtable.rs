@@ -283,4 +283,22 @@ mod tests {
         assert_eq!(memtable.forget_through(4).len(), 1);
         assert_eq!(memtable.blocks(), 0);
     }
+
+    /// What the back-pressure counts: the bytes grow with the keys written, and go with the
+    /// batch that held them, whatever room the next open map keeps.
+    #[test]
+    fn its_bytes_follow_the_keys_it_holds() {
+        let mut memtable = Memtable::default();
+        assert_eq!(memtable.bytes(), 0);
+        let a = chain(5, 200);
+        memtable.push(1, &a, 0, true);
+        let one = memtable.bytes();
+        assert!(one >= 200 * std::mem::size_of::<(u64, (u32, u64))>(), "{one} bytes for 200 keys");
+        memtable.seal(true);
+        memtable.push(2, &chain(6, 200), 1, true);
+        assert!(memtable.bytes() > one, "two batches hold more than one");
+        let gone = memtable.forget_through(1);
+        assert_eq!(gone.len(), 1);
+        assert!(memtable.bytes() < 2 * one + 64, "the committed batch's map went");
+    }
 }

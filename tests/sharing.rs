@@ -480,3 +480,51 @@ fn a_node_cache_size_set_on_one_head_is_kept_by_every_head() {
         assert_eq!(share.rejected, 0, "{share:?}");
     }
 }
+
+/// A head's own events not yet back from the stream are read as the newest memtable: they are
+/// answered over the file, a forget of its own hides both the file's incarnation of the node
+/// and its own earlier events, and a `ran` after the forget answers again; `warm_nodes` lists a
+/// node once, where it goes deepest.
+#[test]
+fn own_events_not_yet_back_are_the_newest_layer_of_every_answer() {
+    let dir = tempfile::tempdir().expect("dir");
+    let file = dir.path().join("a.redb");
+    // The file holds node-a on turn 2 of conversation 1 and node-c on its turn 0.
+    let warm = builder().open(&file).expect("open");
+    warm.ran(MODEL, &prompt(1, 2), "node-a").expect("ran");
+    warm.ran(MODEL, &prompt(1, 0), "node-c").expect("ran");
+    warm.close().expect("close");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+    let sharing =
+        Sharing::nats(&format!("nats://127.0.0.1:{port}"), "none", "h").publish_timeout(Duration::from_millis(100));
+    let h = SharedWarm::open(&builder(), &file, sharing).expect("opens without a server");
+    let names = |hits: Vec<superfluid_warm::Hit>| hits.into_iter().map(|h| (h.node, h.tokens)).collect::<Vec<_>>();
+    let long = 64 * 7;
+    assert_eq!(h.warmest(MODEL, &prompt(1, 2)).expect("warmest").map(|h| h.node), Some("node-a".into()));
+    // Own: node-b on turn 1 (shorter than node-a's in the file), node-a again on turn 0.
+    h.ran(MODEL, &prompt(1, 1), "node-b").expect("ran");
+    assert_eq!(
+        names(h.warm_nodes(MODEL, &prompt(1, 2)).expect("warm_nodes")),
+        vec![("node-a".into(), long), ("node-b".into(), 64 * 5), ("node-c".into(), 64 * 3)]
+    );
+    h.ran(MODEL, &prompt(1, 0), "node-a").expect("ran");
+    assert_eq!(
+        names(h.warm_nodes(MODEL, &prompt(1, 2)).expect("warm_nodes"))[0],
+        ("node-a".into(), long),
+        "node-a once, where it goes deepest (the file's turn 2, not its own turn 0)"
+    );
+    // Own forget of node-a: the file's node-a and the own turn-0 event are both hidden.
+    assert!(h.forget_node("node-a").is_err(), "no server: not published");
+    assert_eq!(
+        names(h.warm_nodes(MODEL, &prompt(1, 2)).expect("warm_nodes")),
+        vec![("node-b".into(), 64 * 5), ("node-c".into(), 64 * 3)]
+    );
+    assert_eq!(h.warmest(MODEL, &prompt(1, 2)).expect("warmest").map(|h| h.node), Some("node-b".into()));
+    // A ran of node-a after its forget answers: a new incarnation.
+    h.ran(MODEL, &prompt(1, 0), "node-a").expect("ran");
+    assert_eq!(h.warmest(MODEL, &prompt(1, 0)).expect("warmest").map(|h| h.node), Some("node-a".into()));
+    assert_eq!(
+        names(h.warm_nodes(MODEL, &prompt(1, 2)).expect("warm_nodes")),
+        vec![("node-b".into(), 64 * 5), ("node-a".into(), 64 * 3), ("node-c".into(), 64 * 3)]
+    );
+}

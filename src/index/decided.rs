@@ -43,6 +43,11 @@ impl Registry {
         self.names.get(node as usize).map_or_else(|| format!("#{node}"), |n| n.to_string())
     }
 
+    /// The name of node id `node`, if it has one.
+    pub(crate) fn name_of(&self, node: u32) -> Option<&str> {
+        self.names.get(node as usize).map(|n| n.as_ref())
+    }
+
     /// The current id of node `name`, if it has one.
     pub(crate) fn current(&self, name: &str) -> Option<u32> {
         self.ids.get(name).copied()

@@ -13,6 +13,7 @@
 #![allow(clippy::indexing_slicing)]
 
 use super::front::{Front, Searched};
+use super::pending::{PENDING_NODES, Pending};
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
 use crate::store::tables::{Entry, newest_members, table_key};
@@ -45,6 +46,28 @@ pub(crate) fn searched(front: &mut Front, keys: &[BlockKey]) -> Result<Longest<(
     Ok(found)
 }
 
+/// [`probe`] for answers: `own`'s writes first (a sharing head's own events not yet back from the
+/// stream), then the memtable and the last commit.
+pub(crate) fn answer_source(front: &Front, own: Option<&dyn Pending>, key: &BlockKey) -> Result<Option<(u32, u64)>> {
+    match own.and_then(|o| o.newest(key)) {
+        Some(found) => Ok(Some(found)),
+        None => probe(front, key),
+    }
+}
+
+/// The longest remembered prefix for an answer: [`searched`], or with `own` writes a search of
+/// them too (not kept: a `ran` decides from the head's own state alone).
+pub(crate) fn answer_search(
+    front: &mut Front,
+    own: Option<&dyn Pending>,
+    keys: &[BlockKey],
+) -> Result<Longest<(u32, u64)>> {
+    match own {
+        Some(own) => search(keys, |k| answer_source(front, Some(own), k)),
+        None => searched(front, keys),
+    }
+}
+
 /// [`probe`] of the last commit alone.
 fn committed_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
     if front.view.presence.as_ref().is_some_and(|p| !p.may_hold(key)) {
@@ -60,9 +83,14 @@ pub(crate) fn answer_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32,
     Ok(probe(front, key)?.filter(|&(node, _)| !front.decided.nodes.is_retired(node)))
 }
 
-/// Whether `node`'s pair of `clock` is answered: not forgotten, and still in its cache.
-pub(crate) fn answered(front: &Front, node: u32, clock: u64) -> bool {
-    front.decided.answered(node, clock)
+/// Whether `node`'s pair of `clock` is answered: not forgotten (here, or by `own`), and still
+/// in its cache. `own`'s writes are answered (those it no longer answers it does not give).
+pub(crate) fn answered(front: &Front, own: Option<&dyn Pending>, node: u32, clock: u64) -> bool {
+    if node >= PENDING_NODES {
+        return true;
+    }
+    let forgotten = |o: &dyn Pending| front.decided.nodes.name_of(node).is_some_and(|name| o.forgets(name));
+    front.decided.answered(node, clock) && !own.is_some_and(forgotten)
 }
 
 /// The blocks of `keys` node `node` holds in its cache, by the clock it last ran them at: runs
@@ -86,7 +114,7 @@ pub(crate) fn node_runs(
     // (blocks, the node's clock on them) per stretch, deepest first.
     let mut start = 0;
     let mut per: Vec<(u64, Option<u64>)> = Vec::new();
-    for (i, named) in stretches(front, keys)? {
+    for (i, named) in stretches(front, None, keys)? {
         let clock = named.iter().find(|m| m.0 == node).map(|m| m.1).filter(|&c| c > floor);
         per.push(((i + 1 - start) as u64, clock));
         start = i + 1;
@@ -122,11 +150,11 @@ impl NodeDepth {
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes, and nodes whose cache
 /// no longer holds the block, are left out.
-pub(crate) fn warm_nodes(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
-    let stretches = stretches(front, keys)?;
+pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
+    let stretches = stretches(front, own, keys)?;
     let mut deepest: Vec<NodeDepth> = Vec::new();
     for (i, named) in stretches {
-        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, node, clock)) {
+        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, own, node, clock)) {
             match deepest.iter_mut().find(|d| d.node == node) {
                 Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },
                 None => deepest.push(NodeDepth { node, blocks: i + 1, clock }),
@@ -144,8 +172,8 @@ type Stretch = (usize, Vec<(u32, u64)>);
 /// for the last block `i` of each, in order, with what each block of it names (each node once
 /// with its newest clock, those above the floor, the `nodes_per_prefix` newest; forgotten
 /// nodes and caches not filtered yet).
-fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
-    let found = searched(front, keys)?;
+fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
+    let found = answer_search(front, own, keys)?;
     let Some((_, len)) = found else { return Ok(Vec::new()) };
     let keys = &keys[..len];
     if front.nodes_per_prefix > 1 {
@@ -164,9 +192,11 @@ fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
     let pending = |map: &super::memtable::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
     let mut looked_at: Vec<usize> = Vec::new();
     let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
-    // If no pending batch has the last remembered block, the search found it in the last
+    // If no memtable (nor `own`) has the last remembered block, the search found it in the last
     // commit: that is the last commit's remembered prefix too (it is prefix-closed).
-    let committed_found = match maps.iter().any(|m| m.newest(&keys[len - 1]).is_some()) {
+    let last = &keys[len - 1];
+    let elsewhere = maps.iter().any(|m| m.newest(last).is_some()) || own.is_some_and(|o| o.newest(last).is_some());
+    let committed_found = match elsewhere {
         true => search(keys, |k| committed_probe(front, k))?,
         false => found,
     };
@@ -175,8 +205,22 @@ fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
         let found = search(keys, |k| Ok::<_, crate::error::Error>(pending(map, k)))?;
         sources.push(by_runs(keys, found, |k| Ok(pending(map, k)), &mut looked_at)?);
     }
+    // `own`'s writes: one more source, and the blocks with more than one of them.
+    let mut own_writes: Vec<Vec<(u32, u64)>> = Vec::new();
+    if let Some(own) = own {
+        let found = search(keys, |k| Ok::<_, crate::error::Error>(own.newest(k)))?;
+        let covered = found.map_or(0, |(_, n)| n);
+        for (i, key) in keys.iter().enumerate().take(covered) {
+            let mut writes = Vec::new();
+            if own.writes(key, &mut writes) {
+                looked_at.extend([i.saturating_sub(1), i]);
+            }
+            own_writes.push(writes);
+        }
+        sources.push(by_runs(keys, found, |k| Ok(own.newest(k)), &mut looked_at)?);
+    }
     let mut earlier_at = Vec::new();
-    for (map, source) in maps.iter().zip(&sources[1..]).filter(|(m, _)| m.has_earlier()) {
+    for (map, source) in maps.iter().zip(&sources[1..=maps.len()]).filter(|(m, _)| m.has_earlier()) {
         // Only a block the batch wrote can have earlier writers in it.
         let covered = source.iter().take_while(|s| s.is_some()).count();
         earlier_at.extend((0..covered).filter(|&i| !map.earlier(&keys[i]).is_empty()));
@@ -195,6 +239,9 @@ fn stretches(front: &mut Front, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
         let mut named: Vec<(u32, u64)> = sources.iter().filter_map(|s| s[i]).collect();
         for map in &maps {
             named.extend_from_slice(map.earlier(&keys[i]));
+        }
+        if let Some(writes) = own_writes.get(i) {
+            named.extend_from_slice(writes);
         }
         if let Some(row) = rows[i] {
             named.extend_from_slice(row);

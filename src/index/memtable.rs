@@ -70,6 +70,56 @@ impl Map {
         self.newest.get(&tail(key)).copied()
     }
 
+    /// Writes `blocks` by `node` at `clock` (clocks only grow). With `others`, a block whose
+    /// node changes keeps the one before among its earlier writers.
+    pub(crate) fn put(&mut self, blocks: &[BlockKey], node: u32, clock: u64, others: bool) {
+        self.newest.reserve(blocks.len());
+        for key in blocks {
+            let t = tail(key);
+            if let Some(old) = self.newest.insert(t, (node, clock))
+                && others
+                && old.0 != node
+            {
+                add_member(self.earlier.entry(t).or_default(), old);
+            }
+        }
+    }
+
+    /// Takes back the write of `blocks` by `node` at `clock` (it is answered elsewhere now): an
+    /// earlier writer of a block, if it has one, is its newest again. A write the same node made
+    /// before was folded into this one, and goes with it.
+    pub(crate) fn remove(&mut self, blocks: &[BlockKey], node: u32, clock: u64) {
+        for key in blocks {
+            let t = tail(key);
+            if self.newest.get(&t) == Some(&(node, clock)) {
+                let mut before = self.earlier.remove(&t).unwrap_or_default();
+                match before.iter().enumerate().max_by_key(|(_, m)| m.1).map(|(i, _)| i) {
+                    Some(i) => {
+                        let promoted = before.swap_remove(i);
+                        self.newest.insert(t, promoted);
+                        if !before.is_empty() {
+                            self.earlier.insert(t, before);
+                        }
+                    }
+                    None => {
+                        self.newest.remove(&t);
+                    }
+                }
+            } else if let Some(before) = self.earlier.get_mut(&t) {
+                before.retain(|&m| m != (node, clock));
+                if before.is_empty() {
+                    self.earlier.remove(&t);
+                }
+            }
+        }
+    }
+
+    /// Whether it holds no write.
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.newest.is_empty()
+    }
+
     /// The other nodes that wrote `key` earlier in this batch (each once, its newest clock).
     pub(crate) fn earlier(&self, key: &BlockKey) -> &[(u32, u64)] {
         if self.earlier.is_empty() {
@@ -124,16 +174,7 @@ impl Memtable {
     /// changes keeps the one before.
     pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32, others: bool) {
         self.generation += 1;
-        self.open.newest.reserve(blocks.len());
-        for key in blocks {
-            let t = tail(key);
-            if let Some(old) = self.open.newest.insert(t, (node, clock))
-                && others
-                && old.0 != node
-            {
-                add_member(self.open.earlier.entry(t).or_default(), old);
-            }
-        }
+        self.open.put(blocks, node, clock, others);
         self.open_clock = clock;
         self.open_blocks += blocks.len();
     }

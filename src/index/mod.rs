@@ -9,6 +9,7 @@ pub(crate) mod horizon;
 pub(crate) mod lookup;
 pub(crate) mod memtable;
 pub(crate) mod others;
+pub(crate) mod pending;
 pub(crate) mod presence;
 pub(crate) mod read_index;
 pub(crate) mod warm;

@@ -20,6 +20,7 @@ use super::commit::{Back, Flush, Inner, Sealer, committed, flush, flush_locked, 
 use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
 use super::lookup::{self, NodeDepth};
+use super::pending::{PENDING_NODES, Pending};
 use super::presence::Filters;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
@@ -611,17 +612,31 @@ impl ReadIndex for Warm {
     /// About log2(blocks) lookups: a binary search over the uncommitted `ran`s and the last
     /// commit.
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        self.warmest_with(prefix, None)
+    }
+
+    /// A few reads a run of blocks one `ran` wrote, a read of each block's others, and a look at
+    /// the uncommitted `ran`s per block (costlier than [`ReadIndex::warmest_prefix`]).
+    fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        self.warm_nodes_with(prefix, None)
+    }
+}
+
+impl Warm {
+    /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
+    /// yet back from the stream), then the memtable and the last commit: one read path.
+    pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Option<Hit>> {
         self.same_scheme(prefix)?;
         if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
             return Ok(None);
         }
         let mut front = self.front()?;
-        let found = lookup::searched(&mut front, &prefix.blocks)?;
+        let found = lookup::answer_search(&mut front, own, &prefix.blocks)?;
         // The last block's node was forgotten, or its cache no longer holds it: the next node
         // that ran the most of the prompt.
         let found = match found {
-            Some(((node, clock), _)) if !lookup::answered(&front, node, clock) => {
-                lookup::warm_nodes(&mut front, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
+            Some(((node, clock), _)) if !lookup::answered(&front, own, node, clock) => {
+                lookup::warm_nodes(&mut front, own, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
             }
             found => found,
         };
@@ -632,15 +647,14 @@ impl ReadIndex for Warm {
         };
         Ok(found
             .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-            .map(|((node, _), blocks)| Hit { node: front.decided.nodes.name(node), tokens: blocks * BLOCK_TOKENS }))
+            .map(|((node, _), blocks)| Hit { node: node_name(&front, own, node), tokens: blocks * BLOCK_TOKENS }))
     }
 
-    /// A few reads a run of blocks one `ran` wrote, a read of each block's others, and a look at
-    /// the uncommitted `ran`s per block (costlier than [`ReadIndex::warmest_prefix`]).
-    fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+    /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
+    pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
         self.same_scheme(prefix)?;
         let mut front = self.front()?;
-        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, &prefix.blocks)?;
+        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, own, &prefix.blocks)?;
         if !prefix.legacy.is_empty()
             && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
         {
@@ -652,11 +666,24 @@ impl ReadIndex for Warm {
             }
             found.sort_by(NodeDepth::longest_first);
         }
-        Ok(found
-            .into_iter()
-            .filter(|d| d.blocks >= MIN_BLOCKS)
-            .map(|d| Hit { node: front.decided.nodes.name(d.node), tokens: d.blocks * BLOCK_TOKENS })
-            .collect())
+        // Longest first, ties newest first: a node named twice (a file's incarnation and `own`'s
+        // write of the same name) is listed once, where it comes first.
+        let mut hits: Vec<Hit> = Vec::with_capacity(found.len());
+        for d in found.into_iter().filter(|d| d.blocks >= MIN_BLOCKS) {
+            let node = node_name(&front, own, d.node);
+            if !hits.iter().any(|h| h.node == node) {
+                hits.push(Hit { node, tokens: d.blocks * BLOCK_TOKENS });
+            }
+        }
+        Ok(hits)
+    }
+}
+
+/// The name of node `node`: the file's, or `own`'s for its own nodes.
+fn node_name(front: &Front, own: Option<&dyn Pending>, node: u32) -> String {
+    match own.filter(|_| node >= PENDING_NODES).and_then(|o| o.name(node)) {
+        Some(name) => name.to_string(),
+        None => front.decided.nodes.name(node),
     }
 }
 

@@ -9,13 +9,14 @@ use std::time::{Duration, Instant, SystemTime};
 use super::event::{EVENT_VERSION, Event, Origin, What};
 use super::link::{self, Shared, Status, unix_ns};
 use super::outbox::{Out, Outbox};
-use super::pending::Pending;
+use super::pending::OwnEvents;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
+use crate::index::pending::Pending;
 use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
-use crate::keys::{BLOCK_TOKENS, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, check_len};
+use crate::keys::{MAX_NODE_BYTES, Namespace, Prefix, check_len};
 
 /// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers
 /// it ([`SharedWarm::wait_for`]).
@@ -108,7 +109,7 @@ impl SharedWarm {
             sharing,
             boot,
             warm,
-            pending: Mutex::new(Pending::default()),
+            pending: Mutex::new(OwnEvents::default()),
             wake: tokio::sync::Notify::new(),
             status: Mutex::new(Status::default()),
             progress: Condvar::new(),
@@ -117,14 +118,6 @@ impl SharedWarm {
         });
         let link = link::spawn(Arc::clone(&shared))?;
         Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1) })
-    }
-
-    /// What this head's own unapplied events say of a prompt (`read`), and the nodes it forgot
-    /// that the stream has not yet brought back; `None` when it has none (the file answers
-    /// alone). Read before the file: an event applied meanwhile is then in the file's answer.
-    fn own<T>(&self, read: impl FnOnce(&Pending) -> T) -> Option<(T, Vec<Arc<str>>)> {
-        let pending = self.shared.pending();
-        (!pending.is_empty()).then(|| (read(&pending), pending.forgotten()))
     }
 
     /// As [`Warm::ran`]: answered here at once, published to the stream in the background, and
@@ -156,7 +149,7 @@ impl SharedWarm {
             self.shared.warm.warmest_prefix(prefix)?;
         }
         let keys: Arc<[_]> = prefix.keys().into();
-        self.send(what, |pending, local| pending.ran(local, keys, node.into()))
+        self.send(what, |pending, local| pending.ran(local, keys, node))
     }
 
     /// As [`Warm::forget_node`]: answers leave the node out at once; returns once the forget is
@@ -167,7 +160,7 @@ impl SharedWarm {
     /// As [`SharedWarm::sync`].
     pub fn forget_node(&self, name: &str) -> Result<()> {
         check_len("node", name.len(), MAX_NODE_BYTES)?;
-        self.send(What::Forget { node: name.to_string() }, |pending, local| pending.forget(local, name.into()))?;
+        self.send(What::Forget { node: name.to_string() }, |pending, local| pending.forget(local, name))?;
         self.sync()
     }
 
@@ -188,7 +181,7 @@ impl SharedWarm {
         Ok(ticket)
     }
 
-    fn send(&self, what: What, answer: impl FnOnce(&mut Pending, u64)) -> Result<Ticket> {
+    fn send(&self, what: What, answer: impl FnOnce(&mut OwnEvents, u64)) -> Result<Ticket> {
         // Numbered under the pending lock, so that the outbox (and the stream) has them in
         // number order, as the pending events compare them.
         let mut pending = self.shared.pending();
@@ -396,59 +389,28 @@ impl ReadIndex for SharedWarm {
         self.shared.warm.prefix(namespace, tokens)
     }
 
-    /// As a [`Warm`]'s, with this head's own events not yet back from the stream.
+    /// As a [`Warm`]'s, with this head's own events not yet back from the stream answered
+    /// first, as the newest memtable.
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
-        let Some((own, forgotten)) = self.own(|p| p.longest(prefix.keys())) else {
-            return self.shared.warm.warmest_prefix(prefix);
-        };
-        let applied = if forgotten.is_empty() {
-            self.shared.warm.warmest_prefix(prefix)?
-        } else {
-            let nodes = self.shared.warm.warm_nodes_prefix(prefix)?;
-            nodes.into_iter().find(|h| !names(&forgotten, h))
-        };
-        Ok(match own {
-            Some((blocks, node))
-                if blocks >= MIN_BLOCKS && applied.as_ref().is_none_or(|h| blocks * BLOCK_TOKENS >= h.tokens) =>
-            {
-                Some(Hit { node: node.to_string(), tokens: blocks * BLOCK_TOKENS })
-            }
-            _ => applied,
-        })
+        let pending = self.shared.pending();
+        self.shared.warm.warmest_with(prefix, own(&pending))
     }
 
     /// As a [`Warm`]'s, with this head's own events not yet back from the stream (listed first
     /// among equal lengths: they are the newest).
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
-        let Some((own, forgotten)) = self.own(|p| p.nodes(prefix.keys())) else {
-            return self.shared.warm.warm_nodes_prefix(prefix);
-        };
-        let mut hits: Vec<Hit> =
-            self.shared.warm.warm_nodes_prefix(prefix)?.into_iter().filter(|h| !names(&forgotten, h)).collect();
-        for (node, blocks) in own.into_iter().filter(|&(_, b)| b >= MIN_BLOCKS) {
-            let tokens = blocks * BLOCK_TOKENS;
-            match hits.iter().position(|h| *h.node == *node) {
-                Some(i) if hits.get(i).is_some_and(|h| h.tokens > tokens) => {}
-                Some(i) => {
-                    hits.remove(i);
-                    hits.insert(0, Hit { node: node.to_string(), tokens });
-                }
-                None => hits.insert(0, Hit { node: node.to_string(), tokens }),
-            }
-        }
-        // Longest first; the stable sort keeps this head's own first among equals.
-        hits.sort_by_key(|h| std::cmp::Reverse(h.tokens));
-        Ok(hits)
+        let pending = self.shared.pending();
+        self.shared.warm.warm_nodes_with(prefix, own(&pending))
     }
+}
+
+/// The head's own unapplied events as the read path's newest memtable, if it has any.
+fn own(pending: &OwnEvents) -> Option<&dyn Pending> {
+    (!pending.is_empty()).then_some(pending as &dyn Pending)
 }
 
 impl Drop for SharedWarm {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-/// Whether `hit` names one of `nodes`.
-fn names(nodes: &[Arc<str>], hit: &Hit) -> bool {
-    nodes.iter().any(|n| **n == *hit.node)
 }

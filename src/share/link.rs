@@ -17,7 +17,7 @@ use futures_util::StreamExt;
 
 use super::event::{Event, What};
 use super::outbox::Outbox;
-use super::pending::Pending;
+use super::pending::OwnEvents;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::warm::Warm;
@@ -38,7 +38,7 @@ pub(crate) struct Shared {
     /// This run of the head's process (events of an earlier run are another head's to it).
     pub boot: u64,
     pub warm: Warm,
-    pub pending: Mutex<Pending>,
+    pub pending: Mutex<OwnEvents>,
     pub outbox: Mutex<Outbox>,
     /// Wakes the publisher.
     pub wake: tokio::sync::Notify,
@@ -89,7 +89,7 @@ impl Shared {
         self.status.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(crate) fn pending(&self) -> MutexGuard<'_, Pending> {
+    pub(crate) fn pending(&self) -> MutexGuard<'_, OwnEvents> {
         self.pending.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 

@@ -1,57 +1,61 @@
 //! A head's own events that the stream has not yet brought back: answered at once
-//! (read-your-writes), dropped when the head applies them from the stream (or drops them).
+//! (read-your-writes) as the newest memtable of the one read path (`index/pending.rs`), and
+//! taken back when the head applies them from the stream (or drops them). Their writes are kept
+//! in the memtable's own map type, by this head's own numbering of node names.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use crate::index::memtable::Map;
+use crate::index::pending::{PENDING_CLOCKS, PENDING_NODES, Pending};
 use crate::keys::BlockKey;
 
 /// One own event not yet applied.
-struct Own {
-    local: u64,
-    /// `None` for a forget.
-    keys: Option<Arc<[BlockKey]>>,
+enum Own {
+    Ran { local: u64, keys: Arc<[BlockKey]>, node: u32 },
+    Forget { local: u64 },
 }
 
-/// The head's own unapplied events, by block key.
+impl Own {
+    fn local(&self) -> u64 {
+        match self {
+            Own::Ran { local, .. } | Own::Forget { local } => *local,
+        }
+    }
+}
+
+/// The head's own unapplied events.
 #[derive(Default)]
-pub(crate) struct Pending {
+pub(crate) struct OwnEvents {
     events: VecDeque<Own>,
-    /// Every unapplied own `ran` that wrote the key: (local number, node), oldest first.
-    by_key: HashMap<BlockKey, Vec<(u64, Arc<str>)>>,
+    /// The unapplied own `ran`s' writes: node [`PENDING_NODES`] + its index in `names`, clock
+    /// [`PENDING_CLOCKS`] + the event's local number.
+    writes: Map,
+    names: Vec<Arc<str>>,
+    ids: HashMap<Arc<str>, u32>,
     /// Unapplied own forgets: (local number, node).
     forgets: Vec<(u64, Arc<str>)>,
 }
 
-impl Pending {
-    pub(crate) fn ran(&mut self, local: u64, keys: Arc<[BlockKey]>, node: Arc<str>) {
-        for key in keys.iter() {
-            self.by_key.entry(*key).or_default().push((local, Arc::clone(&node)));
-        }
-        self.events.push_back(Own { local, keys: Some(keys) });
+impl OwnEvents {
+    pub(crate) fn ran(&mut self, local: u64, keys: Arc<[BlockKey]>, node: &str) {
+        let node = self.id(node);
+        self.writes.put(&keys, node, PENDING_CLOCKS + local, true);
+        self.events.push_back(Own::Ran { local, keys, node });
     }
 
-    pub(crate) fn forget(&mut self, local: u64, node: Arc<str>) {
-        self.forgets.push((local, node));
-        self.events.push_back(Own { local, keys: None });
+    pub(crate) fn forget(&mut self, local: u64, node: &str) {
+        self.forgets.push((local, Arc::from(node)));
+        self.events.push_back(Own::Forget { local });
     }
 
     /// Event `local` was applied from the stream, or dropped: it no longer answers here.
     pub(crate) fn settle(&mut self, local: u64) {
-        let Some(i) = self.events.iter().position(|e| e.local == local) else { return };
-        let Some(own) = self.events.remove(i) else { return };
-        match own.keys {
-            Some(keys) => {
-                for key in keys.iter() {
-                    if let Some(writers) = self.by_key.get_mut(key) {
-                        writers.retain(|&(l, _)| l != local);
-                        if writers.is_empty() {
-                            self.by_key.remove(key);
-                        }
-                    }
-                }
-            }
-            None => self.forgets.retain(|&(l, _)| l != local),
+        let Some(i) = self.events.iter().position(|e| e.local() == local) else { return };
+        match self.events.remove(i) {
+            Some(Own::Ran { keys, node, .. }) => self.writes.remove(&keys, node, PENDING_CLOCKS + local),
+            Some(Own::Forget { .. }) => self.forgets.retain(|&(l, _)| l != local),
+            None => {}
         }
     }
 
@@ -63,46 +67,53 @@ impl Pending {
         self.events.len()
     }
 
-    /// Nodes forgotten here whose forget is not applied yet: every answer leaves them out.
-    pub(crate) fn forgotten(&self) -> Vec<Arc<str>> {
-        self.forgets.iter().map(|(_, n)| Arc::clone(n)).collect()
-    }
-
-    /// Whether a write of `local` by `node` is hidden by a later own forget of it.
-    fn hidden(&self, local: u64, node: &str) -> bool {
-        self.forgets.iter().any(|(f, n)| *f > local && &**n == node)
-    }
-
-    /// The newest visible writer of `key`.
-    fn newest(&self, key: &BlockKey) -> Option<&Arc<str>> {
-        self.by_key.get(key)?.iter().rev().find(|(l, n)| !self.hidden(*l, n)).map(|(_, n)| n)
-    }
-
-    /// The longest prefix of `keys` the unapplied own `ran`s wrote, in blocks, and the node that
-    /// wrote its last block last. The keys they wrote are a prefix along any chain (each `ran`
-    /// writes a whole prefix), so this is a binary search.
-    pub(crate) fn longest(&self, keys: &[BlockKey]) -> Option<(usize, Arc<str>)> {
-        if self.by_key.is_empty() {
-            return None;
+    /// Its node number for `name`.
+    fn id(&mut self, name: &str) -> u32 {
+        if let Some(&id) = self.ids.get(name) {
+            return id;
         }
-        let held = keys.partition_point(|k| self.newest(k).is_some());
-        let node = self.newest(keys.get(held.checked_sub(1)?)?)?;
-        Some((held, Arc::clone(node)))
+        let id = PENDING_NODES.saturating_add(u32::try_from(self.names.len()).unwrap_or(u32::MAX));
+        let name: Arc<str> = Arc::from(name);
+        self.names.push(Arc::clone(&name));
+        self.ids.insert(name, id);
+        id
     }
 
-    /// Every node an unapplied own `ran` names along `keys`, with how many blocks of them.
-    pub(crate) fn nodes(&self, keys: &[BlockKey]) -> Vec<(Arc<str>, usize)> {
-        let mut found: Vec<(Arc<str>, usize)> = Vec::new();
-        for (i, key) in keys.iter().enumerate() {
-            let Some(writers) = self.by_key.get(key) else { break };
-            for (_, node) in writers.iter().filter(|(l, n)| !self.hidden(*l, n)) {
-                match found.iter_mut().find(|(n, _)| n == node) {
-                    Some(f) => f.1 = i + 1,
-                    None => found.push((Arc::clone(node), i + 1)),
-                }
-            }
+    /// Whether a write by `node` at `clock` is hidden by a later own forget of it.
+    fn hidden(&self, (node, clock): (u32, u64)) -> bool {
+        let Some(name) = self.name(node) else { return false };
+        self.forgets.iter().any(|(f, n)| PENDING_CLOCKS + *f > clock && &**n == name)
+    }
+}
+
+impl Pending for OwnEvents {
+    fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
+        let newest = self.writes.newest(key)?;
+        if self.forgets.is_empty() {
+            return Some(newest);
         }
-        found
+        // The newest write still answered: each node's newest write is there once.
+        std::iter::once(newest)
+            .chain(self.writes.earlier(key).iter().copied())
+            .filter(|&w| !self.hidden(w))
+            .max_by_key(|w| w.1)
+    }
+
+    fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) -> bool {
+        let Some(newest) = self.writes.newest(key) else { return false };
+        let before = into.len();
+        into.extend(
+            std::iter::once(newest).chain(self.writes.earlier(key).iter().copied()).filter(|&w| !self.hidden(w)),
+        );
+        into.len() - before > 1
+    }
+
+    fn forgets(&self, name: &str) -> bool {
+        self.forgets.iter().any(|(_, n)| &**n == name)
+    }
+
+    fn name(&self, node: u32) -> Option<&str> {
+        self.names.get(node.checked_sub(PENDING_NODES)? as usize).map(|n| n.as_ref())
     }
 }
 
@@ -116,28 +127,40 @@ mod tests {
         (0..n).map(|i| [i; 16]).collect()
     }
 
+    /// The longest prefix the answered writes cover, and the node of its last block, as the
+    /// read path's search finds it.
+    fn longest(p: &OwnEvents, chain: &[BlockKey]) -> Option<(usize, String)> {
+        let held = chain.partition_point(|k| p.newest(k).is_some());
+        let (node, _) = p.newest(chain.get(held.checked_sub(1)?)?)?;
+        Some((held, p.name(node)?.to_string()))
+    }
+
     #[test]
     fn own_runs_answer_until_settled_and_a_forget_hides_only_what_came_before() {
-        let mut p = Pending::default();
-        p.ran(1, keys(6), "a".into());
-        p.ran(2, keys(3), "b".into());
-        assert_eq!(p.longest(&keys(9)), Some((6, "a".into())));
-        assert_eq!(p.longest(&keys(2)), Some((2, "b".into())));
-        let mut nodes = p.nodes(&keys(9));
-        nodes.sort();
-        assert_eq!(nodes, vec![("a".into(), 6), ("b".into(), 3)]);
-        p.forget(3, "a".into());
-        assert_eq!(p.longest(&keys(9)), Some((3, "b".into())), "a's run is hidden");
-        p.ran(4, keys(5), "a".into());
-        assert_eq!(p.longest(&keys(9)), Some((5, "a".into())), "a's new incarnation answers");
-        // Settled out of order: the others stay.
-        p.settle(2);
-        assert_eq!(p.longest(&keys(9)), Some((5, "a".into())));
-        p.settle(4);
-        assert_eq!(p.longest(&keys(9)), None, "only a's hidden run is left");
-        p.settle(3);
-        assert_eq!(p.longest(&keys(9)), Some((6, "a".into())));
+        let mut p = OwnEvents::default();
+        p.ran(1, keys(6), "a");
+        p.ran(2, keys(3), "b");
+        assert_eq!(longest(&p, &keys(9)), Some((6, "a".into())));
+        assert_eq!(longest(&p, &keys(2)), Some((2, "b".into())));
+        let mut writes = Vec::new();
+        assert!(p.writes(&keys(1)[0], &mut writes), "a and b wrote block 0");
+        let mut names: Vec<&str> = writes.iter().filter_map(|&(n, _)| p.name(n)).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["a", "b"]);
+        p.forget(3, "a");
+        assert!(p.forgets("a") && !p.forgets("b"));
+        assert_eq!(longest(&p, &keys(9)), Some((3, "b".into())), "a's run is hidden");
+        p.ran(4, keys(5), "a");
+        assert_eq!(longest(&p, &keys(9)), Some((5, "a".into())), "a's new incarnation answers");
+        // Settled in stream order.
         p.settle(1);
-        assert!(p.is_empty() && p.by_key.is_empty() && p.forgets.is_empty());
+        assert_eq!(longest(&p, &keys(9)), Some((5, "a".into())));
+        p.settle(2);
+        p.settle(3);
+        assert!(!p.forgets("a"));
+        assert_eq!(longest(&p, &keys(9)), Some((5, "a".into())));
+        p.settle(4);
+        assert_eq!(longest(&p, &keys(9)), None);
+        assert!(p.is_empty() && p.writes.is_empty() && p.forgets.is_empty());
     }
 }

@@ -305,9 +305,10 @@ impl Writer {
                 earlier: Vec::new(),
             }));
         }
-        // Newest write last within a key (a stable sort keeps the order of the puts), then keep
-        // it, with the other nodes that wrote the key before it.
-        writes.sort_by_key(|w| w.key);
+        // Newest write last within a key (puts come in clock order, and a put writes a key
+        // once; an unstable sort needs no buffer), then keep it, with the other nodes that
+        // wrote the key before it.
+        writes.sort_unstable_by_key(|w| (w.key, w.entry.clock));
         writes.dedup_by(|later, earlier| {
             if later.key == earlier.key {
                 std::mem::swap(later, earlier);

@@ -298,6 +298,23 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
 /// `sync`: 0.1.7, loading the same file and making the same `ran`s, evicts the imported entries
 /// and the new ones in the same order, and every answer (the fixture's queries, the new prompts)
 /// is the same at every step.
+/// An import past the capacity evicts the oldest eighth (0.1.7's rule) until it fits, says how
+/// many it evicted, and that is durable.
+#[test]
+fn an_import_past_the_capacity_evicts_and_reports_it() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("warm.redb");
+    let warm = Warm::builder().capacity(100).open(&path)?;
+    let report = warm.import_json(fixture())?;
+    assert_eq!(report.imported, 240);
+    assert!(report.evicted >= 140, "{report:?}");
+    assert_eq!(warm.stats()?.entries, 240 - report.evicted);
+    drop(warm);
+    let warm = Warm::open(&path)?;
+    assert!(warm.stats()?.entries <= 100, "the eviction was committed: {:?}", warm.stats()?.entries);
+    Ok(())
+}
+
 #[test]
 fn after_an_import_evictions_keep_0_1_7s_order_between_old_and_new_entries() -> Result<(), Error> {
     use superfluid_warm::tools::baseline::Baseline;

@@ -185,6 +185,31 @@ fn a_file_keeps_its_capacity_unless_one_is_given() -> Result<(), Error> {
     Ok(())
 }
 
+/// A file opened with a smaller capacity is evicted to it at once, durably: closed without a
+/// `ran`, it opens again within the capacity, its oldest prompts gone and its newest answered.
+#[test]
+fn a_smaller_capacity_evicts_at_open_and_the_eviction_is_committed() -> Result<(), Error> {
+    let dir = tempdir();
+    let path = db_path(&dir);
+    let prompt = |i: u32| -> Vec<u32> { (0..64 * 10).map(|t| i * 100_000 + t).collect() };
+    let warm = Warm::builder().capacity(5000).open(&path)?;
+    for i in 0..100 {
+        warm.ran("m", &prompt(i), "a")?;
+    }
+    warm.close()?;
+    // 1,000 entries; reopened at 500, closed at once.
+    Warm::builder().capacity(500).open(&path)?.close()?;
+    let warm = Warm::open(&path)?;
+    let stats = warm.stats()?;
+    assert!(stats.entries <= 500, "{} entries at capacity 500", stats.entries);
+    assert_eq!(warm.warmest("m", &prompt(0))?, None, "the oldest prompt was evicted");
+    assert_eq!(warm.warmest("m", &prompt(99))?.map(|h| h.tokens), Some(640), "the newest is answered");
+    warm.close()?;
+    let snapshot = Snapshot::open(&path)?;
+    assert_eq!(snapshot.check()?.problems, Vec::<String>::new(), "the file's counts agree after the eviction");
+    Ok(())
+}
+
 /// Every `ran` that returned is answered, by any thread, while the commit thread keeps writing,
 /// committing and swapping its snapshot underneath (a 1 ms window makes that constant).
 #[test]

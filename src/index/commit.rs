@@ -197,12 +197,15 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
                         v.published = figures;
                     });
                     let changed = std::mem::take(&mut back.writer.held.others_changed);
-                    (Ok(()), Some(front.install(view, &committed, &changed)))
+                    drop(committed);
+                    (Ok(()), Some(front.install(view, &changed)))
                 }
                 None => {
-                    // Their memtable maps stay (answered from there) until a later commit's
-                    // install drops them with its own.
-                    front.oldest_pending = front.queue.first().map(|q| q.at);
+                    // Their memtable maps stay (answered from there) until a commit's view is
+                    // installed: the commit thread tries again a window from now, so that a
+                    // `ran` waiting for the maps' room is not left waiting.
+                    let again = front.queue.first().map(|q| q.at).unwrap_or_else(std::time::Instant::now);
+                    front.oldest_pending = Some(again);
                     drop(committed);
                     (Ok(()), None)
                 }

@@ -113,6 +113,12 @@ impl Decided {
         let newest = generations.last().map_err(redb_err("reading the generations"))?.map_or(0, |(c, _)| c.value());
         let names = read_nodes(&read.open_table(NODES).map_err(redb_err("reading nodes"))?)?;
         let next_node = u32::try_from(names.len()).unwrap_or(u32::MAX);
+        // The registry hands out the next id after the node table's; the meta record must agree.
+        if next_node != meta.next_node {
+            return Err(Error::Corrupted {
+                detail: format!("the node table holds {next_node} nodes, the meta record counts {}", meta.next_node),
+            });
+        }
         let mut retired = vec![false; names.len()];
         for (id, _) in by_node(&read.open_table(RETIRED).map_err(redb_err("reading retired nodes"))?, next_node)? {
             if let Some(r) = retired.get_mut(id) {
@@ -147,7 +153,7 @@ impl Decided {
 
     /// Decides a `ran` of `blocks` by `node`: `runs` are the blocks of the prompt already live,
     /// in runs of equal clocks (`(clock, blocks)` from the first block on), `held` those its
-    /// node's cache held. Returns its clock and its effects.
+    /// node's cache held. Returns its effects.
     ///
     /// # Errors
     /// [`Error::Corrupted`] when the clock cannot advance (past [`MAX_CLOCK`]);
@@ -159,7 +165,7 @@ impl Decided {
         node: &str,
         runs: &[(u64, u64)],
         held: &[(u64, u64)],
-    ) -> Result<(u64, Vec<Effect>)> {
+    ) -> Result<Vec<Effect>> {
         let clock = next_clock(self.clock)?;
         let mut effects = Vec::with_capacity(4);
         let (id, name) = self.nodes.id(node, &mut effects)?;
@@ -172,7 +178,7 @@ impl Decided {
         }
         self.caches.ran((id, &name), clock, blocks.len() as u64, held, floor);
         effects.append(&mut self.caches.take_effects());
-        Ok((clock, effects))
+        Ok(effects)
     }
 
     /// Decides a forget of node `name`'s current incarnation: from now on nothing it ran before

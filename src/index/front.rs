@@ -34,8 +34,6 @@ pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
 /// A decided change, queued for the commit thread.
 pub(crate) struct Queued {
     pub effects: Vec<Effect>,
-    /// The clock it was decided at.
-    pub clock: u64,
     /// When it was decided (for the sync window).
     pub at: Instant,
     /// For a head sharing through a stream: the stream sequence of the event it applies (written
@@ -204,20 +202,14 @@ impl Front {
         self.oldest_pending = self.queue.first().map(|q| q.at);
     }
 
-    /// Installs `view`, the commit of `committed` (and everything before), and drops from the
-    /// memtable the maps it made redundant. Returns what is replaced, to drop outside the lock.
-    pub(crate) fn install(
-        &mut self,
-        view: View,
-        committed: &[Queued],
-        others_changed: &[u128],
-    ) -> (Arc<View>, Vec<Map>) {
+    /// Installs `view`, a commit of everything the commit thread had taken, and drops the
+    /// memtable's sealed maps: every change in them was taken before that commit (a take seals
+    /// the open map, and both happen with the writer held). Returns what is replaced, to drop
+    /// outside the lock.
+    pub(crate) fn install(&mut self, view: View, others_changed: &[u128]) -> (Arc<View>, Vec<Map>) {
         self.others.committed(others_changed);
         let old = std::mem::replace(&mut self.view, Arc::new(view));
-        let gone = match committed.iter().map(|q| q.clock).max() {
-            Some(newest) => self.memtable.forget_through(newest),
-            None => Vec::new(),
-        };
+        let gone = self.memtable.forget_through(u64::MAX);
         self.oldest_pending = self.queue.first().map(|q| q.at);
         (old, gone)
     }

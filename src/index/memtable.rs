@@ -114,6 +114,30 @@ impl Map {
         }
     }
 
+    /// Writes `blocks` by `node` at `clock` again, older than some writes it holds: where a
+    /// block has a newer write it joins the block's earlier writers instead.
+    pub(crate) fn restore(&mut self, blocks: &[BlockKey], node: u32, clock: u64) {
+        for key in blocks {
+            let t = tail(key);
+            match self.newest.get(&t).copied() {
+                Some((n, c)) if c > clock => {
+                    if n != node {
+                        add_member(self.earlier.entry(t).or_default(), (node, clock));
+                    }
+                }
+                Some(old) => {
+                    self.newest.insert(t, (node, clock));
+                    if old.0 != node {
+                        add_member(self.earlier.entry(t).or_default(), old);
+                    }
+                }
+                None => {
+                    self.newest.insert(t, (node, clock));
+                }
+            }
+        }
+    }
+
     /// Whether it holds no write.
     #[cfg(test)]
     pub(crate) fn is_empty(&self) -> bool {

@@ -288,9 +288,9 @@ impl Warm {
                 false => Vec::new(),
             };
             let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
-            let (clock, effects) = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
+            let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
             let was_idle = front.oldest_pending.is_none();
-            front.push(Queued { effects, clock, at: Instant::now(), position });
+            front.push(Queued { effects, at: Instant::now(), position });
             if self.flusher.is_some() {
                 if was_idle {
                     self.inner.wake.notify_one();
@@ -332,9 +332,8 @@ impl Warm {
             // recorded, so that the stream's last event is acknowledged whatever it was.
             let effects = front.decided.forget(name);
             if effects.is_some() || position > 0 {
-                let clock = front.decided.clock;
                 let was_idle = front.oldest_pending.is_none();
-                front.push(Queued { effects: effects.unwrap_or_default(), clock, at: Instant::now(), position });
+                front.push(Queued { effects: effects.unwrap_or_default(), at: Instant::now(), position });
                 if was_idle {
                     self.inner.wake.notify_one();
                 }
@@ -431,11 +430,15 @@ impl Warm {
     /// if it was decided and then failed, what was decided goes back to what the file holds;
     /// then the callers' changes go on.
     fn end_alone(&self, undo: bool) -> Result<()> {
-        let reloaded = if undo { Decided::load(&self.inner.db).ok() } else { None };
+        let reloaded = if undo { Some(Decided::load(&self.inner.db)) } else { None };
         let mut front = self.front()?;
         front.importing = false;
-        if let Some(decided) = reloaded {
-            front.decided = decided;
+        match reloaded {
+            Some(Ok(decided)) => front.decided = decided,
+            // What was decided is ahead of the file and cannot be read back: changes are refused
+            // (`CommitFailed`, saying to reopen) rather than decided from it.
+            Some(Err(e)) => front.failed = Some(e),
+            None => {}
         }
         drop(front);
         self.inner.drained.notify_all();

@@ -50,10 +50,22 @@ impl OwnEvents {
     }
 
     /// Event `local` was applied from the stream, or dropped: it no longer answers here.
+    /// Usually the oldest; when not (an event dropped from a full buffer while older ones wait
+    /// to be applied), the same node's older events, which its write had folded in, are
+    /// written back.
     pub(crate) fn settle(&mut self, local: u64) {
         let Some(i) = self.events.iter().position(|e| e.local() == local) else { return };
         match self.events.remove(i) {
-            Some(Own::Ran { keys, node, .. }) => self.writes.remove(&keys, node, PENDING_CLOCKS + local),
+            Some(Own::Ran { keys, node, .. }) => {
+                self.writes.remove(&keys, node, PENDING_CLOCKS + local);
+                for older in self.events.iter().take(i) {
+                    if let Own::Ran { local: l, keys, node: n } = older
+                        && *n == node
+                    {
+                        self.writes.restore(keys, node, PENDING_CLOCKS + l);
+                    }
+                }
+            }
             Some(Own::Forget { .. }) => self.forgets.retain(|&(l, _)| l != local),
             None => {}
         }
@@ -162,5 +174,24 @@ mod tests {
         p.settle(4);
         assert_eq!(longest(&p, &keys(9)), None);
         assert!(p.is_empty() && p.writes.is_empty() && p.forgets.is_empty());
+    }
+
+    /// An event dropped from a full buffer is settled while older ones still wait: the older
+    /// writes of the same node, folded into it, answer again.
+    #[test]
+    fn an_event_settled_before_older_ones_leaves_them_answered() {
+        let mut p = OwnEvents::default();
+        p.ran(1, keys(4), "a");
+        p.ran(2, keys(2), "b");
+        p.ran(3, keys(8), "a");
+        assert_eq!(longest(&p, &keys(9)), Some((8, "a".into())));
+        p.settle(3);
+        assert_eq!(longest(&p, &keys(9)), Some((4, "a".into())), "event 1 answers again");
+        assert_eq!(longest(&p, &keys(2)), Some((2, "b".into())), "b's event is newer on its blocks");
+        p.settle(2);
+        assert_eq!(longest(&p, &keys(2)), Some((2, "a".into())));
+        p.settle(1);
+        assert_eq!(longest(&p, &keys(9)), None);
+        assert!(p.writes.is_empty());
     }
 }

@@ -218,7 +218,10 @@ impl Writer {
 
     /// Whether the batch holds effects.
     pub(crate) fn dirty(&self) -> bool {
-        self.txn.is_some() || !self.unwritten.puts.is_empty() || !self.rows.is_empty()
+        self.txn.is_some()
+            || !self.unwritten.puts.is_empty()
+            || self.unwritten.floor > self.floor
+            || !self.rows.is_empty()
     }
 
     /// Takes `effects` (in the order they were decided) into the batch, with the stream

@@ -256,13 +256,18 @@ impl Writer {
             }
         }
         if position > self.position {
-            self.batch(db)?
-                .open_table(STATE)
-                .and_then(|mut t| t.insert(POSITION_KEY, position).map(drop).map_err(Into::into))
-                .map_err(redb_err("writing the stream position"))?;
+            self.put_state(db, POSITION_KEY, position, "writing the stream position")?;
             self.position = position;
         }
         Ok(())
+    }
+
+    /// Writes `value` under `key` in the batch's state table.
+    fn put_state(&mut self, db: &Database, key: &str, value: u64, what: &'static str) -> Result<()> {
+        self.batch(db)?
+            .open_table(STATE)
+            .and_then(|mut t| t.insert(key, value).map(drop).map_err(Into::into))
+            .map_err(redb_err(what))
     }
 
     /// Writes what the batch holds unwritten: its puts as one merge (each key once, its newest
@@ -336,10 +341,7 @@ impl Writer {
 
     /// Records the eviction floor in the batch.
     fn set_floor(&mut self, db: &Database, floor: u64) -> Result<()> {
-        self.batch(db)?
-            .open_table(STATE)
-            .and_then(|mut t| t.insert(FLOOR_KEY, floor).map(drop).map_err(Into::into))
-            .map_err(redb_err("writing the floor"))?;
+        self.put_state(db, FLOOR_KEY, floor, "writing the floor")?;
         self.floor = floor;
         Ok(())
     }

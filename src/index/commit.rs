@@ -212,10 +212,8 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
             }
         }
         Ok(None) => {
-            if front.view.published.entries != figures.entries || front.view.published.held != figures.held {
-                // The same answers: the generation stays.
-                let mut view = front.view.next(|v| v.published = figures);
-                view.generation = front.view.generation;
+            if front.view.published != figures {
+                let view = front.view.with_published(figures);
                 front.view = Arc::new(view);
             }
             (Ok(()), None)

@@ -57,7 +57,7 @@ impl Queued {
 }
 
 /// The file's figures as of the last flush (what `stats` reports).
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Published {
     pub entries: u64,
     pub legacy_entries: u64,
@@ -81,14 +81,20 @@ pub(crate) struct View {
 impl View {
     /// This view with `change` made, as the next generation (the tables are shared).
     pub(crate) fn next(&self, change: impl FnOnce(&mut View)) -> View {
-        let mut next = View {
-            generation: self.generation + 1,
-            tables: Arc::clone(&self.tables),
-            presence: self.presence.clone(),
-            published: self.published.clone(),
-        };
+        let mut next = self.with_published(self.published.clone());
+        next.generation += 1;
         change(&mut next);
         next
+    }
+
+    /// This view with other figures: the same answers, so the same generation.
+    pub(crate) fn with_published(&self, published: Published) -> View {
+        View {
+            generation: self.generation,
+            tables: Arc::clone(&self.tables),
+            presence: self.presence.clone(),
+            published,
+        }
     }
 
     pub(crate) fn prefixes(&self) -> &Committed {
@@ -203,13 +209,13 @@ impl Front {
     }
 
     /// Installs `view`, a commit of everything the commit thread had taken, and drops the
-    /// memtable's sealed maps: every change in them was taken before that commit (a take seals
+    /// memtable's sealed map: every change in it was taken before that commit (a take seals
     /// the open map, and both happen with the writer held). Returns what is replaced, to drop
     /// outside the lock.
-    pub(crate) fn install(&mut self, view: View, others_changed: &[u128]) -> (Arc<View>, Vec<Map>) {
+    pub(crate) fn install(&mut self, view: View, others_changed: &[u128]) -> (Arc<View>, Option<Map>) {
         self.others.committed(others_changed);
         let old = std::mem::replace(&mut self.view, Arc::new(view));
-        let gone = self.memtable.forget_through(u64::MAX);
+        let gone = self.memtable.drop_sealed();
         self.oldest_pending = self.queue.first().map(|q| q.at);
         (old, gone)
     }

@@ -1,11 +1,11 @@
 //! The memtable: every `ran` not yet committed, answerable by block key. One small entry per
 //! block: the last 8 bytes of its key (already a uniform hash of everything up to it) → the index
-//! of the node that wrote it and the clock of that `ran`. Entries live in one map per batch: `ran`s go into the open map;
-//! when the commit thread takes the queue, the open map is sealed with it; when that batch is
-//! committed (or lost), its map is dropped whole. So inserts go to a small map, and forgetting a
-//! batch costs nothing per block.
+//! of the node that wrote it and the clock of that `ran`. `ran`s go into the open map; when the
+//! commit thread takes the queue, the open map joins the sealed one, which holds everything taken
+//! and not yet committed; the commit that holds it drops it whole. So inserts go to a small map,
+//! and forgetting a batch costs nothing per block.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use crate::keys::BlockKey;
 use crate::store::tables::add_member;
@@ -50,10 +50,9 @@ pub(crate) struct Map {
 /// The `ran`s not yet committed.
 #[derive(Default)]
 pub(crate) struct Memtable {
-    /// Sealed batches, oldest first: (clock of their newest `ran`, blocks written, map).
-    sealed: VecDeque<(u64, usize, Map)>,
+    /// What the commit thread has taken and not yet committed: (blocks written, map).
+    sealed: Option<(usize, Map)>,
     open: Map,
-    open_clock: u64,
     open_blocks: usize,
     /// Changes with every write and every drop: what a memo of an answer read is valid for.
     generation: u64,
@@ -199,34 +198,31 @@ impl Memtable {
     pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32, others: bool) {
         self.generation += 1;
         self.open.put(blocks, node, clock, others);
-        self.open_clock = clock;
         self.open_blocks += blocks.len();
     }
 
     /// Closes the open batch: the commit thread has taken its `ran`s. They join the sealed map
     /// of the batch not yet committed, if there is one (the commit thread takes the queue as
     /// it comes, many times a commit): one map a commit, so a lookup that misses reads one or
-    /// two maps, not one per `ran` since the last commit. Everything in a sealed map is
-    /// committed (or lost) by the same commit: the one that takes it is the one that commits
-    /// it, under the writer's lock.
+    /// two maps, not one per `ran` since the last commit. Everything in the sealed map is
+    /// committed by the same commit: the takes and the commit all hold the writer's lock.
     pub(crate) fn seal(&mut self, others: bool) {
         if self.open_blocks == 0 {
             return;
         }
         // The next open map starts with the room this one needed: grown from empty, each
         // batch's first `ran`s would rehash it several times.
-        match self.sealed.back_mut() {
-            Some((newest, blocks, map)) => {
+        match self.sealed.as_mut() {
+            Some((blocks, map)) => {
                 map.absorb(&mut self.open, others);
                 self.open.earlier = Tails::default();
-                *newest = self.open_clock;
                 *blocks += self.open_blocks;
             }
             None => {
                 // Bounded: one take of a far-behind queue must not size every open map after it.
                 let room = self.open.newest.len().min(MAX_ROOM);
                 let open = std::mem::replace(&mut self.open, Map::with_room(room));
-                self.sealed.push_back((self.open_clock, self.open_blocks, open));
+                self.sealed = Some((self.open_blocks, open));
             }
         }
         self.open_blocks = 0;
@@ -239,7 +235,7 @@ impl Memtable {
         if let Some(&found) = self.open.newest.get(&t) {
             return Some(found);
         }
-        self.sealed.iter().rev().find_map(|(_, _, map)| map.newest.get(&t).copied())
+        self.sealed.as_ref().and_then(|(_, map)| map.newest.get(&t).copied())
     }
 
     /// Every pending write of `key`, (node id, clock), in no order, pushed onto `into`.
@@ -255,20 +251,14 @@ impl Memtable {
 
     /// The batches' maps, oldest first, the open one last.
     pub(crate) fn maps(&self) -> impl Iterator<Item = &Map> {
-        self.sealed.iter().map(|(_, _, m)| m).chain([&self.open])
+        self.sealed.iter().map(|(_, m)| m).chain([&self.open])
     }
 
-    /// Takes out every sealed batch whose `ran`s all have a clock up to `clock` (committed, or
-    /// lost); the caller drops them (outside its lock).
-    pub(crate) fn forget_through(&mut self, clock: u64) -> Vec<Map> {
+    /// Takes out the sealed map: the commit that holds what it holds is installed. The caller
+    /// drops it (outside its lock).
+    pub(crate) fn drop_sealed(&mut self) -> Option<Map> {
         self.generation += 1;
-        let mut gone = Vec::new();
-        while self.sealed.front().is_some_and(|(newest, _, _)| *newest <= clock) {
-            if let Some((_, _, map)) = self.sealed.pop_front() {
-                gone.push(map);
-            }
-        }
-        gone
+        self.sealed.take().map(|(_, map)| map)
     }
 
     /// What a memo of an answer read from it is valid for.
@@ -283,7 +273,7 @@ impl Memtable {
 
     /// Blocks held, counting each `ran`'s.
     pub(crate) fn blocks(&self) -> usize {
-        self.open_blocks + self.sealed.iter().map(|(_, n, _)| n).sum::<usize>()
+        self.open_blocks + self.sealed.as_ref().map_or(0, |(n, _)| *n)
     }
 }
 
@@ -316,14 +306,14 @@ mod tests {
         assert_eq!(writes, vec![(0, 1), (1, 2), (2, 3)], "every node that wrote it, in either batch");
         assert_eq!(memtable.get(&chain(2, 1)[0]), None);
         assert_eq!(memtable.blocks(), 70);
-        assert!(memtable.forget_through(0).is_empty(), "batch 1 is not committed yet");
-        assert_eq!(memtable.forget_through(1).len(), 1);
+        assert!(memtable.drop_sealed().is_some(), "batch 1's commit is installed");
         assert_eq!(memtable.get(&a[30]), None, "a's own blocks went with its batch");
         assert_eq!(memtable.get(&a[5]), Some((2, 3)), "the open batch stays");
-        assert!(memtable.forget_through(3).is_empty(), "an open batch is never forgotten");
+        assert_eq!(memtable.blocks(), 30);
+        assert!(memtable.drop_sealed().is_none(), "an open batch is never dropped");
+        assert_eq!(memtable.get(&a[5]), Some((2, 3)));
         memtable.seal(true);
-        assert!(memtable.forget_through(2).is_empty(), "its newest `ran` (3) is not committed");
-        assert_eq!(memtable.forget_through(3).len(), 1);
+        assert!(memtable.drop_sealed().is_some());
         assert_eq!((memtable.get(&a[5]), memtable.blocks()), (None, 0));
     }
 
@@ -337,15 +327,14 @@ mod tests {
             memtable.push(clock, &a[..(clock as usize * 3)], node, true);
             memtable.seal(true);
         }
-        assert_eq!(memtable.sealed.len(), 1, "one map a commit");
+        assert!(memtable.sealed.is_some(), "one map a commit");
         assert_eq!(memtable.get(&a[0]), Some((2, 4)));
         assert_eq!(memtable.get(&a[8]), Some((2, 4)));
         let mut writes = Vec::new();
         memtable.writes(&a[0], &mut writes);
         writes.sort_unstable();
         assert_eq!(writes, vec![(0, 3), (1, 2), (2, 4)], "each node once, with its newest write");
-        assert!(memtable.forget_through(3).is_empty(), "the map holds clock 4, not committed yet");
-        assert_eq!(memtable.forget_through(4).len(), 1);
+        assert!(memtable.drop_sealed().is_some());
         assert_eq!(memtable.blocks(), 0);
     }
 
@@ -362,8 +351,8 @@ mod tests {
         memtable.seal(true);
         memtable.push(2, &chain(6, 200), 1, true);
         assert!(memtable.bytes() > one, "two batches hold more than one");
-        let gone = memtable.forget_through(1);
-        assert_eq!(gone.len(), 1);
+        let gone = memtable.drop_sealed();
+        assert!(gone.is_some());
         assert!(memtable.bytes() < 2 * one + 64, "the committed batch's map went");
     }
 }

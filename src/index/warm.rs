@@ -398,15 +398,15 @@ impl Warm {
     ) -> Result<()> {
         flush_locked(&self.inner, back, Flush::Commit)?;
         *decided = true;
-        let (ids, floors, floor) = {
+        // The nodes to seed and what each has lost (its floor, and the eviction's), taken under
+        // the lock; the file is scanned outside it.
+        let (ids, above): (Vec<u32>, Vec<u64>) = {
             let front = self.front()?;
-            let ids = front.decided.caches_to_seed(name, blocks);
-            let floors: Vec<u64> = ids.iter().map(|&id| front.decided.caches.floor(id)).collect();
-            (ids, floors, front.decided.horizon.floor)
+            let decided = &front.decided;
+            let ids = decided.caches_to_seed(name, blocks);
+            ids.into_iter().map(|id| (id, decided.horizon.floor.max(decided.caches.floor(id)))).unzip()
         };
-        let above = |node: u32| {
-            floor.max(ids.iter().position(|&id| id == node).and_then(|i| floors.get(i).copied()).unwrap_or(0))
-        };
+        let above = |node: u32| ids.iter().zip(&above).find(|p| *p.0 == node).map_or(0, |p| *p.1);
         let seeds = named_pairs(&self.inner.db, &ids, above)?;
         let effects = {
             let mut front = self.front()?;

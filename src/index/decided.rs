@@ -40,7 +40,7 @@ impl Registry {
 
     /// The name of node id `node`.
     pub(crate) fn name(&self, node: u32) -> String {
-        self.names.get(node as usize).map_or_else(|| format!("#{node}"), |n| n.to_string())
+        self.name_of(node).map_or_else(|| format!("#{node}"), str::to_string)
     }
 
     /// The name of node id `node`, if it has one.

@@ -47,6 +47,8 @@ pub use file::compact::Compacted;
 pub use file::index_file::IndexFile;
 pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
+pub use index::engine_events::EngineStats;
+pub use index::front::DEFAULT_ENGINE_GRACE;
 pub use index::read_index::ReadIndex;
 pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
 pub use keys::{
@@ -55,6 +57,7 @@ pub use keys::{
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::caches::NodeCacheStats;
+pub use store::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStored, Medium};
 pub use store::import::{ImportReport, LegacyJson};
 pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, MAX_CLOCK, SCHEMA_VERSION};
 pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};

@@ -50,7 +50,7 @@ fn a_schema_3_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
         warm.close()?;
     }
     let snapshot = Snapshot::open(&path)?;
-    assert_eq!(snapshot.stats()?.schema, 5, "upgraded through schema 4 to 5");
+    assert_eq!(snapshot.stats()?.schema, 6, "upgraded through schemas 4 and 5 to 6");
     let check = snapshot.check()?;
     assert!(check.problems.is_empty(), "{:?}", check.problems);
     drop(snapshot);

@@ -6,6 +6,7 @@ use std::time::Duration;
 use redb::{ConcurrencyMode, Database};
 
 use super::decided::Decided;
+use super::front::DEFAULT_ENGINE_GRACE;
 use super::warm::{OpenCheck, Opened, Warm};
 use crate::error::{Error, Result, open_error};
 use crate::file::lock::{HeadLock, retry_while_held};
@@ -33,6 +34,7 @@ pub struct Builder {
     nodes_per_prefix: usize,
     compact_on_close: bool,
     node_cache_blocks: Option<u64>,
+    engine_grace: Duration,
 }
 
 impl Default for Builder {
@@ -54,6 +56,7 @@ impl Builder {
             nodes_per_prefix: DEFAULT_NODES_PER_PREFIX,
             compact_on_close: true,
             node_cache_blocks: None,
+            engine_grace: DEFAULT_ENGINE_GRACE,
         }
     }
 
@@ -118,6 +121,16 @@ impl Builder {
     /// ([`Builder::capacity`]) still bounds the whole.
     pub fn node_cache_blocks(&mut self, blocks: u64) -> &mut Self {
         self.node_cache_blocks = Some(blocks);
+        self
+    }
+
+    /// How long a `ran` on a node whose engine reports what it holds ([`Warm::engine_batch`]) is
+    /// answered before the engine's own events confirm it ([`DEFAULT_ENGINE_GRACE`]). An engine
+    /// stores a request's blocks when it schedules it, so its events follow the routing
+    /// decision by a step or more; until then the `ran` is the best guess. A removal or a
+    /// clear from the engine ends its node's claims at once.
+    pub fn engine_grace(&mut self, grace: Duration) -> &mut Self {
+        self.engine_grace = grace;
         self
     }
 
@@ -209,7 +222,7 @@ impl Builder {
         // A file whose meta still names a writer was left open by one (this head holds the lock).
         let recovered_from = writer.meta.writer.as_ref().map(|w| w.pid);
         let check = Opened { check, upgraded_from: prepared.upgraded_from, recovered_from };
-        let mut decided = Decided::load(&db)?;
+        let mut decided = Decided::load(&db, scheme)?;
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.
@@ -230,7 +243,15 @@ impl Builder {
             return Err(writer.roll_back(&db, e).error);
         }
         writer.commit(&db, false).map_err(|rolled_back| rolled_back.error)?;
-        let warm = Warm::start(db, (writer, decided), self.sync_window, check, scheme, lock, self.compact_on_close)?;
+        let warm = Warm::start(
+            db,
+            (writer, decided),
+            (self.sync_window, self.engine_grace),
+            check,
+            scheme,
+            lock,
+            self.compact_on_close,
+        )?;
         if let Some(file) = &legacy {
             warm.import(file)?;
         }

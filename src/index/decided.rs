@@ -14,9 +14,11 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::horizon::Horizon;
 use crate::error::{Error, Result, redb_err};
+use crate::keys::Scheme;
 use crate::keys::{BlockKey, Namespace};
 use crate::store::caches::NodeCaches;
 use crate::store::effect::Effect;
+use crate::store::engines::{EngineBatch, EngineOutcome, Engines, read_engines};
 use crate::store::records::{MAX_CLOCK, read_meta, read_nodes};
 use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODES, RETIRED, STATE};
 use crate::store::writer::{by_node, read_floor};
@@ -94,6 +96,10 @@ pub(crate) struct Decided {
     pub horizon: Horizon,
     /// Each node's cache.
     pub caches: NodeCaches,
+    /// What each engine with an event stream holds.
+    pub engines: Engines,
+    /// The hash scheme of the file's keys (engine events are keyed in it).
+    pub scheme: Scheme,
 }
 
 impl Decided {
@@ -102,7 +108,7 @@ impl Decided {
     /// # Errors
     /// [`Error::Corrupted`] for records that contradict each other (live counts that do not
     /// add up, rows of unknown node ids); [`Error::Codec`]; [`Error::Storage`].
-    pub(crate) fn load(db: &Database) -> Result<Decided> {
+    pub(crate) fn load(db: &Database, scheme: Scheme) -> Result<Decided> {
         let read = db.begin_read().map_err(redb_err("starting a read"))?;
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?
             .ok_or_else(|| Error::unknown_format("no meta record"))?;
@@ -138,7 +144,9 @@ impl Decided {
             &state,
             (floor, meta.next_node),
         )?;
-        Ok(Decided { clock: meta.clock.max(newest), nodes, horizon, caches })
+        let clock = meta.clock.max(newest);
+        let engines = read_engines(&read, scheme, clock)?;
+        Ok(Decided { clock, nodes, horizon, caches, engines, scheme })
     }
 
     /// Whether an entry of `clock` is live (not evicted by 0.1.7's rule).
@@ -146,9 +154,40 @@ impl Decided {
         self.horizon.holds(clock)
     }
 
-    /// Whether node `node`'s pair of `clock` is answered: not forgotten, and still in its cache.
+    /// Whether node `node`'s pair of `clock` is answered: not forgotten, still in its cache, and
+    /// for a node whose engine reports what it holds, a claim still standing (newer than its
+    /// grace window and than its engine's last removal).
     pub(crate) fn answered(&self, node: u32, clock: u64) -> bool {
-        !self.nodes.is_retired(node) && clock > self.caches.floor(node)
+        !self.nodes.is_retired(node) && clock > self.caches.floor(node) && clock > self.engines.claim_floor(node)
+    }
+
+    /// Decides one batch of node `name`'s engine events (see [`Engines::batch`]).
+    ///
+    /// # Errors
+    /// As [`Decided::ran`]. Nothing is decided then.
+    pub(crate) fn engine_batch(&mut self, name: &str, batch: &EngineBatch) -> Result<(EngineOutcome, Vec<Effect>)> {
+        let clock = next_clock(self.clock)?;
+        let mut effects = Vec::new();
+        let (id, _) = self.nodes.id(name, &mut effects)?;
+        self.clock = clock;
+        let outcome = self.engines.batch(self.scheme, id, batch, clock);
+        effects.append(&mut self.engines.take_effects());
+        Ok((outcome, effects))
+    }
+
+    /// Decides that node `name`'s engine cannot replay what came before `batch`: what the node
+    /// held is dropped and `batch` starts its stream again.
+    ///
+    /// # Errors
+    /// As [`Decided::ran`]. Nothing is decided then.
+    pub(crate) fn engine_resync(&mut self, name: &str, batch: &EngineBatch) -> Result<Vec<Effect>> {
+        let clock = next_clock(self.clock)?;
+        let mut effects = Vec::new();
+        let (id, _) = self.nodes.id(name, &mut effects)?;
+        self.clock = clock;
+        self.engines.resync(self.scheme, id, batch, clock);
+        effects.append(&mut self.engines.take_effects());
+        Ok(effects)
     }
 
     /// Decides a `ran` of `blocks` by `node`: `runs` are the blocks of the prompt already live,
@@ -190,8 +229,10 @@ impl Decided {
             *r = true;
         }
         self.caches.forget(id);
+        self.engines.forget(id);
         let mut effects = vec![Effect::Retire { node: id, name, clock: self.clock }];
         effects.append(&mut self.caches.take_effects());
+        effects.append(&mut self.engines.take_effects());
         Some(effects)
     }
 

@@ -3,8 +3,9 @@
 //! Callers only ever hold this lock for a few microseconds, and it never reads a table whole:
 //! everything the callers decide from is loaded by `open` (see `warm.rs`).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::decided::Decided;
 use super::memtable::{Map, Memtable};
@@ -32,6 +33,11 @@ pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 48 << 20;
 pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
 
 /// A decided change, queued for the commit thread.
+/// How long a `ran` on a node whose engine reports what it holds is answered before the engine's
+/// events confirm it (`Builder::engine_grace`): vLLM publishes a store within one scheduler step
+/// of the request's start, so a few seconds cover a loaded engine and a slow link.
+pub const DEFAULT_ENGINE_GRACE: Duration = Duration::from_secs(3);
+
 pub(crate) struct Queued {
     pub effects: Vec<Effect>,
     /// When it was decided (for the sync window).
@@ -144,6 +150,12 @@ pub(crate) struct Front {
     pub failed: Option<Error>,
     /// Set when the handle is closing: the commit thread stops.
     pub closing: bool,
+    /// `ran`s on nodes whose engines report what they hold, oldest first: (node, clock, when).
+    /// Each is answered as a claim until `engine_grace` has passed (or the engine removed
+    /// something since).
+    pub claims: VecDeque<(u32, u64, Instant)>,
+    /// How long a `ran` on such a node is answered before its engine's events confirm it.
+    pub engine_grace: Duration,
 }
 
 impl Front {
@@ -161,6 +173,20 @@ impl Front {
             importing: false,
             failed: None,
             closing: false,
+            claims: VecDeque::new(),
+            engine_grace: DEFAULT_ENGINE_GRACE,
+        }
+    }
+
+    /// Ends the claims whose grace window has passed.
+    pub(crate) fn expire_claims(&mut self) {
+        let now = Instant::now();
+        while let Some(&(node, clock, at)) = self.claims.front() {
+            if now.saturating_duration_since(at) < self.engine_grace {
+                break;
+            }
+            self.decided.engines.expire_claims(node, clock);
+            self.claims.pop_front();
         }
     }
 

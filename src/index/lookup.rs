@@ -18,6 +18,38 @@ use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
 use crate::store::tables::{Entry, newest_members, table_key};
 
+/// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
+/// nodes holding its last block. Each node's held blocks are prefix-closed (an engine block is
+/// held only when its whole chain is), so their union is too, and a binary search finds it.
+pub(crate) fn engine_search(front: &Front, keys: &[BlockKey]) -> Longest<(u32, u64)> {
+    if !front.decided.engines.any() {
+        return None;
+    }
+    search(keys, |k| Ok::<_, std::convert::Infallible>(front.decided.engines.holders(k))).unwrap_or(None)
+}
+
+/// How much of `keys` each node with an engine stream holds, by its events (nodes holding none
+/// left out).
+pub(crate) fn engine_depths(front: &Front, keys: &[BlockKey]) -> Vec<NodeDepth> {
+    let engines = &front.decided.engines;
+    engines
+        .nodes()
+        .filter_map(|node| {
+            let found = search(keys, |k| Ok::<_, std::convert::Infallible>(engines.held_by(k, node))).unwrap_or(None);
+            found.map(|(clock, blocks)| NodeDepth { node, blocks, clock })
+        })
+        .collect()
+}
+
+/// The better of two answers: the longer, and at equal length the newer.
+pub(crate) fn better(a: Longest<(u32, u64)>, b: Longest<(u32, u64)>) -> Longest<(u32, u64)> {
+    match (a, b) {
+        (Some(x), Some(y)) if (y.1, y.0.1) > (x.1, x.0.1) => Some(y),
+        (None, y) => y,
+        (x, _) => x,
+    }
+}
+
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
 

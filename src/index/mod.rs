@@ -4,6 +4,7 @@
 pub(crate) mod builder;
 pub(crate) mod commit;
 pub(crate) mod decided;
+pub(crate) mod engine_events;
 pub(crate) mod front;
 pub(crate) mod horizon;
 pub(crate) mod lookup;

@@ -154,7 +154,7 @@ impl Warm {
     pub(crate) fn start(
         db: Database,
         (writer, decided): (Writer, Decided),
-        window: Duration,
+        (window, engine_grace): (Duration, Duration),
         opened: Opened,
         scheme: Scheme,
         lock: Option<(HeadLock, PathBuf)>,
@@ -162,7 +162,8 @@ impl Warm {
     ) -> Result<Warm> {
         let view =
             View { generation: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
-        let front = Front::new(decided, view, writer.nodes_per_prefix);
+        let mut front = Front::new(decided, view, writer.nodes_per_prefix);
+        front.engine_grace = engine_grace;
         let inner = Arc::new(Inner {
             durable_position: AtomicU64::new(writer.position),
             scheme,
@@ -205,7 +206,7 @@ impl Warm {
         Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: self.inner.scheme.name() })
     }
 
-    fn front(&self) -> Result<MutexGuard<'_, Front>> {
+    pub(super) fn front(&self) -> Result<MutexGuard<'_, Front>> {
         self.inner.front.lock().map_err(|_| Error::Poisoned)
     }
 
@@ -251,13 +252,50 @@ impl Warm {
         if prefix.blocks.is_empty() {
             return Ok(());
         }
-        // Without a commit thread, this `ran` is committed by this call alone: the writer is
+        self.change(position, |front| {
+            // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in runs
+            // of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept, the blocks
+            // of the prompt it held, by the clock it last ran them at.
+            let found = lookup::searched(front, &prefix.blocks)?;
+            let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(front, k), |&(_, c)| c)?;
+            let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
+            let held = match front.decided.caches.tracks(node) {
+                true => {
+                    let id = front.decided.nodes.current(node);
+                    lookup::node_runs(front, id, &prefix.blocks, &by_writer)?
+                }
+                false => Vec::new(),
+            };
+            let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
+            let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
+            // A `ran` on a node whose engine reports what it holds is a claim until its grace
+            // window passes.
+            if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id)) {
+                front.claims.push_back((id, front.decided.clock, Instant::now()));
+            }
+            Ok(((), effects))
+        })
+    }
+
+    /// Decides a change under the front lock (once the back-pressure lets it) with `decide`,
+    /// and queues its effects with stream position `position`; without a commit thread, commits
+    /// it before returning.
+    ///
+    /// # Errors
+    /// `decide`'s; [`Error::CommitFailed`] while commits fail; without a commit thread, the
+    /// commit's.
+    pub(super) fn change<T>(
+        &self,
+        position: u64,
+        decide: impl FnOnce(&mut Front) -> Result<(T, Vec<Effect>)>,
+    ) -> Result<T> {
+        // Without a commit thread, this change is committed by this call alone: the writer is
         // held from before it is queued, so no other caller's commit (or failure) takes it.
         let back = match self.flusher {
             Some(_) => None,
             None => Some(self.back()?),
         };
-        {
+        let out = {
             let mut front = self.front()?;
             // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
@@ -269,38 +307,26 @@ impl Warm {
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
             // While commits fail, the queue is not added to (it would only grow): with a commit
-            // thread at all, without one past the back-pressure bound (each `ran` retries).
+            // thread at all, without one past the back-pressure bound (each change retries).
             let full = self.flusher.is_some() || front.queued_blocks > MAX_QUEUED_BLOCKS;
             if let Some(failed) = front.failed.as_ref().filter(|_| full) {
                 return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
-            // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in runs
-            // of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept, the blocks
-            // of the prompt it held, by the clock it last ran them at.
-            let found = lookup::searched(&mut front, &prefix.blocks)?;
-            let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(&front, k), |&(_, c)| c)?;
-            let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
-            let held = match front.decided.caches.tracks(node) {
-                true => {
-                    let id = front.decided.nodes.current(node);
-                    lookup::node_runs(&mut front, id, &prefix.blocks, &by_writer)?
-                }
-                false => Vec::new(),
-            };
-            let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
-            let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
+            front.expire_claims();
+            let (out, effects) = decide(&mut front)?;
             let was_idle = front.oldest_pending.is_none();
             front.push(Queued { effects, at: Instant::now(), position });
             if self.flusher.is_some() {
                 if was_idle {
                     self.inner.wake.notify_one();
                 }
-                return Ok(());
+                return Ok(out);
             }
-        }
+            out
+        };
         match back {
-            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit),
-            None => Ok(()),
+            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| out),
+            None => Ok(out),
         }
     }
 
@@ -430,7 +456,7 @@ impl Warm {
     /// if it was decided and then failed, what was decided goes back to what the file holds;
     /// then the callers' changes go on.
     fn end_alone(&self, undo: bool) -> Result<()> {
-        let reloaded = if undo { Some(Decided::load(&self.inner.db)) } else { None };
+        let reloaded = if undo { Some(Decided::load(&self.inner.db, self.inner.scheme)) } else { None };
         let mut front = self.front()?;
         front.importing = false;
         match reloaded {
@@ -539,7 +565,7 @@ impl Warm {
         flush_locked(&self.inner, back, Flush::Commit)?;
         // What is live now is the file's: decided again from it, then 0.1.7's eviction to the
         // capacity.
-        let loaded = Decided::load(db)?;
+        let loaded = Decided::load(db, self.inner.scheme)?;
         let before = back.writer.meta.entries;
         let effects = {
             let mut front = self.front()?;
@@ -634,6 +660,7 @@ impl Warm {
             return Ok(None);
         }
         let mut front = self.front()?;
+        front.expire_claims();
         let found = lookup::answer_search(&mut front, own, &prefix.blocks)?;
         // The last block's node was forgotten, or its cache no longer holds it: the next node
         // that ran the most of the prompt.
@@ -643,6 +670,8 @@ impl Warm {
             }
             found => found,
         };
+        // What the engines hold, by their events.
+        let found = lookup::better(found, lookup::engine_search(&front, &prefix.blocks));
         let found = if prefix.legacy.is_empty() {
             found
         } else {
@@ -657,7 +686,19 @@ impl Warm {
     pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
         self.same_scheme(prefix)?;
         let mut front = self.front()?;
+        front.expire_claims();
         let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, own, &prefix.blocks)?;
+        if front.decided.engines.any() {
+            // What each engine holds, by its events, where more than its claims.
+            for held in lookup::engine_depths(&front, &prefix.blocks) {
+                match found.iter_mut().find(|d| d.node == held.node) {
+                    Some(d) if (d.blocks, d.clock) >= (held.blocks, held.clock) => {}
+                    Some(d) => *d = held,
+                    None => found.push(held),
+                }
+            }
+            found.sort_by(NodeDepth::longest_first);
+        }
         if !prefix.legacy.is_empty()
             && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
         {

@@ -127,6 +127,57 @@ fn tree_chain(ns_key: &[u8; 32], tokens: &[u32]) -> Vec<[u8; 32]> {
     cvs
 }
 
+/// Where a chain stands after some whole blocks: enough to key the blocks that follow without
+/// their predecessors' tokens. Engine events store a prompt a few engine blocks at a time, so
+/// the keys of a prompt are made one 64-token block at a time as its tokens arrive; they are the
+/// keys [`block_keys`] gives the whole prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ChainState {
+    /// The namespace's key (v3 leaves are keyed with it).
+    ns_key: [u8; 32],
+    /// The chaining value of the last block (`ns_key` before the first).
+    cv: [u8; 32],
+    /// The first 8 bytes of the chaining value of the current segment's first block.
+    segment: [u8; 8],
+    /// Whole blocks chained so far.
+    blocks: u64,
+}
+
+impl ChainState {
+    /// Before the first block of a chain seeded by `ns_key`.
+    pub(crate) fn start(ns_key: &[u8; 32]) -> ChainState {
+        ChainState { ns_key: *ns_key, cv: *ns_key, segment: [0; 8], blocks: 0 }
+    }
+
+    /// Whole blocks chained so far.
+    pub(crate) fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// Chains one whole block (`BLOCK_TOKENS` tokens) in `scheme` and returns its key.
+    pub(crate) fn push(&mut self, scheme: Scheme, block: &[u32; BLOCK_TOKENS]) -> BlockKey {
+        let mut buf = [0u8; 4 * BLOCK_TOKENS];
+        let bytes = block_bytes(block, &mut buf);
+        self.cv = match scheme {
+            Scheme::KeyedChain => *blake3::keyed_hash(&self.cv, bytes).as_bytes(),
+            Scheme::TreeChain => {
+                let mode = blake3::hazmat::Mode::KeyedHash(&self.ns_key);
+                let leaf =
+                    blake3::hazmat::HasherExt::finalize_non_root(blake3::Hasher::new_keyed(&self.ns_key).update(bytes));
+                blake3::hazmat::merge_subtrees_non_root(&self.cv, &leaf, mode)
+            }
+        };
+        if self.blocks.is_multiple_of(SEGMENT_BLOCKS as u64) {
+            self.segment.copy_from_slice(&self.cv[..8]);
+        }
+        self.blocks += 1;
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&self.segment);
+        out[8..].copy_from_slice(&self.cv[..8]);
+        out
+    }
+}
+
 /// BLAKE3's keyed-mode flag, and the flags of a chunk's first and last block (the BLAKE3 spec,
 /// section 2.1). A unit test checks the leaves against the public `hazmat` API.
 const KEYED_HASH: u8 = 1 << 4;
@@ -222,6 +273,24 @@ mod tests {
         let tokens: Vec<u32> = (0..256).collect();
         let (v2, v3) = (chain(Scheme::KeyedChain, "m", None, &tokens), chain(Scheme::TreeChain, "m", None, &tokens));
         assert!(v2.iter().zip(&v3).all(|(x, y)| x != y), "the schemes give different keys");
+    }
+
+    /// A chain keyed one block at a time from its state gives the keys of the whole prompt, in
+    /// both schemes, across segment boundaries and with tokens of both widths.
+    #[test]
+    fn a_chain_pushed_block_by_block_gives_the_whole_prompts_keys() {
+        let tokens: Vec<u32> = (0..64 * 40).map(|i: u32| if i % 97 == 5 { i + (1 << 25) } else { i * 7 }).collect();
+        for scheme in SCHEMES {
+            let ns = Namespace::with_tenant("m", b"t").expect("namespace");
+            let want = ns.chain_in(scheme, &tokens);
+            let mut state = ChainState::start(ns.key());
+            let got: Vec<BlockKey> = tokens
+                .chunks_exact(BLOCK_TOKENS)
+                .map(|b| state.push(scheme, b.try_into().expect("a whole block")))
+                .collect();
+            assert_eq!(got, want, "{scheme:?}");
+            assert_eq!(state.blocks(), 40);
+        }
     }
 
     /// The v3 leaves (blake3's undocumented `hash_many`) and chain, recomputed with blake3's

@@ -8,8 +8,8 @@ mod prefix;
 
 #[cfg(test)]
 pub(crate) use chain::HASH_SCHEME_V2;
-pub(crate) use chain::Scheme;
 pub use chain::{BLOCK_TOKENS, BlockKey, HASH_SCHEME, MIN_BLOCKS};
+pub(crate) use chain::{ChainState, Scheme};
 #[cfg(feature = "tools")]
 pub(crate) use legacy::fnv_chain;
 pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};

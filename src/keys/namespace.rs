@@ -97,6 +97,11 @@ impl Namespace {
         })
     }
 
+    /// The tenant, if it is a tenant's namespace.
+    pub(crate) fn tenant(&self) -> Option<&[u8]> {
+        self.inner.tenant.as_deref()
+    }
+
     /// The model name.
     pub fn model(&self) -> &str {
         &self.inner.model
@@ -124,7 +129,6 @@ impl Namespace {
     }
 
     /// The chain's seed: never shown, never stored.
-    #[cfg(test)]
     pub(crate) fn key(&self) -> &[u8; 32] {
         &self.inner.key
     }

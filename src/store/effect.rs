@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use super::engines::StreamRecord;
 use crate::keys::{BlockKey, Namespace};
 
 /// One effect of a decided change.
@@ -33,13 +34,21 @@ pub(crate) enum Effect {
     Capacity { name: Arc<str>, blocks: Option<u64> },
     /// The default cache size (`None`: caches are not kept).
     CacheDefault { blocks: Option<u64> },
+    /// Node `node`'s engine block `hash` is `row` (`store/engines.rs`'s layout; `None`: gone).
+    EngineBlock { node: u32, hash: u64, row: Option<Arc<[u8]>> },
+    /// Node `node`'s engine stream is at `row` (its position and counts), decided at `clock`.
+    EngineStream { node: u32, row: Arc<StreamRecord>, clock: u64 },
+    /// Every engine block of node `node` is gone; its stream row is `stream` (`None`: gone too,
+    /// the node was forgotten).
+    EngineClear { node: u32, stream: Option<Arc<StreamRecord>> },
 }
 
 impl Effect {
-    /// Blocks it writes into the prefix table (for batch bounds).
+    /// Rows it writes into the prefix table or the engine blocks (for batch bounds).
     pub(crate) fn blocks(&self) -> usize {
         match self {
             Effect::Put { blocks, .. } => blocks.len(),
+            Effect::EngineBlock { .. } => 1,
             _ => 0,
         }
     }

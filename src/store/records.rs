@@ -22,9 +22,12 @@ pub(crate) const SCHEMA_V4: u32 = 4;
 /// Schema 5: schema 4's tables plus each node's cache: blocks per clock it last ran them at, its
 /// floor, capacities (`migrations/0005-node-caches`).
 pub(crate) const SCHEMA_V5: u32 = 5;
+/// Schema 6: schema 5's tables plus what each engine holds by its KV events: its blocks and its
+/// stream's position (`migrations/0006-engine-events`).
+pub(crate) const SCHEMA_V6: u32 = 6;
 /// Schema version of the files this build creates and upgrades to. 0.1.7's JSON file is
 /// imported, not opened (`migrations/0001-from-0.1.7-json`).
-pub const SCHEMA_VERSION: u32 = SCHEMA_V5;
+pub const SCHEMA_VERSION: u32 = SCHEMA_V6;
 
 /// Entries (blocks) a new file keeps by default: 2^20, 64 Mi tokens of prefixes.
 pub const DEFAULT_CAPACITY: u64 = 1 << 20;

@@ -9,11 +9,12 @@ use std::collections::BTreeMap;
 use redb::ReadableTable;
 
 use super::records::{
-    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_VERSION, read_meta,
+    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_V6, SCHEMA_VERSION,
+    read_meta,
 };
 use super::tables::{
-    GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES,
-    OTHERS, PREFIXES, RETIRED, STATE,
+    ENGINE_BLOCKS, ENGINE_STREAMS, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY,
+    NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED, STATE,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
@@ -63,7 +64,7 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     let scheme = match (meta.schema, Scheme::named(&meta.hash_scheme)) {
         (SCHEMA_V2, Some(Scheme::KeyedChain)) => Scheme::KeyedChain,
         (SCHEMA_V3, Some(Scheme::TreeChain)) => Scheme::TreeChain,
-        (SCHEMA_V4 | SCHEMA_V5, Some(scheme)) => scheme,
+        (SCHEMA_V4 | SCHEMA_V5 | SCHEMA_V6, Some(scheme)) => scheme,
         (schema, _) => {
             return Err(Error::unknown_format(format!("schema {schema} with hash scheme {:?}", meta.hash_scheme)));
         }
@@ -98,7 +99,7 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
         Some(mut meta) => {
             let scheme = check(&meta)?;
             let resized = capacity.is_some_and(|c| c != meta.capacity);
-            let upgraded_from = (meta.schema < SCHEMA_V5).then_some(meta.schema);
+            let upgraded_from = (meta.schema < SCHEMA_V6).then_some(meta.schema);
             if !resized && upgraded_from.is_none() {
                 txn.abort().map_err(redb_err("ending the open"))?;
                 return Ok(Prepared { scheme, resized, upgraded_from });
@@ -108,6 +109,9 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
             }
             if meta.schema < SCHEMA_V5 {
                 upgrade_v5(&txn, &mut meta)?;
+            }
+            if meta.schema < SCHEMA_V6 {
+                upgrade_v6(&txn, &mut meta)?;
             }
             (meta, Prepared { scheme, resized, upgraded_from })
         }
@@ -161,6 +165,17 @@ fn upgrade_v5(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
     Ok(())
 }
 
+/// Upgrades a schema 5 file to schema 6 in the open transaction: the engine tables, empty (no
+/// node of a schema 5 file has an event stream, so every answer stays as it is). A crash before
+/// the commit leaves the old file untouched.
+fn upgrade_v6(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
+    let err = redb_err::<redb::TableError>("upgrading to schema 6");
+    txn.open_table(ENGINE_BLOCKS).map_err(&err)?;
+    txn.open_table(ENGINE_STREAMS).map_err(&err)?;
+    meta.schema = SCHEMA_V6;
+    Ok(())
+}
+
 /// Opens (so creates) every table, so that readers find them all.
 fn create_tables(txn: &WriteTransaction) -> Result<()> {
     let err = redb_err::<redb::TableError>("creating tables");
@@ -178,6 +193,8 @@ fn create_tables(txn: &WriteTransaction) -> Result<()> {
     txn.open_table(NODE_CLOCKS).map_err(&err)?;
     txn.open_table(NODE_FLOORS).map_err(&err)?;
     txn.open_table(NODE_CAPACITY).map_err(&err)?;
+    txn.open_table(ENGINE_BLOCKS).map_err(&err)?;
+    txn.open_table(ENGINE_STREAMS).map_err(&err)?;
     Ok(())
 }
 
@@ -199,6 +216,7 @@ mod tests {
         assert_eq!(check(&meta(SCHEMA_V4, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME_V2, 64)).ok(), Some(Scheme::KeyedChain));
+        assert_eq!(check(&meta(SCHEMA_V6, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(
             check(&meta(SCHEMA_V4, HASH_SCHEME_V2, 64)).ok(),
             Some(Scheme::KeyedChain),

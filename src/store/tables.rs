@@ -45,6 +45,13 @@ pub(crate) const NODE_FLOORS: TableDefinition<u32, u64> = TableDefinition::new("
 /// Node name → the capacity of its cache in blocks, where set for it (`Warm::set_node_capacity`;
 /// every incarnation of the name). Schema 5.
 pub(crate) const NODE_CAPACITY: TableDefinition<&str, u64> = TableDefinition::new("node_capacity/v5");
+/// (node id, engine hash) → one block the node's engine holds, as its KV events said (layout in
+/// `super::engines`): its parent's hash, how often it was stored and not yet removed, the clock
+/// of its store, its tokens, and for a prompt's first block its namespace. Schema 6.
+pub(crate) const ENGINE_BLOCKS: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("engine_blocks/v6");
+/// Node id → bincode [`super::engines::StreamRecord`]: where its engine's event stream stands
+/// (the last batch applied, its publish time) and its counts. Schema 6.
+pub(crate) const ENGINE_STREAMS: TableDefinition<u32, &[u8]> = TableDefinition::new("engine_streams/v6");
 /// Node id → bincode [`super::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
 /// Node name → node id.

@@ -11,13 +11,14 @@ use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Wri
 
 use super::codec;
 use super::effect::Effect;
+use super::engines::StreamRecord;
 use super::records::{
     DEFAULT_CAPACITY, Import, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta,
 };
 use super::tables::{
-    Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CACHE_KEY, NODE_CAPACITY,
-    NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, POSITION_KEY, PREFIXES, RETIRED, STATE, add_member, members,
-    members_row, newest_members, table_key,
+    ENGINE_BLOCKS, ENGINE_STREAMS, Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES,
+    NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, POSITION_KEY, PREFIXES, RETIRED,
+    STATE, add_member, members, members_row, newest_members, table_key,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, Namespace, is_legacy};
@@ -75,6 +76,23 @@ impl CacheRows {
     }
 }
 
+/// The engine rows the batch has changed, coalesced: each written once, with its last value.
+#[derive(Default)]
+struct EngineRows {
+    /// Nodes whose engine blocks all went (before the rows below, which came after).
+    clears: BTreeSet<u32>,
+    /// (node, engine hash) → the row (`None`: removed).
+    blocks: BTreeMap<(u32, u64), Option<Arc<[u8]>>>,
+    /// Node → its stream row (`None`: removed).
+    streams: BTreeMap<u32, Option<Arc<StreamRecord>>>,
+}
+
+impl EngineRows {
+    fn is_empty(&self) -> bool {
+        self.clears.is_empty() && self.blocks.is_empty() && self.streams.is_empty()
+    }
+}
+
 /// The effects of a batch not yet written into its transaction: puts are merged (each key
 /// once, its newest write) and written with the eviction they meet, at the commit, so that a
 /// key written and evicted within one batch is never inserted.
@@ -113,6 +131,7 @@ pub(crate) struct Writer {
     committed_position: u64,
     unwritten: Unwritten,
     rows: CacheRows,
+    engines: EngineRows,
 }
 
 /// One write to the prefix table.
@@ -150,6 +169,7 @@ impl Writer {
             committed_position: 0,
             unwritten: Unwritten::default(),
             rows: CacheRows::default(),
+            engines: EngineRows::default(),
         };
         writer.reload(db)?;
         Ok(writer)
@@ -167,6 +187,7 @@ impl Writer {
         }
         self.unwritten = Unwritten::default();
         self.rows = CacheRows::default();
+        self.engines = EngineRows::default();
         let read = db.begin_read().map_err(redb_err("reading the meta record"))?;
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?;
         self.meta = meta.ok_or_else(|| Error::unknown_format("no meta record"))?;
@@ -222,6 +243,7 @@ impl Writer {
             || !self.unwritten.puts.is_empty()
             || self.unwritten.floor > self.floor
             || !self.rows.is_empty()
+            || !self.engines.is_empty()
     }
 
     /// Takes `effects` (in the order they were decided) into the batch, with the stream
@@ -253,6 +275,18 @@ impl Writer {
                     self.rows.capacity.insert(Arc::clone(name), *blocks);
                 }
                 Effect::CacheDefault { blocks } => self.rows.default = Some(*blocks),
+                Effect::EngineBlock { node, hash, row } => {
+                    self.engines.blocks.insert((*node, *hash), row.clone());
+                }
+                Effect::EngineStream { node, row, clock } => {
+                    self.meta.clock = self.meta.clock.max(*clock);
+                    self.engines.streams.insert(*node, Some(Arc::clone(row)));
+                }
+                Effect::EngineClear { node, stream } => {
+                    self.engines.blocks.retain(|&(n, _), _| n != *node);
+                    self.engines.clears.insert(*node);
+                    self.engines.streams.insert(*node, stream.clone());
+                }
             }
         }
         if position > self.position {
@@ -293,6 +327,11 @@ impl Writer {
         if !rows.is_empty() {
             let txn = self.batch(db)?;
             write_cache_rows(txn, rows)?;
+        }
+        let engines = std::mem::take(&mut self.engines);
+        if !engines.is_empty() {
+            let txn = self.batch(db)?;
+            write_engine_rows(txn, engines)?;
         }
         Ok(())
     }
@@ -540,6 +579,34 @@ impl Writer {
         self.committed_position = self.position;
         Ok(())
     }
+}
+
+/// Writes the engine rows a batch changed: the clears, then each row once with its last value.
+fn write_engine_rows(txn: &WriteTransaction, rows: EngineRows) -> Result<()> {
+    const WRITE: &str = "writing the engine rows";
+    let mut blocks = txn.open_table(ENGINE_BLOCKS).map_err(redb_err(WRITE))?;
+    for node in rows.clears {
+        blocks.retain_in((node, 0)..=(node, u64::MAX), |_, _| false).map_err(redb_err(WRITE))?;
+    }
+    for ((node, hash), row) in rows.blocks {
+        match row {
+            Some(bytes) => blocks.insert((node, hash), bytes.as_ref()).map(drop),
+            None => blocks.remove((node, hash)).map(drop),
+        }
+        .map_err(redb_err(WRITE))?;
+    }
+    let mut streams = txn.open_table(ENGINE_STREAMS).map_err(redb_err(WRITE))?;
+    for (node, row) in rows.streams {
+        match row {
+            Some(record) => {
+                let bytes = codec::encode("engine stream", record.as_ref())?;
+                streams.insert(node, bytes.as_slice()).map(drop)
+            }
+            None => streams.remove(node).map(drop),
+        }
+        .map_err(redb_err(WRITE))?;
+    }
+    Ok(())
 }
 
 /// Writes the node cache rows a batch changed, each once with its last value.

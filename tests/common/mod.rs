@@ -5,6 +5,7 @@ pub mod backend;
 pub mod fixtures;
 pub mod nats;
 pub mod torture;
+pub mod upgrade;
 
 use std::path::PathBuf;
 

@@ -1,0 +1,86 @@
+//! A head's engines as sources of truth: `Warm::engine_batch` applies one batch of an engine's
+//! KV cache events (vLLM's, SGLang's), decided once like a `ran` and committed with the same
+//! atomicity and durability, with the engine's position in its stream.
+
+use super::warm::Warm;
+use crate::error::Result;
+use crate::keys::{MAX_NODE_BYTES, check_len};
+use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome};
+
+/// Where one node's engine event stream stands, and its counts (`Stats::engines`).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// The node's name.
+    pub node: String,
+    /// The sequence number of the last batch applied (`None`: none since the stream began or
+    /// was cleared).
+    pub last_seq: Option<u64>,
+    /// Its publish time (seconds since the Unix epoch).
+    pub last_ts: f64,
+    /// Engine blocks the node holds, as its events said.
+    pub engine_blocks: usize,
+    /// Blocks of 64 tokens (the index's) those cover whole from a prompt's start.
+    pub blocks: usize,
+    /// The stream's counts.
+    pub counts: EngineCounts,
+}
+
+impl Warm {
+    /// Applies one batch of node `node`'s engine events, in the order its engine numbered them.
+    ///
+    /// Once a node has an event stream, its answers are what its engine holds: blocks of 64
+    /// tokens whose every engine block, from the prompt's first, is held. A `ran` on it is
+    /// answered as a claim until its events confirm it or [`crate::Builder::engine_grace`]
+    /// passes; a removal or clear ends its claims at once. Nodes without a stream are answered
+    /// as before.
+    ///
+    /// The batch is decided at once (answers see it when this returns) and committed with the
+    /// stream's position, atomically, like a `ran` ([`Warm::sync`] waits for it). A batch that
+    /// does not follow the last one applied is not applied: see [`EngineOutcome`].
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidName`] for an empty or over-long node name; as [`Warm::ran`] otherwise.
+    pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.change(0, |front| front.decided.engine_batch(node, batch))
+    }
+
+    /// Node `node`'s engine cannot give the batches before `batch` (a replay started later
+    /// than asked, or there is no replay): everything the node was known to hold is dropped
+    /// (the index may know less than the engine, never more) and `batch` starts its stream
+    /// again.
+    ///
+    /// # Errors
+    /// As [`Warm::engine_batch`].
+    pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.change(0, |front| Ok(((), front.decided.engine_resync(node, batch)?)))
+    }
+
+    /// The engine streams: where each stands, what each node holds, and the counts, as of the
+    /// last batch applied.
+    ///
+    /// # Errors
+    /// [`crate::Error::Poisoned`] after a panic in another caller.
+    pub fn engine_stats(&self) -> Result<Vec<EngineStats>> {
+        let front = self.front()?;
+        let decided = &front.decided;
+        Ok(decided
+            .engines
+            .nodes()
+            .filter_map(|id| {
+                let record = decided.engines.record(id)?;
+                let (engine_blocks, blocks) = decided.engines.sizes(id);
+                Some(EngineStats {
+                    node: decided.nodes.name(id),
+                    last_seq: record.last,
+                    last_ts: record.last_ts,
+                    engine_blocks,
+                    blocks,
+                    counts: record.counts.clone(),
+                })
+            })
+            .collect())
+    }
+}

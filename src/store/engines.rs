@@ -1,0 +1,850 @@
+//! What each engine holds, as its KV cache events report it (vLLM, SGLang): per node with an
+//! event stream, every engine block it holds, by the engine's hash, and the 64-token blocks of
+//! ours that those blocks cover whole, from the prompt's first token ("held").
+//!
+//! An engine's blocks are usually 16 tokens, ours 64, and an event's blocks start anywhere in a
+//! prompt (a decode step stores one block at any depth). So each engine block keeps its own
+//! tokens and its parent's hash; a block is *attached* when every block before it, back to the
+//! prompt's first, is held (what the engine's own prefix lookup can reach), and an attached
+//! block keys the 64-token blocks of ours that end inside it, chaining from where its ancestors
+//! left the chain ([`ChainState`]). A block whose parent is missing (removed, or a store this
+//! index never saw) is kept, detached, and attached again if the parent comes back. Removing a
+//! block detaches everything below it. So per node the held blocks of ours are prefix-closed,
+//! as `warmest`'s binary search needs, and never more than the engine can serve.
+//!
+//! One copy, the callers' (`index/decided.rs`). A change's rows leave as effects; attachment,
+//! chain states, children and the held map are derived, at load, from the rows.
+//!
+//! Row layouts (`engine_blocks/v6`, key `(node id, engine hash)`), all integers little-endian:
+//! `flags: u8` (bit 0: has a parent, bit 1: keyed: a namespace follows), `parent: u64` (if bit
+//! 0), `refs: u32`, `clock: u64`, `tokens: u32` count then each token as `u32`, and for a keyed
+//! first block (no parent): `model: u16` length and bytes, `tenant: u16` length and bytes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::codec;
+use super::effect::Effect;
+use super::tables::{ENGINE_BLOCKS, ENGINE_STREAMS};
+use crate::error::{Error, Result, redb_err};
+use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, Namespace, Scheme};
+
+/// Where the engine keeps a block ("medium" in vLLM's events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Medium {
+    /// GPU memory (vLLM's `"GPU"`, or no medium given).
+    Gpu,
+    /// CPU memory, by an offloading connector (`"CPU"`).
+    Cpu,
+    /// Disk or remote storage, by an offloading connector (`"STORAGE"`).
+    Storage,
+    /// A medium this build does not know.
+    Other,
+}
+
+impl Medium {
+    /// The medium an event names (`None`: the GPU, as vLLM before offloading sent).
+    pub fn named(name: Option<&str>) -> Medium {
+        match name {
+            None => Medium::Gpu,
+            Some(n) if n.eq_ignore_ascii_case("gpu") => Medium::Gpu,
+            Some(n) if n.eq_ignore_ascii_case("cpu") => Medium::Cpu,
+            Some(n) if n.eq_ignore_ascii_case("storage") || n.eq_ignore_ascii_case("disk") => Medium::Storage,
+            Some(_) => Medium::Other,
+        }
+    }
+}
+
+/// Blocks an engine stored: vLLM's `BlockStored`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineStored {
+    /// The hash of the block before the first one (`None`: the first is the prompt's first).
+    pub parent: Option<u64>,
+    /// The engine's hash of each block, in chain order.
+    pub hashes: Vec<u64>,
+    /// Every token of the blocks: `block_size` per hash.
+    pub tokens: Vec<u32>,
+    /// Tokens per engine block.
+    pub block_size: u32,
+    /// Where the engine keeps them; only GPU blocks are indexed.
+    pub medium: Medium,
+    /// The namespace the blocks are keyed in (the model the endpoint serves, or its LoRA, and a
+    /// cache salt as the tenant). Only read for a first block (`parent` `None`): the others
+    /// continue their parent's chain. `None`: no namespace of this index matches (the blocks
+    /// are kept, so that their children are not taken for orphans, but key nothing).
+    pub namespace: Option<Namespace>,
+}
+
+/// One event of an engine's batch.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum EngineEvent {
+    /// Blocks stored.
+    Stored(EngineStored),
+    /// Blocks removed (evicted), by hash: vLLM's `BlockRemoved`.
+    Removed {
+        /// The engine's hashes.
+        hashes: Vec<u64>,
+        /// Where they were.
+        medium: Medium,
+    },
+    /// Everything the engine held is gone: vLLM's `AllBlocksCleared`.
+    Cleared,
+}
+
+/// One batch of an engine's events, as its publisher numbers them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineBatch {
+    /// The engine's sequence number: from 0 per engine process, one more per batch.
+    pub seq: u64,
+    /// When the engine published it (seconds since the Unix epoch).
+    pub ts: f64,
+    /// Its events, in order.
+    pub events: Vec<EngineEvent>,
+}
+
+/// What [`crate::Warm::engine_batch`] did with a batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EngineOutcome {
+    /// Applied: it was the next batch (or the first of a new engine process, whose restart
+    /// cleared what the node held).
+    Applied,
+    /// Already applied (a replay's overlap, a late copy): nothing changed.
+    Duplicate,
+    /// Not applied: batches before it are missing. Ask the engine to replay from `from` (the
+    /// last batch applied, to prove it is the same engine process, or 0), apply what comes
+    /// back, and if its first batch is later than `from`, call
+    /// [`crate::Warm::engine_resync`] with it.
+    Gap {
+        /// The sequence number to replay from.
+        from: u64,
+    },
+}
+
+/// An engine stream's counts (`Stats::engines`, `SnapshotStats::engines`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct EngineCounts {
+    /// Batches applied.
+    pub batches: u64,
+    /// Blocks stored (GPU, keyed or not).
+    pub stored: u64,
+    /// Blocks removed.
+    pub removed: u64,
+    /// Times everything the node held was dropped: the engine said so, restarted, or a gap
+    /// could not be covered.
+    pub clears: u64,
+    /// Engine restarts seen (its numbers started again).
+    pub restarts: u64,
+    /// Gaps seen (batches missing before one that came).
+    pub gaps: u64,
+    /// Gaps a replay could not cover (the node was cleared).
+    pub lost: u64,
+    /// Batches that came twice.
+    pub duplicate_batches: u64,
+    /// Blocks stored again while held (vLLM stores some blocks twice; each copy is removed).
+    pub duplicate_blocks: u64,
+    /// Blocks stored under a parent the index does not hold.
+    pub unknown_parents: u64,
+    /// Removals of blocks the index does not hold.
+    pub unknown_removals: u64,
+    /// Events of a medium other than the GPU, not indexed.
+    pub other_medium: u64,
+    /// Stores under no namespace of this index (a LoRA or salt it does not route).
+    pub unkeyed: u64,
+    /// Malformed events (tokens that do not fill the blocks), skipped.
+    pub malformed: u64,
+}
+
+/// An engine stream's position and counts: the `engine_streams/v6` row of its node.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StreamRecord {
+    /// The sequence number of the last batch applied (`None`: none since the stream began or
+    /// was cleared).
+    pub last: Option<u64>,
+    /// Its publish time.
+    pub last_ts: f64,
+    /// The counts.
+    pub counts: EngineCounts,
+}
+
+/// One engine block.
+#[derive(Clone, Debug)]
+struct Block {
+    parent: Option<u64>,
+    /// Its own tokens.
+    tokens: Box<[u32]>,
+    /// Times stored and not yet removed.
+    refs: u32,
+    /// The clock of the batch that stored it first.
+    clock: u64,
+    /// For a first block: its namespace's index in the stream's list (`None`: unkeyed).
+    root: Option<Option<u16>>,
+    /// Derived: where it stands in its chain, if attached.
+    at: Option<Attached>,
+}
+
+/// Where an attached block stands.
+#[derive(Clone, Debug)]
+struct Attached {
+    /// The namespace its chain is keyed in (`None`: unkeyed).
+    ns: Option<u16>,
+    /// Tokens from the prompt's first to its last.
+    end: u64,
+    /// The chain after the last whole block of ours that ends at or before its end (kept
+    /// where a block of ours ends inside it, and at first blocks; others look up).
+    state: Option<Box<ChainState>>,
+    /// The blocks of ours that end inside it.
+    keys: Box<[BlockKey]>,
+}
+
+/// One node's engine stream.
+#[derive(Clone, Debug, Default)]
+struct Stream {
+    record: StreamRecord,
+    blocks: HashMap<u64, Block>,
+    /// Derived: each hash's children that are held (attached or not).
+    children: HashMap<u64, Vec<u64>>,
+    /// The namespaces its first blocks are keyed in.
+    namespaces: Vec<Namespace>,
+    /// Memory only: claims (`ran`s) on the node at or below this clock are not answered (a
+    /// removal or clear since, or the grace window passed).
+    claim_floor: u64,
+}
+
+/// A node holding a block of ours.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    node: u32,
+    /// Engine blocks keying it (almost always 1).
+    count: u32,
+    /// The newest clock of those.
+    clock: u64,
+}
+
+/// Every engine stream, and the blocks of ours each holds.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Engines {
+    streams: BTreeMap<u32, Stream>,
+    held: HashMap<BlockKey, Vec<Holder>>,
+    effects: Vec<Effect>,
+    /// The clock of the decision in progress.
+    clock: u64,
+}
+
+impl Engines {
+    /// Whether any node has an event stream.
+    pub(crate) fn any(&self) -> bool {
+        !self.streams.is_empty()
+    }
+
+    /// Whether node `node` has an event stream (its answers are what its engine holds).
+    pub(crate) fn streams(&self, node: u32) -> bool {
+        self.streams.contains_key(&node)
+    }
+
+    /// The nodes with a stream.
+    pub(crate) fn nodes(&self) -> impl Iterator<Item = u32> + '_ {
+        self.streams.keys().copied()
+    }
+
+    /// A claim (`ran`) by `node` at or below this clock is not answered.
+    pub(crate) fn claim_floor(&self, node: u32) -> u64 {
+        self.streams.get(&node).map_or(0, |s| s.claim_floor)
+    }
+
+    /// Claims by `node` at or below `clock` are no longer answered (the grace window passed).
+    pub(crate) fn expire_claims(&mut self, node: u32, clock: u64) {
+        if let Some(s) = self.streams.get_mut(&node) {
+            s.claim_floor = s.claim_floor.max(clock);
+        }
+    }
+
+    /// The nodes holding block `key`: (node, clock), the newest first.
+    pub(crate) fn holders(&self, key: &BlockKey) -> Option<(u32, u64)> {
+        self.held.get(key).and_then(|h| h.iter().max_by_key(|h| (h.clock, h.node))).map(|h| (h.node, h.clock))
+    }
+
+    /// Whether `node` holds block `key`, and from which clock.
+    pub(crate) fn held_by(&self, key: &BlockKey, node: u32) -> Option<u64> {
+        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(|h| h.clock)
+    }
+
+    /// The stream record of `node`.
+    pub(crate) fn record(&self, node: u32) -> Option<&StreamRecord> {
+        self.streams.get(&node).map(|s| &s.record)
+    }
+
+    /// Engine blocks and blocks of ours `node` holds.
+    pub(crate) fn sizes(&self, node: u32) -> (usize, usize) {
+        let Some(s) = self.streams.get(&node) else { return (0, 0) };
+        let ours = s.blocks.values().filter_map(|b| b.at.as_ref()).map(|a| a.keys.len()).sum();
+        (s.blocks.len(), ours)
+    }
+
+    /// The effects decided since the last call.
+    pub(crate) fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// Decides one batch of node `node`'s engine at `clock`: in order, or a duplicate, or a gap,
+    /// or the first batch of a restarted engine (everything the node held is dropped first).
+    pub(crate) fn batch(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) -> EngineOutcome {
+        self.clock = clock;
+        // A node's first batch: from now on its engine says what it holds, and its `ran`s
+        // before are no longer answered.
+        let record =
+            &self.streams.entry(node).or_insert_with(|| Stream { claim_floor: clock, ..Stream::default() }).record;
+        let outcome = match record.last {
+            None if batch.seq == 0 => EngineOutcome::Applied,
+            None => EngineOutcome::Gap { from: 0 },
+            Some(last) if batch.seq == last.wrapping_add(1) => EngineOutcome::Applied,
+            // A number already applied: a copy of that batch (published no later than the last
+            // one applied), or a new engine process counting from 0 again (published later).
+            Some(last) if batch.seq <= last && batch.ts <= record.last_ts => EngineOutcome::Duplicate,
+            Some(last) if batch.seq <= last => {
+                self.count_only(node, |c| c.restarts += 1);
+                self.clear(node, clock);
+                return self.batch(scheme, node, batch, clock);
+            }
+            Some(last) => EngineOutcome::Gap { from: last },
+        };
+        match outcome {
+            EngineOutcome::Applied => self.apply(scheme, node, batch, clock),
+            EngineOutcome::Duplicate => self.count(node, |c| c.duplicate_batches += 1),
+            EngineOutcome::Gap { .. } => self.count(node, |c| c.gaps += 1),
+        }
+        outcome
+    }
+
+    /// Decides that node `node`'s engine cannot give what came before `batch`: everything the
+    /// node held is dropped, and `batch` is applied as the stream's new start.
+    pub(crate) fn resync(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) {
+        self.clock = clock;
+        self.streams.entry(node).or_insert_with(|| Stream { claim_floor: clock, ..Stream::default() });
+        self.count(node, |c| c.lost += 1);
+        self.clear(node, clock);
+        self.apply(scheme, node, batch, clock);
+    }
+
+    /// Decides node `node`'s stream gone (the node was forgotten): its blocks and its row go.
+    pub(crate) fn forget(&mut self, node: u32) {
+        if self.streams.contains_key(&node) {
+            self.drop_holdings(node);
+            self.streams.remove(&node);
+            self.effects.push(Effect::EngineClear { node, stream: None });
+        }
+    }
+
+    fn count(&mut self, node: u32, f: impl FnOnce(&mut EngineCounts)) {
+        if let Some(s) = self.streams.get_mut(&node) {
+            f(&mut s.record.counts);
+            self.effects.push(Effect::EngineStream { node, row: Arc::new(s.record.clone()), clock: self.clock });
+        }
+    }
+
+    fn apply(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) {
+        for event in &batch.events {
+            match event {
+                EngineEvent::Stored(s) if Medium::Gpu != s.medium => self.count_only(node, |c| c.other_medium += 1),
+                EngineEvent::Stored(s) => self.store(scheme, node, s, clock),
+                EngineEvent::Removed { medium, .. } if Medium::Gpu != *medium => {
+                    self.count_only(node, |c| c.other_medium += 1);
+                }
+                EngineEvent::Removed { hashes, .. } => {
+                    for &h in hashes {
+                        self.remove(node, h, clock);
+                    }
+                }
+                EngineEvent::Cleared => self.clear(node, clock),
+            }
+        }
+        if let Some(s) = self.streams.get_mut(&node) {
+            s.record.last = Some(batch.seq);
+            s.record.last_ts = batch.ts;
+            s.record.counts.batches += 1;
+            self.effects.push(Effect::EngineStream { node, row: Arc::new(s.record.clone()), clock: self.clock });
+        }
+    }
+
+    fn count_only(&mut self, node: u32, f: impl FnOnce(&mut EngineCounts)) {
+        if let Some(s) = self.streams.get_mut(&node) {
+            f(&mut s.record.counts);
+        }
+    }
+
+    /// Everything node `node` held is gone; its claims before `clock` too.
+    fn clear(&mut self, node: u32, clock: u64) {
+        self.drop_holdings(node);
+        if let Some(s) = self.streams.get_mut(&node) {
+            s.blocks.clear();
+            s.children.clear();
+            s.namespaces.clear();
+            s.record.last = None;
+            s.record.counts.clears += 1;
+            s.claim_floor = s.claim_floor.max(clock);
+            self.effects.push(Effect::EngineClear { node, stream: Some(Arc::new(s.record.clone())) });
+        }
+    }
+
+    /// Takes every block of ours node `node` holds out of the held map.
+    fn drop_holdings(&mut self, node: u32) {
+        let Some(s) = self.streams.get(&node) else { return };
+        let keys: Vec<BlockKey> =
+            s.blocks.values().filter_map(|b| b.at.as_ref()).flat_map(|a| a.keys.iter().copied()).collect();
+        for key in keys {
+            unhold(&mut self.held, &key, node);
+        }
+    }
+
+    fn store(&mut self, scheme: Scheme, node: u32, stored: &EngineStored, clock: u64) {
+        let size = stored.block_size as usize;
+        let Some(stream) = self.streams.get_mut(&node) else { return };
+        if size == 0 || stored.tokens.len() != size.saturating_mul(stored.hashes.len()) {
+            stream.record.counts.malformed += 1;
+            return;
+        }
+        if stored.namespace.is_none() && stored.parent.is_none() {
+            stream.record.counts.unkeyed += 1;
+        }
+        if let Some(p) = stored.parent
+            && !stream.blocks.contains_key(&p)
+        {
+            stream.record.counts.unknown_parents += 1;
+        }
+        let mut parent = stored.parent;
+        for (&hash, tokens) in stored.hashes.iter().zip(stored.tokens.chunks_exact(size)) {
+            stream.record.counts.stored += 1;
+            if let Some(b) = stream.blocks.get_mut(&hash) {
+                b.refs = b.refs.saturating_add(1);
+                stream.record.counts.duplicate_blocks += 1;
+                let row = encode_row(b, &stream.namespaces);
+                self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
+                parent = Some(hash);
+                continue;
+            }
+            let root = match parent {
+                Some(_) => None,
+                None => Some(stored.namespace.as_ref().map(|ns| namespace_index(&mut stream.namespaces, ns))),
+            };
+            let block = Block { parent, tokens: tokens.into(), refs: 1, clock, root, at: None };
+            self.effects.push(Effect::EngineBlock { node, hash, row: Some(encode_row(&block, &stream.namespaces)) });
+            stream.blocks.insert(hash, block);
+            if let Some(p) = parent {
+                stream.children.entry(p).or_default().push(hash);
+            }
+            if parent.is_none_or(|p| stream.blocks.get(&p).is_some_and(|b| b.at.is_some())) {
+                attach(scheme, stream, &mut self.held, node, hash);
+            }
+            parent = Some(hash);
+        }
+    }
+
+    fn remove(&mut self, node: u32, hash: u64, clock: u64) {
+        let Some(stream) = self.streams.get_mut(&node) else { return };
+        let Some(block) = stream.blocks.get_mut(&hash) else {
+            stream.record.counts.unknown_removals += 1;
+            return;
+        };
+        stream.record.counts.removed += 1;
+        // Removals win over claims: the node's `ran`s before this are no longer answered.
+        stream.claim_floor = stream.claim_floor.max(clock);
+        if block.refs > 1 {
+            block.refs -= 1;
+            let row = encode_row(block, &stream.namespaces);
+            self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
+            return;
+        }
+        detach(stream, &mut self.held, node, hash);
+        if let Some(gone) = stream.blocks.remove(&hash)
+            && let Some(p) = gone.parent
+            && let Some(siblings) = stream.children.get_mut(&p)
+        {
+            siblings.retain(|&c| c != hash);
+            if siblings.is_empty() {
+                stream.children.remove(&p);
+            }
+        }
+        self.effects.push(Effect::EngineBlock { node, hash, row: None });
+    }
+
+    /// The streams of a file: its stream rows and block rows, attached and keyed in `scheme`.
+    ///
+    /// # Errors
+    /// [`Error::Corrupted`] for a row that does not decode.
+    pub(crate) fn load(
+        scheme: Scheme,
+        streams: impl Iterator<Item = Result<(u32, StreamRecord)>>,
+        blocks: impl Iterator<Item = Result<((u32, u64), Vec<u8>)>>,
+        clock: u64,
+    ) -> Result<Engines> {
+        let mut engines = Engines::default();
+        for item in streams {
+            let (node, record) = item?;
+            // Claims from before the open are past any grace window.
+            engines.streams.insert(node, Stream { record, claim_floor: clock, ..Stream::default() });
+        }
+        for item in blocks {
+            let ((node, hash), bytes) = item?;
+            let stream = engines.streams.entry(node).or_default();
+            let block = decode_row(&bytes, &mut stream.namespaces)?;
+            if let Some(p) = block.parent {
+                stream.children.entry(p).or_default().push(hash);
+            }
+            stream.blocks.insert(hash, block);
+        }
+        let nodes: Vec<u32> = engines.streams.keys().copied().collect();
+        for node in nodes {
+            let Some(stream) = engines.streams.get_mut(&node) else { continue };
+            let roots: Vec<u64> = stream.blocks.iter().filter(|(_, b)| b.parent.is_none()).map(|(&h, _)| h).collect();
+            for root in roots {
+                attach(scheme, stream, &mut engines.held, node, root);
+            }
+        }
+        Ok(engines)
+    }
+}
+
+/// The engine streams of the file `read` reads (none in a file older than schema 6).
+///
+/// # Errors
+/// [`Error::Corrupted`] or [`Error::Codec`] for a row that does not decode; [`Error::Storage`].
+pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: u64) -> Result<Engines> {
+    use redb::ReadableTable;
+    let what = "reading the engine streams";
+    let (streams, blocks) = match (read.open_table(ENGINE_STREAMS), read.open_table(ENGINE_BLOCKS)) {
+        (Ok(s), Ok(b)) => (s, b),
+        (Err(redb::TableError::TableDoesNotExist(_)), _) | (_, Err(redb::TableError::TableDoesNotExist(_))) => {
+            return Ok(Engines::default());
+        }
+        (Err(e), _) | (_, Err(e)) => return Err(redb_err(what)(e)),
+    };
+    let streams = streams.iter().map_err(redb_err(what))?.map(|item| {
+        let (k, v) = item.map_err(redb_err(what))?;
+        Ok((k.value(), codec::decode::<StreamRecord>("engine stream", v.value())?))
+    });
+    let blocks = blocks.iter().map_err(redb_err(what))?.map(|item| {
+        let (k, v) = item.map_err(redb_err(what))?;
+        Ok((k.value(), v.value().to_vec()))
+    });
+    Engines::load(scheme, streams, blocks, clock)
+}
+
+/// The index of `ns` in a stream's namespaces, added if new.
+fn namespace_index(list: &mut Vec<Namespace>, ns: &Namespace) -> u16 {
+    match list.iter().position(|n| n == ns) {
+        Some(i) => u16::try_from(i).unwrap_or(u16::MAX),
+        None => {
+            list.push(ns.clone());
+            u16::try_from(list.len() - 1).unwrap_or(u16::MAX)
+        }
+    }
+}
+
+fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clock: u64) {
+    let holders = held.entry(key).or_default();
+    match holders.iter_mut().find(|h| h.node == node) {
+        Some(h) => {
+            h.count = h.count.saturating_add(1);
+            h.clock = h.clock.max(clock);
+        }
+        None => holders.push(Holder { node, count: 1, clock }),
+    }
+}
+
+fn unhold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32) {
+    let Some(holders) = held.get_mut(key) else { return };
+    if let Some(i) = holders.iter().position(|h| h.node == node) {
+        match holders.get_mut(i) {
+            Some(h) if h.count > 1 => h.count -= 1,
+            _ => {
+                holders.swap_remove(i);
+            }
+        }
+    }
+    if holders.is_empty() {
+        held.remove(key);
+    }
+}
+
+/// Attaches block `hash` (its parent is attached, or it is a first block) and every detached
+/// block below it: each keys the blocks of ours that end inside it.
+fn attach(scheme: Scheme, stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, hash: u64) {
+    let mut todo = vec![hash];
+    while let Some(h) = todo.pop() {
+        let Some(at) = attached_at(scheme, stream, h) else { continue };
+        let Some(block) = stream.blocks.get_mut(&h) else { continue };
+        for &key in at.keys.iter() {
+            hold(held, key, node, block.clock);
+        }
+        block.at = Some(at);
+        if let Some(children) = stream.children.get(&h) {
+            todo.extend(children.iter().filter(|c| stream.blocks.get(c).is_some_and(|b| b.at.is_none())));
+        }
+    }
+}
+
+/// Where block `hash` stands once attached: its parent's chain state and the tokens since,
+/// continued through its own tokens. `None` if its parent is not attached.
+fn attached_at(scheme: Scheme, stream: &Stream, hash: u64) -> Option<Attached> {
+    let block = stream.blocks.get(&hash)?;
+    // The chain state at or before the parent's end, and the tokens after it up to the parent's
+    // end, found by walking up to the nearest block that keeps a state.
+    let (ns, start, mut state, mut pending) = match (block.parent, block.root) {
+        (None, Some(ns)) => {
+            let state = ns.and_then(|i| stream.namespaces.get(usize::from(i))).map(|n| ChainState::start(n.key()));
+            (ns, 0u64, state, Vec::new())
+        }
+        (None, None) => return None,
+        (Some(p), _) => {
+            let parent = stream.blocks.get(&p)?;
+            let at = parent.at.as_ref()?;
+            let mut tail: Vec<&[u32]> = Vec::new();
+            let mut cursor = parent;
+            let mut cursor_at = at;
+            let state = loop {
+                if let Some(s) = cursor_at.state.as_deref() {
+                    // The tokens of `cursor` after the state's last block.
+                    let boundary = s.blocks() * BLOCK_TOKENS as u64;
+                    let after = usize::try_from(cursor_at.end.saturating_sub(boundary)).unwrap_or(usize::MAX);
+                    let own = &cursor.tokens;
+                    tail.push(own.get(own.len().saturating_sub(after)..).unwrap_or(&[]));
+                    break Some(*s);
+                }
+                if cursor_at.ns.is_none() {
+                    break None;
+                }
+                tail.push(&cursor.tokens);
+                let up = cursor.parent.and_then(|p| stream.blocks.get(&p))?;
+                cursor_at = up.at.as_ref()?;
+                cursor = up;
+            };
+            let pending: Vec<u32> = tail.iter().rev().flat_map(|t| t.iter().copied()).collect();
+            (at.ns, at.end, state, pending)
+        }
+    };
+    let end = start + block.tokens.len() as u64;
+    let mut keys = Vec::new();
+    let mut kept = None;
+    if let Some(s) = state.as_mut() {
+        pending.extend_from_slice(&block.tokens);
+        let mut chunks = pending.chunks_exact(BLOCK_TOKENS);
+        for chunk in chunks.by_ref() {
+            if let Ok(whole) = <&[u32; BLOCK_TOKENS]>::try_from(chunk) {
+                keys.push(s.push(scheme, whole));
+            }
+        }
+        if !keys.is_empty() || block.parent.is_none() {
+            kept = Some(Box::new(*s));
+        }
+    }
+    Some(Attached { ns: ns.filter(|_| state.is_some()), end, state: kept, keys: keys.into() })
+}
+
+/// Detaches block `hash` and every attached block below it: their blocks of ours are no longer
+/// held by `node`.
+fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, hash: u64) {
+    let mut todo = vec![hash];
+    while let Some(h) = todo.pop() {
+        let Some(block) = stream.blocks.get_mut(&h) else { continue };
+        let Some(at) = block.at.take() else { continue };
+        for key in at.keys.iter() {
+            unhold(held, key, node);
+        }
+        if let Some(children) = stream.children.get(&h) {
+            todo.extend(children.iter().copied());
+        }
+    }
+}
+
+const HAS_PARENT: u8 = 1;
+const KEYED: u8 = 2;
+
+/// A block's row (see the module docs).
+fn encode_row(block: &Block, namespaces: &[Namespace]) -> Arc<[u8]> {
+    let ns = block.root.flatten().and_then(|i| namespaces.get(usize::from(i)));
+    let mut out = Vec::with_capacity(32 + 4 * block.tokens.len());
+    out.push((u8::from(block.parent.is_some()) * HAS_PARENT) | (u8::from(ns.is_some()) * KEYED));
+    if let Some(p) = block.parent {
+        out.extend_from_slice(&p.to_le_bytes());
+    }
+    out.extend_from_slice(&block.refs.to_le_bytes());
+    out.extend_from_slice(&block.clock.to_le_bytes());
+    out.extend_from_slice(&u32::try_from(block.tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
+    for t in block.tokens.iter() {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    if let Some(ns) = ns {
+        for part in [ns.model().as_bytes(), ns.tenant().unwrap_or_default()] {
+            out.extend_from_slice(&u16::try_from(part.len()).unwrap_or(u16::MAX).to_le_bytes());
+            out.extend_from_slice(part);
+        }
+    }
+    out.into()
+}
+
+/// Reads a block's row, adding its namespace (if a keyed first block) to `namespaces`.
+fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Block> {
+    let corrupt = || Error::Corrupted { detail: "an engine block row does not decode".into() };
+    let mut r = Reader(bytes);
+    let flags = r.take::<1>().ok_or_else(corrupt)?[0];
+    let parent = match flags & HAS_PARENT {
+        0 => None,
+        _ => Some(u64::from_le_bytes(r.take().ok_or_else(corrupt)?)),
+    };
+    let refs = u32::from_le_bytes(r.take().ok_or_else(corrupt)?);
+    let clock = u64::from_le_bytes(r.take().ok_or_else(corrupt)?);
+    let n = u32::from_le_bytes(r.take().ok_or_else(corrupt)?) as usize;
+    let raw = r.bytes(n.checked_mul(4).ok_or_else(corrupt)?).ok_or_else(corrupt)?;
+    let tokens: Box<[u32]> =
+        raw.chunks_exact(4).map(|c| c.try_into().map(u32::from_le_bytes).unwrap_or_default()).collect();
+    let root = match (parent, flags & KEYED) {
+        (Some(_), _) => None,
+        (None, 0) => Some(None),
+        (None, _) => {
+            let mut part = || -> Option<&[u8]> {
+                let len = u16::from_le_bytes(r.take()?);
+                r.bytes(usize::from(len))
+            };
+            let model = part().ok_or_else(corrupt)?;
+            let model = std::str::from_utf8(model).map_err(|_| corrupt())?.to_string();
+            let tenant = part().ok_or_else(corrupt)?;
+            let ns = match tenant.is_empty() {
+                true => Namespace::new(&model),
+                false => Namespace::with_tenant(&model, tenant),
+            }
+            .map_err(|_| corrupt())?;
+            Some(Some(namespace_index(namespaces, &ns)))
+        }
+    };
+    if !r.0.is_empty() {
+        return Err(corrupt());
+    }
+    Ok(Block { parent, tokens, refs, clock, root, at: None })
+}
+
+/// Reads fixed-width fields off the front of a row.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
+        let (head, rest) = self.0.split_first_chunk::<N>()?;
+        self.0 = rest;
+        Some(*head)
+    }
+
+    fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = self.0.split_at_checked(n)?;
+        self.0 = rest;
+        Some(head)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::indexing_slicing)]
+    use super::*;
+
+    fn ns() -> Namespace {
+        Namespace::new("m").expect("namespace")
+    }
+
+    fn stored(parent: Option<u64>, hashes: &[u64], tokens: &[u32], size: u32) -> EngineEvent {
+        EngineEvent::Stored(EngineStored {
+            parent,
+            hashes: hashes.to_vec(),
+            tokens: tokens.to_vec(),
+            block_size: size,
+            medium: Medium::Gpu,
+            namespace: Some(ns()),
+        })
+    }
+
+    fn batch(seq: u64, events: Vec<EngineEvent>) -> EngineBatch {
+        EngineBatch { seq, ts: seq as f64, events }
+    }
+
+    /// Our keys of `tokens` that `engines` says node 0 holds, counted from the first.
+    fn held_prefix(engines: &Engines, tokens: &[u32]) -> usize {
+        let keys = ns().chain_in(Scheme::TreeChain, tokens);
+        keys.iter().take_while(|k| engines.held_by(k, 0).is_some()).count()
+    }
+
+    #[test]
+    fn engine_blocks_of_16_key_our_blocks_of_64_whatever_the_event_boundaries() {
+        let tokens: Vec<u32> = (0..64 * 3 + 16).collect();
+        let mut e = Engines::default();
+        // 13 engine blocks of 16 stored as 5, then 1 (a decode step), then 7.
+        let h: Vec<u64> = (100..113).collect();
+        let out = e.batch(Scheme::TreeChain, 0, &batch(0, vec![stored(None, &h[..5], &tokens[..80], 16)]), 1);
+        assert_eq!(out, EngineOutcome::Applied);
+        assert_eq!(held_prefix(&e, &tokens), 1);
+        e.batch(Scheme::TreeChain, 0, &batch(1, vec![stored(Some(104), &h[5..6], &tokens[80..96], 16)]), 2);
+        e.batch(Scheme::TreeChain, 0, &batch(2, vec![stored(Some(105), &h[6..], &tokens[96..208], 16)]), 3);
+        assert_eq!(held_prefix(&e, &tokens), 3);
+        assert_eq!(e.sizes(0), (13, 3));
+        // Removing the block in the middle of our second block drops it and everything after.
+        e.batch(
+            Scheme::TreeChain,
+            0,
+            &batch(3, vec![EngineEvent::Removed { hashes: vec![106], medium: Medium::Gpu }]),
+            4,
+        );
+        assert_eq!(held_prefix(&e, &tokens), 1);
+        // Stored again, everything below it is reachable again.
+        e.batch(Scheme::TreeChain, 0, &batch(4, vec![stored(Some(105), &[106], &tokens[96..112], 16)]), 5);
+        assert_eq!(held_prefix(&e, &tokens), 3);
+    }
+
+    #[test]
+    fn duplicates_restarts_and_gaps_are_told_apart() {
+        let tokens: Vec<u32> = (0..128).collect();
+        let mut e = Engines::default();
+        let first = batch(0, vec![stored(None, &[1, 2], &tokens, 64)]);
+        assert_eq!(e.batch(Scheme::TreeChain, 0, &first, 1), EngineOutcome::Applied);
+        // The same block stored twice is removed twice.
+        e.batch(Scheme::TreeChain, 0, &batch(1, vec![stored(None, &[1], &tokens[..64], 64)]), 2);
+        let remove = |seq| batch(seq, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu }]);
+        e.batch(Scheme::TreeChain, 0, &remove(2), 3);
+        assert_eq!(held_prefix(&e, &tokens), 2, "one copy is left");
+        assert_eq!(e.batch(Scheme::TreeChain, 0, &remove(2), 4), EngineOutcome::Duplicate, "a late copy");
+        assert_eq!(held_prefix(&e, &tokens), 2);
+        assert_eq!(e.batch(Scheme::TreeChain, 0, &remove(5), 5), EngineOutcome::Gap { from: 2 });
+        // A new process counts from 0 again, published later: the node is cleared first.
+        let restarted = EngineBatch { seq: 0, ts: 100.0, events: vec![] };
+        assert_eq!(e.batch(Scheme::TreeChain, 0, &restarted, 6), EngineOutcome::Applied);
+        assert_eq!(held_prefix(&e, &tokens), 0);
+        let counts = &e.record(0).expect("a stream").counts;
+        assert_eq!((counts.restarts, counts.gaps, counts.duplicate_batches, counts.duplicate_blocks), (1, 1, 1, 1));
+    }
+
+    #[test]
+    fn rows_decode_to_what_was_stored_and_reload_to_the_same_holdings() {
+        let tokens: Vec<u32> = (0..64 * 4).map(|t| t * 3 + (1 << 25) * (t % 2)).collect();
+        let mut e = Engines::default();
+        e.batch(Scheme::TreeChain, 7, &batch(0, vec![stored(None, &[1, 2, 3], &tokens[..96], 32)]), 1);
+        e.batch(Scheme::TreeChain, 7, &batch(1, vec![stored(Some(3), &[4, 5, 6, 7, 8], &tokens[96..], 32)]), 2);
+        let mut rows: BTreeMap<(u32, u64), Option<Arc<[u8]>>> = BTreeMap::new();
+        let mut stream = None;
+        for effect in e.take_effects() {
+            match effect {
+                Effect::EngineBlock { node, hash, row } => {
+                    rows.insert((node, hash), row);
+                }
+                Effect::EngineStream { row, .. } => stream = Some(row),
+                _ => {}
+            }
+        }
+        let stream = stream.expect("a stream row");
+        let blocks = rows.into_iter().filter_map(|(k, v)| v.map(|v| Ok((k, v.to_vec()))));
+        let loaded = Engines::load(Scheme::TreeChain, std::iter::once(Ok((7, (*stream).clone()))), blocks, 2)
+            .expect("the rows load");
+        assert_eq!(loaded.held, e.held);
+        assert_eq!(loaded.sizes(7), (8, 4));
+        assert!(decode_row(&[1, 2, 3], &mut Vec::new()).is_err(), "a short row is an error, not a panic");
+    }
+}

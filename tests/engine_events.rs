@@ -1,0 +1,318 @@
+//! Engine KV cache events (vLLM's, SGLang's) as the index's source of truth for nodes that
+//! publish them: a model of engine caches (random stores through an LRU, evictions, duplicate
+//! stores, restarts, lost and replayed batches, block sizes 16, 32 and 64) against the index's
+//! answers, across reopens; claims of `ran`s and their grace window.
+
+mod common;
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use common::Rng;
+use superfluid_warm::{
+    EngineBatch, EngineEvent, EngineOutcome, EngineStored, Error, Hit, Medium, Namespace, ReadIndex, Warm,
+};
+
+/// One simulated engine: an LRU of engine blocks of `size` tokens, publishing vLLM's events.
+struct Engine {
+    size: usize,
+    capacity: usize,
+    /// Held blocks: hash → (refs, parent).
+    held: HashMap<u64, (u32, Option<u64>)>,
+    /// LRU order, least recent first (a hash appears once per copy).
+    lru: VecDeque<u64>,
+    seq: u64,
+    ts: f64,
+    /// Every batch published by this process (its replay buffer).
+    published: Vec<EngineBatch>,
+}
+
+/// A block's engine hash: its parent's and its tokens' (vLLM's chain, another hash).
+fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut h = parent.unwrap_or(0x5eed) ^ 0x9E37_79B9_7F4A_7C15;
+    for &t in tokens {
+        h = superfluid_warm::tools::trace::splitmix64(h ^ u64::from(t));
+    }
+    h
+}
+
+impl Engine {
+    fn new(size: usize, capacity: usize) -> Engine {
+        Engine { size, capacity, held: HashMap::new(), lru: VecDeque::new(), seq: 0, ts: 1.0, published: Vec::new() }
+    }
+
+    /// Runs a prompt: touches the blocks it holds, stores the rest (in events cut at random
+    /// places, sometimes a block stored twice), evicts least recent blocks past its capacity.
+    fn run(&mut self, tokens: &[u32], rng: &mut Rng) -> EngineBatch {
+        let mut events = Vec::new();
+        let mut parent = None;
+        let mut pending: Option<EngineStored> = None;
+        for block in tokens.chunks_exact(self.size) {
+            let hash = engine_hash(parent, block);
+            let again = rng.below(20) == 0;
+            if self.held.contains_key(&hash) && !again {
+                self.lru.retain(|&h| h != hash);
+                self.lru.push_back(hash);
+                if let Some(p) = pending.take() {
+                    events.push(EngineEvent::Stored(p));
+                }
+            } else {
+                let entry = self.held.entry(hash).or_insert((0, parent));
+                entry.0 += 1;
+                self.lru.push_back(hash);
+                if pending.is_none() || rng.below(4) == 0 {
+                    if let Some(p) = pending.take() {
+                        events.push(EngineEvent::Stored(p));
+                    }
+                    pending = Some(EngineStored {
+                        parent,
+                        hashes: Vec::new(),
+                        tokens: Vec::new(),
+                        block_size: self.size as u32,
+                        medium: Medium::Gpu,
+                        namespace: Some(Namespace::new("m").expect("namespace")),
+                    });
+                }
+                if let Some(p) = pending.as_mut() {
+                    p.hashes.push(hash);
+                    p.tokens.extend_from_slice(block);
+                }
+            }
+            parent = Some(hash);
+        }
+        if let Some(p) = pending.take() {
+            events.push(EngineEvent::Stored(p));
+        }
+        while self.lru.len() > self.capacity {
+            let Some(victim) = self.lru.pop_front() else { break };
+            let gone = match self.held.get_mut(&victim) {
+                Some(entry) if entry.0 > 1 => {
+                    entry.0 -= 1;
+                    false
+                }
+                _ => true,
+            };
+            if gone {
+                self.held.remove(&victim);
+            }
+            events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Gpu });
+        }
+        self.publish(events)
+    }
+
+    fn publish(&mut self, events: Vec<EngineEvent>) -> EngineBatch {
+        let batch = EngineBatch { seq: self.seq, ts: self.ts, events };
+        self.seq += 1;
+        self.ts += 1.0;
+        self.published.push(batch.clone());
+        batch
+    }
+
+    /// A restart: a new process, an empty cache, numbers from 0 again.
+    fn restart(&mut self) {
+        self.held.clear();
+        self.lru.clear();
+        self.seq = 0;
+        self.published.clear();
+        self.ts += 1000.0;
+    }
+
+    /// Tokens of `tokens` the engine can serve from its cache: its held blocks from the first.
+    fn holds(&self, tokens: &[u32]) -> usize {
+        let mut parent = None;
+        let mut n = 0;
+        for block in tokens.chunks_exact(self.size) {
+            let hash = engine_hash(parent, block);
+            if !self.held.contains_key(&hash) {
+                break;
+            }
+            n += self.size;
+            parent = Some(hash);
+        }
+        n
+    }
+}
+
+/// Applies a batch as a listener does: on a gap, replays from where the index asks (or, if the
+/// replay is lost, resyncs from the batch). Returns whether anything was lost.
+fn deliver(warm: &Warm, node: &str, engine: &Engine, batch: &EngineBatch, replay: bool) -> Result<bool, Error> {
+    match warm.engine_batch(node, batch)? {
+        EngineOutcome::Applied | EngineOutcome::Duplicate => Ok(false),
+        EngineOutcome::Gap { from } if replay => {
+            let from = usize::try_from(from).expect("a small seq");
+            for b in engine.published.iter().skip(from) {
+                let outcome = warm.engine_batch(node, b)?;
+                assert_ne!(outcome, EngineOutcome::Gap { from: from as u64 }, "a replay covers its gap");
+            }
+            Ok(false)
+        }
+        EngineOutcome::Gap { .. } => {
+            warm.engine_resync(node, batch)?;
+            Ok(true)
+        }
+        _ => unreachable!("no other outcome"),
+    }
+}
+
+/// Tokens each node is answered warm for, by `warm_nodes`.
+fn answers(warm: &Warm, tokens: &[u32]) -> Result<HashMap<String, usize>, Error> {
+    let hits: Vec<Hit> = warm.warm_nodes("m", tokens)?;
+    Ok(hits.into_iter().map(|h| (h.node, h.tokens)).collect())
+}
+
+/// Random conversations on 3 engines of each block size: after every batch delivered, every
+/// answer is at most what the engine can serve, and exactly that (in whole blocks of 64, from 2) while no
+/// batch was lost; the same after a reopen.
+#[test]
+fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> Result<(), Error> {
+    for (seed, size) in [(1u64, 16usize), (2, 32), (3, 64), (4, 16)] {
+        let dir = common::tempdir();
+        let path = dir.path().join("engines.redb");
+        let mut warm = Warm::open(&path)?;
+        let mut rng = Rng(seed);
+        let mut engines: Vec<Engine> = (0..3).map(|_| Engine::new(size, 4096 / size * 3)).collect();
+        let mut lost = [false; 3];
+        // A batch not delivered yet: until the next, the index is behind that engine.
+        let mut behind = [false; 3];
+        let mut conversations = common::Conversations::new(12);
+        let (mut checked, mut warm_answers) = (0, 0);
+        for step in 0..300 {
+            let (_, prompt) = conversations.turn(&mut rng);
+            let e = rng.below(3) as usize;
+            let node = format!("engine-{e}");
+            match rng.below(40) {
+                0 => {
+                    engines[e].restart();
+                    lost[e] = false;
+                }
+                1 | 2 => {
+                    // A batch the listener never sees; the next one shows the gap.
+                    engines[e].run(&prompt, &mut rng);
+                    behind[e] = true;
+                    continue;
+                }
+                _ => {}
+            }
+            let batch = engines[e].run(&prompt, &mut rng);
+            let replay = rng.below(3) > 0;
+            lost[e] |= deliver(&warm, &node, &engines[e], &batch, replay)?;
+            behind[e] = false;
+            if step % 50 == 49 {
+                warm.close()?;
+                warm = Warm::open(&path)?;
+            }
+            for c in &conversations.prompts {
+                let got = answers(&warm, c)?;
+                for (i, engine) in engines.iter().enumerate().filter(|&(i, _)| !behind[i]) {
+                    let name = format!("engine-{i}");
+                    let serves = engine.holds(c) / 64 * 64;
+                    let want = if serves >= 128 { serves } else { 0 };
+                    let answered = got.get(&name).copied().unwrap_or(0);
+                    assert!(answered <= want, "seed {seed} step {step}: {name} answered {answered}, holds {want}");
+                    if !lost[i] {
+                        assert_eq!(answered, want, "seed {seed} step {step}: {name} lost nothing");
+                    }
+                    checked += 1;
+                    warm_answers += usize::from(answered > 0);
+                }
+            }
+        }
+        let stats = warm.engine_stats()?;
+        assert_eq!(stats.len(), 3);
+        let restarts: u64 = stats.iter().map(|s| s.counts.restarts).sum();
+        let gaps: u64 = stats.iter().map(|s| s.counts.gaps).sum();
+        let dups: u64 = stats.iter().map(|s| s.counts.duplicate_blocks).sum();
+        assert!(warm_answers > checked / 20, "the model has warm answers to check ({warm_answers} of {checked})");
+        assert!(restarts > 0 && gaps > 0 && dups > 0, "restarts {restarts}, gaps {gaps}, duplicates {dups}");
+        println!("block size {size}: {checked} answers checked, {warm_answers} warm; {restarts} restarts, {gaps} gaps");
+        warm.close()?;
+    }
+    Ok(())
+}
+
+/// A `ran` on a node with an event stream is answered until its grace window passes or its
+/// engine removes something; its engine's events are answered all along.
+#[test]
+fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let prompt: Vec<u32> = (0..64 * 4).collect();
+    let other: Vec<u32> = (1000..1000 + 64 * 4).collect();
+    let mut engine = Engine::new(16, 1 << 20);
+    // A long grace: the claim stands until the engine removes a block.
+    let warm = Warm::builder().engine_grace(Duration::from_secs(3600)).open(dir.path().join("a.redb"))?;
+    let mut rng = Rng(9);
+    warm.engine_batch("gpu-0", &engine.run(&other, &mut rng))?;
+    warm.ran("m", &prompt, "gpu-0")?;
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "gpu-0".into(), tokens: 256 }), "a claim");
+    let removal = engine
+        .publish(vec![EngineEvent::Removed { hashes: vec![engine_hash(None, &other[..16])], medium: Medium::Gpu }]);
+    warm.engine_batch("gpu-0", &removal)?;
+    assert_eq!(warm.warmest("m", &prompt)?, None, "a removal ends the claims before it");
+    // A node without a stream is answered as before.
+    warm.ran("m", &prompt, "plain")?;
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "plain".into(), tokens: 256 }));
+    drop(warm);
+    // A short grace: the claim ends by itself; what the engine stored stays.
+    let grace = Duration::from_millis(50);
+    let warm = Warm::builder().engine_grace(grace).open(dir.path().join("b.redb"))?;
+    let mut engine = Engine::new(16, 1 << 20);
+    warm.engine_batch("gpu-0", &engine.run(&other, &mut rng))?;
+    warm.ran("m", &prompt, "gpu-0")?;
+    std::thread::sleep(grace * 3);
+    assert_eq!(warm.warmest("m", &prompt)?, None, "the grace window passed");
+    assert_eq!(warm.warmest("m", &other)?, Some(Hit { node: "gpu-0".into(), tokens: 256 }), "the engine's own");
+    // Stores of another medium, or under no namespace of the index, are not answered.
+    let stores = |batch: &mut EngineBatch, change: &dyn Fn(&mut EngineStored)| {
+        let mut n = 0;
+        for event in &mut batch.events {
+            if let EngineEvent::Stored(s) = event {
+                change(s);
+                n += 1;
+            }
+        }
+        n
+    };
+    let mut offload = engine.run(&prompt, &mut rng);
+    let cpu = stores(&mut offload, &|s| s.medium = Medium::Cpu);
+    warm.engine_batch("gpu-0", &offload)?;
+    assert_eq!(warm.warmest("m", &prompt)?, None, "CPU blocks are not GPU-warm");
+    let third: Vec<u32> = (5000..5000 + 64 * 4).collect();
+    let mut unkeyed = engine.run(&third, &mut rng);
+    stores(&mut unkeyed, &|s| s.namespace = None);
+    warm.engine_batch("gpu-0", &unkeyed)?;
+    assert_eq!(warm.warmest("m", &third)?, None, "an unkeyed store keys nothing");
+    let counts = &warm.engine_stats()?[0].counts;
+    assert_eq!((counts.other_medium, counts.unkeyed), (cpu, 1));
+    Ok(())
+}
+
+/// Malformed events are counted and change nothing; a forgotten node's stream goes with it.
+#[test]
+fn malformed_events_are_counted_and_a_forget_drops_the_stream() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let warm = Warm::open(dir.path().join("m.redb"))?;
+    let mut engine = Engine::new(16, 1 << 20);
+    let mut rng = Rng(3);
+    let prompt: Vec<u32> = (0..64 * 3).collect();
+    warm.engine_batch("gpu-0", &engine.run(&prompt, &mut rng))?;
+    let bad = EngineStored {
+        parent: None,
+        hashes: vec![1, 2],
+        tokens: vec![0; 17],
+        block_size: 16,
+        medium: Medium::Gpu,
+        namespace: Some(Namespace::new("m")?),
+    };
+    let zero = EngineStored { block_size: 0, tokens: vec![], ..bad.clone() };
+    warm.engine_batch("gpu-0", &engine.publish(vec![EngineEvent::Stored(bad), EngineEvent::Stored(zero)]))?;
+    assert_eq!(warm.engine_stats()?[0].counts.malformed, 2);
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "gpu-0".into(), tokens: 192 }));
+    warm.forget_node("gpu-0")?;
+    assert_eq!(warm.warmest("m", &prompt)?, None);
+    assert!(warm.engine_stats()?.is_empty(), "the stream went with the node");
+    // Its next batch starts a new stream, which asks for the engine's history.
+    let next = engine.run(&prompt, &mut rng);
+    assert_eq!(warm.engine_batch("gpu-0", &next)?, EngineOutcome::Gap { from: 0 });
+    warm.close()?;
+    Ok(())
+}

@@ -14,6 +14,7 @@ use superfluid_warm::{
     DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, IndexFile, LegacyJson, MAX_CAPACITY,
     Snapshot, Stats, Warm,
 };
+use superfluid_warm::{EngineEndpoint, ListenStats, Listener};
 
 /// What every command does with a file a crashed head left, said once.
 const CRASH_RULE: &str = "A file left open by a head that crashed: `dump` and `stats` refuse it and `check` reports \
@@ -81,6 +82,10 @@ enum Command {
     },
     /// Replays a conversation workload through the index and reports what routing found.
     Replay(ReplayArgs),
+    /// Keeps the index of what each engine holds from its KV cache events (vLLM's or SGLang's,
+    /// over ZMQ), as a head that only listens, until SIGTERM or Ctrl-C (then closes the file
+    /// cleanly). A status line a node goes to stderr every --status-every seconds.
+    Listen(ListenArgs),
 }
 
 #[derive(Args)]
@@ -307,6 +312,29 @@ pub fn main() -> ExitCode {
     }
 }
 
+#[derive(Args)]
+struct ListenArgs {
+    /// The index file (created if absent).
+    path: PathBuf,
+    /// An engine: NAME=ENDPOINT[,replay=ENDPOINT][,model=M][,topic=T][,bind], e.g.
+    /// `gpu-0=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558`. NAME is the node the head routes
+    /// to; `bind` listens on ENDPOINT (for an engine configured to connect). Once per engine.
+    #[arg(long = "engine", required = true)]
+    engines: Vec<String>,
+    /// The model engines serve, unless their spec names one.
+    #[arg(long)]
+    model: Option<String>,
+    /// Seconds a replay may take before its gap is taken as lost (the node is then cleared).
+    #[arg(long, default_value_t = 5.0)]
+    replay_timeout: f64,
+    /// Seconds between status lines (0: none).
+    #[arg(long, default_value_t = 10.0)]
+    status_every: f64,
+    /// Stop after this many seconds, as on SIGTERM.
+    #[arg(long)]
+    duration: Option<f64>,
+}
+
 fn run(command: Command) -> Result<ExitCode, CliError> {
     let out = &mut std::io::stdout().lock();
     match command {
@@ -331,7 +359,75 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Import { old, path } => import(out, &old, &path),
         Command::Forget { path, node } => forget(out, &path, &node),
         Command::Replay(args) => replay_cmd(out, &args),
+        Command::Listen(args) => listen(out, &args),
     }
+}
+
+/// Seconds as a `Duration`, refusing what is not a finite, non-negative number.
+fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| CliError::Refused(format!("--{what} must be a number of seconds, 0 or more (got {s})")))
+}
+
+fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError> {
+    let engines = args
+        .engines
+        .iter()
+        .map(|spec| EngineEndpoint::parse(spec, args.model.as_deref()))
+        .collect::<Result<Vec<_>, Error>>()?;
+    let (timeout, every) =
+        (seconds("replay-timeout", args.replay_timeout)?, seconds("status-every", args.status_every)?);
+    let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
+    let warm = Warm::open(&args.path)?;
+    say_how_opened(&args.path, &warm.stats()?);
+    let warm = std::sync::Arc::new(warm);
+    let listener = Listener::start(std::sync::Arc::clone(&warm), &engines, timeout)?;
+    eprintln!("superfluid-warm: listening to {} engine(s) into {}", engines.len(), args.path.display());
+    let print = |stats: &[ListenStats]| {
+        for s in stats {
+            let lag = s.lag.map_or_else(|| "-".to_string(), |l| format!("{:.1} ms", l * 1000.0));
+            let silent = s.silent_for.map_or_else(|| "never heard".to_string(), |t| format!("last batch {t:.1} s ago"));
+            eprintln!(
+                "  {}: {} batches ({} undecodable, {} malformed), {} replays ({} short), lag {lag}, {silent}{}",
+                s.node,
+                s.received,
+                s.undecodable,
+                s.malformed,
+                s.replays,
+                s.replays_short,
+                s.error.as_ref().map_or_else(String::new, |e| format!("; error: {e}"))
+            );
+        }
+    };
+    wait_for_stop(until, every, || print(&listener.stats()))?;
+    let stats = listener.stop();
+    print(&stats);
+    // Every listening thread has ended, and with it its handle on the index.
+    match std::sync::Arc::try_unwrap(warm) {
+        Ok(warm) => warm.close()?,
+        Err(still_shared) => drop(still_shared),
+    }
+    emit(out, &format!("stopped; {} closed cleanly", args.path.display()))
+}
+
+/// Waits for SIGTERM, SIGINT or `until`, calling `tick` every `every` (if not zero).
+fn wait_for_stop(until: Option<Duration>, every: Duration, mut tick: impl FnMut()) -> Result<(), CliError> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CliError::Output)?;
+    runtime.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(CliError::Output)?;
+        let deadline = until.map(|d| tokio::time::Instant::now() + d);
+        let mut ticks = tokio::time::interval(if every.is_zero() { Duration::from_secs(3600) } else { every });
+        ticks.tick().await;
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok(()),
+                _ = tokio::signal::ctrl_c() => return Ok(()),
+                _ = async { match deadline { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } } => return Ok(()),
+                _ = ticks.tick() => if !every.is_zero() { tick() },
+            }
+        }
+    })
 }
 
 fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, CliError> {
@@ -591,6 +687,10 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "node_caches": s.node_caches.iter().map(|c| json!({
                 "node": c.node, "held": c.held, "capacity": c.capacity, "floor": c.floor,
             })).collect::<Vec<_>>(),
+            "engines": s.engines.iter().map(|e| json!({
+                "node": e.node, "last_seq": e.last_seq, "last_ts": e.last_ts,
+                "engine_blocks": e.engine_blocks, "blocks": e.blocks, "counts": e.counts,
+            })).collect::<Vec<_>>(),
         });
         return emit(out, &line.to_string());
     }
@@ -644,6 +744,33 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
         for c in sized {
             let capacity = c.capacity.map_or_else(|| "none".to_string(), thousands);
             text += &format!("\n  {:<20} {} / {capacity}", c.node, thousands(c.held));
+        }
+    }
+    if !s.engines.is_empty() {
+        text += "\nengine streams (what each engine says it holds):";
+        for e in &s.engines {
+            let c = &e.counts;
+            let seq = e.last_seq.map_or_else(|| "none".to_string(), |q| q.to_string());
+            text += &format!(
+                "\n  {:<20} last seq {seq}, {} engine blocks ({} of 64 tokens); {} batches, {} stored, {} removed, {} clears, {} restarts, {} gaps ({} lost), {} duplicate batches, {} duplicate blocks, {} unknown parents, {} unknown removals, {} other medium, {} unkeyed, {} malformed",
+                e.node,
+                thousands(e.engine_blocks as u64),
+                thousands(e.blocks as u64),
+                c.batches,
+                c.stored,
+                c.removed,
+                c.clears,
+                c.restarts,
+                c.gaps,
+                c.lost,
+                c.duplicate_batches,
+                c.duplicate_blocks,
+                c.unknown_parents,
+                c.unknown_removals,
+                c.other_medium,
+                c.unkeyed,
+                c.malformed
+            );
         }
     }
     emit(out, &text)

@@ -29,6 +29,8 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
+#[cfg(feature = "engines")]
+mod engine;
 mod error;
 mod file;
 mod index;
@@ -41,13 +43,14 @@ mod store;
 #[doc(hidden)]
 pub mod tools;
 
+#[cfg(feature = "engines")]
+pub use engine::listener::{DEFAULT_REPLAY_TIMEOUT, EngineEndpoint, ListenStats, Listener};
 pub use error::{Error, Result};
 pub use file::check::FileCheck;
 pub use file::compact::Compacted;
 pub use file::index_file::IndexFile;
 pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
-pub use index::engine_events::EngineStats;
 pub use index::front::DEFAULT_ENGINE_GRACE;
 pub use index::read_index::ReadIndex;
 pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
@@ -57,7 +60,7 @@ pub use keys::{
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::caches::NodeCacheStats;
-pub use store::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStored, Medium};
+pub use store::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
 pub use store::import::{ImportReport, LegacyJson};
 pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, MAX_CLOCK, SCHEMA_VERSION};
 pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};

@@ -5,133 +5,14 @@
 
 mod common;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use common::Rng;
+use common::engine::{Engine, engine_hash};
 use superfluid_warm::{
     EngineBatch, EngineEvent, EngineOutcome, EngineStored, Error, Hit, Medium, Namespace, ReadIndex, Warm,
 };
-
-/// One simulated engine: an LRU of engine blocks of `size` tokens, publishing vLLM's events.
-struct Engine {
-    size: usize,
-    capacity: usize,
-    /// Held blocks: hash → (refs, parent).
-    held: HashMap<u64, (u32, Option<u64>)>,
-    /// LRU order, least recent first (a hash appears once per copy).
-    lru: VecDeque<u64>,
-    seq: u64,
-    ts: f64,
-    /// Every batch published by this process (its replay buffer).
-    published: Vec<EngineBatch>,
-}
-
-/// A block's engine hash: its parent's and its tokens' (vLLM's chain, another hash).
-fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
-    let mut h = parent.unwrap_or(0x5eed) ^ 0x9E37_79B9_7F4A_7C15;
-    for &t in tokens {
-        h = superfluid_warm::tools::trace::splitmix64(h ^ u64::from(t));
-    }
-    h
-}
-
-impl Engine {
-    fn new(size: usize, capacity: usize) -> Engine {
-        Engine { size, capacity, held: HashMap::new(), lru: VecDeque::new(), seq: 0, ts: 1.0, published: Vec::new() }
-    }
-
-    /// Runs a prompt: touches the blocks it holds, stores the rest (in events cut at random
-    /// places, sometimes a block stored twice), evicts least recent blocks past its capacity.
-    fn run(&mut self, tokens: &[u32], rng: &mut Rng) -> EngineBatch {
-        let mut events = Vec::new();
-        let mut parent = None;
-        let mut pending: Option<EngineStored> = None;
-        for block in tokens.chunks_exact(self.size) {
-            let hash = engine_hash(parent, block);
-            let again = rng.below(20) == 0;
-            if self.held.contains_key(&hash) && !again {
-                self.lru.retain(|&h| h != hash);
-                self.lru.push_back(hash);
-                if let Some(p) = pending.take() {
-                    events.push(EngineEvent::Stored(p));
-                }
-            } else {
-                let entry = self.held.entry(hash).or_insert((0, parent));
-                entry.0 += 1;
-                self.lru.push_back(hash);
-                if pending.is_none() || rng.below(4) == 0 {
-                    if let Some(p) = pending.take() {
-                        events.push(EngineEvent::Stored(p));
-                    }
-                    pending = Some(EngineStored {
-                        parent,
-                        hashes: Vec::new(),
-                        tokens: Vec::new(),
-                        block_size: self.size as u32,
-                        medium: Medium::Gpu,
-                        namespace: Some(Namespace::new("m").expect("namespace")),
-                    });
-                }
-                if let Some(p) = pending.as_mut() {
-                    p.hashes.push(hash);
-                    p.tokens.extend_from_slice(block);
-                }
-            }
-            parent = Some(hash);
-        }
-        if let Some(p) = pending.take() {
-            events.push(EngineEvent::Stored(p));
-        }
-        while self.lru.len() > self.capacity {
-            let Some(victim) = self.lru.pop_front() else { break };
-            let gone = match self.held.get_mut(&victim) {
-                Some(entry) if entry.0 > 1 => {
-                    entry.0 -= 1;
-                    false
-                }
-                _ => true,
-            };
-            if gone {
-                self.held.remove(&victim);
-            }
-            events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Gpu });
-        }
-        self.publish(events)
-    }
-
-    fn publish(&mut self, events: Vec<EngineEvent>) -> EngineBatch {
-        let batch = EngineBatch { seq: self.seq, ts: self.ts, events };
-        self.seq += 1;
-        self.ts += 1.0;
-        self.published.push(batch.clone());
-        batch
-    }
-
-    /// A restart: a new process, an empty cache, numbers from 0 again.
-    fn restart(&mut self) {
-        self.held.clear();
-        self.lru.clear();
-        self.seq = 0;
-        self.published.clear();
-        self.ts += 1000.0;
-    }
-
-    /// Tokens of `tokens` the engine can serve from its cache: its held blocks from the first.
-    fn holds(&self, tokens: &[u32]) -> usize {
-        let mut parent = None;
-        let mut n = 0;
-        for block in tokens.chunks_exact(self.size) {
-            let hash = engine_hash(parent, block);
-            if !self.held.contains_key(&hash) {
-                break;
-            }
-            n += self.size;
-            parent = Some(hash);
-        }
-        n
-    }
-}
 
 /// Applies a batch as a listener does: on a gap, replays from where the index asks (or, if the
 /// replay is lost, resyncs from the batch). Returns whether anything was lost.

@@ -13,6 +13,7 @@ use crate::error::{Error, Result, open_error, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
 use crate::store::caches::{NodeCacheStats, NodeCaches, each_named_pair};
 use crate::store::codec;
+use crate::store::engines::{EngineStats, read_engines};
 use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, read_meta, read_nodes};
 use crate::store::schema;
 use crate::store::tables::{
@@ -44,7 +45,7 @@ pub struct DumpEntry {
 }
 
 /// What `stats` shows.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub struct SnapshotStats {
     /// Entries, counted.
@@ -83,6 +84,8 @@ pub struct SnapshotStats {
     pub node_caches: Vec<NodeCacheStats>,
     /// The capacity of a node's cache with none of its own (`Builder::node_cache_blocks`).
     pub node_cache_default: Option<u64>,
+    /// The engine event streams: where each stands, what each node's engine holds, the counts.
+    pub engines: Vec<EngineStats>,
 }
 
 /// The verdict on the invariants of a file's tables.
@@ -432,6 +435,7 @@ impl Snapshot {
                 .map(|c| c.stats(self.nodes.iter().map(String::as_str).zip(self.retired.iter().copied())))
                 .unwrap_or_default(),
             node_cache_default: caches.and_then(|c| c.default),
+            engines: read_engines(&self.txn, schema::check(&self.meta)?, self.meta.clock)?.stats(name),
         })
     }
 

@@ -5,26 +5,7 @@
 use super::warm::Warm;
 use crate::error::Result;
 use crate::keys::{MAX_NODE_BYTES, check_len};
-use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome};
-
-/// Where one node's engine event stream stands, and its counts (`Stats::engines`).
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct EngineStats {
-    /// The node's name.
-    pub node: String,
-    /// The sequence number of the last batch applied (`None`: none since the stream began or
-    /// was cleared).
-    pub last_seq: Option<u64>,
-    /// Its publish time (seconds since the Unix epoch).
-    pub last_ts: f64,
-    /// Engine blocks the node holds, as its events said.
-    pub engine_blocks: usize,
-    /// Blocks of 64 tokens (the index's) those cover whole from a prompt's start.
-    pub blocks: usize,
-    /// The stream's counts.
-    pub counts: EngineCounts,
-}
+use crate::store::engines::{EngineBatch, EngineOutcome, EngineStats};
 
 impl Warm {
     /// Applies one batch of node `node`'s engine events, in the order its engine numbered them.
@@ -65,22 +46,7 @@ impl Warm {
     /// [`crate::Error::Poisoned`] after a panic in another caller.
     pub fn engine_stats(&self) -> Result<Vec<EngineStats>> {
         let front = self.front()?;
-        let decided = &front.decided;
-        Ok(decided
-            .engines
-            .nodes()
-            .filter_map(|id| {
-                let record = decided.engines.record(id)?;
-                let (engine_blocks, blocks) = decided.engines.sizes(id);
-                Some(EngineStats {
-                    node: decided.nodes.name(id),
-                    last_seq: record.last,
-                    last_ts: record.last_ts,
-                    engine_blocks,
-                    blocks,
-                    counts: record.counts.clone(),
-                })
-            })
-            .collect())
+        let nodes = &front.decided.nodes;
+        Ok(front.decided.engines.stats(|id| nodes.name(id)))
     }
 }

@@ -51,8 +51,9 @@ impl Medium {
         match name {
             None => Medium::Gpu,
             Some(n) if n.eq_ignore_ascii_case("gpu") => Medium::Gpu,
-            Some(n) if n.eq_ignore_ascii_case("cpu") => Medium::Cpu,
-            Some(n) if n.eq_ignore_ascii_case("storage") || n.eq_ignore_ascii_case("disk") => Medium::Storage,
+            // SGLang names its host tier CPU_PINNED, and its disk and remote tiers DISK and EXTERNAL.
+            Some(n) if n.eq_ignore_ascii_case("cpu") || n.eq_ignore_ascii_case("cpu_pinned") => Medium::Cpu,
+            Some(n) if ["storage", "disk", "external"].iter().any(|m| n.eq_ignore_ascii_case(m)) => Medium::Storage,
             Some(_) => Medium::Other,
         }
     }
@@ -158,6 +159,26 @@ pub struct EngineCounts {
     pub unkeyed: u64,
     /// Malformed events (tokens that do not fill the blocks), skipped.
     pub malformed: u64,
+}
+
+/// Where one node's engine event stream stands, and its counts (`Warm::engine_stats`,
+/// `SnapshotStats::engines`).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// The node's name.
+    pub node: String,
+    /// The sequence number of the last batch applied (`None`: none since the stream began or
+    /// was cleared).
+    pub last_seq: Option<u64>,
+    /// Its publish time (seconds since the Unix epoch).
+    pub last_ts: f64,
+    /// Engine blocks the node holds, as its events said.
+    pub engine_blocks: usize,
+    /// Blocks of 64 tokens (the index's) those cover whole from a prompt's start.
+    pub blocks: usize,
+    /// The stream's counts.
+    pub counts: EngineCounts,
 }
 
 /// An engine stream's position and counts: the `engine_streams/v6` row of its node.
@@ -274,16 +295,29 @@ impl Engines {
         self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(|h| h.clock)
     }
 
-    /// The stream record of `node`.
-    pub(crate) fn record(&self, node: u32) -> Option<&StreamRecord> {
-        self.streams.get(&node).map(|s| &s.record)
-    }
-
     /// Engine blocks and blocks of ours `node` holds.
     pub(crate) fn sizes(&self, node: u32) -> (usize, usize) {
         let Some(s) = self.streams.get(&node) else { return (0, 0) };
         let ours = s.blocks.values().filter_map(|b| b.at.as_ref()).map(|a| a.keys.len()).sum();
         (s.blocks.len(), ours)
+    }
+
+    /// Each stream's position, sizes and counts, with node names from `name`.
+    pub(crate) fn stats(&self, name: impl Fn(u32) -> String) -> Vec<EngineStats> {
+        self.streams
+            .iter()
+            .map(|(&id, s)| {
+                let (engine_blocks, blocks) = self.sizes(id);
+                EngineStats {
+                    node: name(id),
+                    last_seq: s.record.last,
+                    last_ts: s.record.last_ts,
+                    engine_blocks,
+                    blocks,
+                    counts: s.record.counts.clone(),
+                }
+            })
+            .collect()
     }
 
     /// The effects decided since the last call.
@@ -818,7 +852,7 @@ mod tests {
         let restarted = EngineBatch { seq: 0, ts: 100.0, events: vec![] };
         assert_eq!(e.batch(Scheme::TreeChain, 0, &restarted, 6), EngineOutcome::Applied);
         assert_eq!(held_prefix(&e, &tokens), 0);
-        let counts = &e.record(0).expect("a stream").counts;
+        let counts = &e.streams.get(&0).expect("a stream").record.counts;
         assert_eq!((counts.restarts, counts.gaps, counts.duplicate_batches, counts.duplicate_blocks), (1, 1, 1, 1));
     }
 

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod backend;
+pub mod engine;
 pub mod fixtures;
 pub mod nats;
 pub mod torture;

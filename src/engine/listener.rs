@@ -1,0 +1,383 @@
+//! The ingester: one thread per engine endpoint, applying its KV event batches to a `Warm` in
+//! the engine's order. A gap is covered by a replay from the engine's replay endpoint; what no
+//! replay covers clears the node (the index may know less than the engine, never more).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::decode::{self, Event, Extra};
+use super::subscriber::{Endpoint, Message, Subscriber};
+use crate::error::{Error, Result};
+use crate::index::warm::Warm;
+use crate::keys::Namespace;
+use crate::store::engines::{EngineBatch, EngineEvent, EngineOutcome, EngineStored, Medium};
+
+/// How long a replay may take before the gap is taken as lost.
+pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often a listening thread looks up from its socket (to see whether it should stop).
+const POLL: Duration = Duration::from_millis(100);
+
+/// One engine to listen to: the node it is, where it publishes, and the model it serves.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineEndpoint {
+    /// The node's name in the index (what the head routes to).
+    pub node: String,
+    /// The engine's event endpoint (`tcp://host:5557`).
+    pub events: String,
+    /// The engine's replay endpoint, if it has one (`tcp://host:5558`).
+    pub replay: Option<String>,
+    /// The model the engine serves: the namespace its blocks are keyed in. A store under a
+    /// LoRA is keyed under the LoRA's name (what a request names as its model), a store with a
+    /// cache salt under that salt as the tenant.
+    pub model: String,
+    /// Only batches whose topic starts with this (`None`: all).
+    pub topic: Option<String>,
+    /// Bind the event endpoint rather than connect to it (vLLM connects when its endpoint
+    /// names a host).
+    pub bind: bool,
+}
+
+impl EngineEndpoint {
+    /// Parses `NAME=ENDPOINT[,replay=ENDPOINT][,model=M][,topic=T][,bind]`; `model` is
+    /// `default_model` unless given.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] saying what is wrong with the spec.
+    pub fn parse(spec: &str, default_model: Option<&str>) -> Result<EngineEndpoint> {
+        let bad = |detail: String| Error::InvalidConfig { detail: format!("engine {spec:?}: {detail}") };
+        let mut parts = spec.split(',');
+        let head = parts.next().unwrap_or_default();
+        let Some((node, events)) = head.split_once('=') else {
+            return Err(bad("expected NAME=ENDPOINT, e.g. gpu-0=tcp://10.0.0.7:5557".into()));
+        };
+        if node.is_empty() || !events.contains("://") {
+            return Err(bad("expected NAME=ENDPOINT, e.g. gpu-0=tcp://10.0.0.7:5557".into()));
+        }
+        let mut endpoint = EngineEndpoint {
+            node: node.to_string(),
+            events: events.to_string(),
+            replay: None,
+            model: default_model.unwrap_or_default().to_string(),
+            topic: None,
+            bind: false,
+        };
+        for part in parts {
+            match part.split_once('=') {
+                Some(("replay", v)) if v.contains("://") => endpoint.replay = Some(v.to_string()),
+                Some(("model", v)) if !v.is_empty() => endpoint.model = v.to_string(),
+                Some(("topic", v)) => endpoint.topic = Some(v.to_string()),
+                None if part == "bind" => endpoint.bind = true,
+                _ => return Err(bad(format!("unknown option {part:?} (replay=ENDPOINT, model=M, topic=T, bind)"))),
+            }
+        }
+        if endpoint.model.is_empty() {
+            return Err(bad("no model: add model=M, or give a default model".into()));
+        }
+        Namespace::new(&endpoint.model).map_err(|e| bad(e.to_string()))?;
+        Ok(endpoint)
+    }
+}
+
+/// What one engine's listening thread has seen (`Listener::stats`).
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct ListenStats {
+    /// The node.
+    pub node: String,
+    /// Batches received (live and replayed).
+    pub received: u64,
+    /// Batches that did not decode (each then clears the node at the next batch).
+    pub undecodable: u64,
+    /// Messages of the wrong shape (frames), skipped.
+    pub malformed: u64,
+    /// Replays asked for.
+    pub replays: u64,
+    /// Replays that did not cover their gap (started later than asked, timed out, or no replay
+    /// endpoint): the node was cleared.
+    pub replays_short: u64,
+    /// Seconds since the last batch was received (`None`: none yet).
+    pub silent_for: Option<f64>,
+    /// Lag from publish to applied, in seconds, of the last batch.
+    pub lag: Option<f64>,
+    /// The newest error, if the thread had one (it retries; a file that needs reopening stops
+    /// it).
+    pub error: Option<String>,
+}
+
+/// One thread's stats, and when it last received a batch.
+type Shared = Arc<Mutex<(ListenStats, Option<Instant>)>>;
+
+/// The listening threads of a set of engines, applying to one `Warm`.
+pub struct Listener {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    stats: Vec<Shared>,
+}
+
+impl Listener {
+    /// Opens a subscriber per engine and starts its thread.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for an endpoint ZMQ refuses (malformed, or it cannot be bound);
+    /// [`Error::Thread`] if a thread cannot be started.
+    pub fn start(warm: Arc<Warm>, engines: &[EngineEndpoint], replay_timeout: Duration) -> Result<Listener> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut listener = Listener { stop: Arc::clone(&stop), threads: Vec::new(), stats: Vec::new() };
+        for engine in engines {
+            let endpoint = Endpoint {
+                events: engine.events.clone(),
+                replay: engine.replay.clone(),
+                topic: engine.topic.clone(),
+                bind: engine.bind,
+            };
+            let subscriber = Subscriber::open(endpoint)
+                .map_err(|e| Error::InvalidConfig { detail: format!("engine {}: {e}", engine.node) })?;
+            let stats =
+                Arc::new(Mutex::new((ListenStats { node: engine.node.clone(), ..ListenStats::default() }, None)));
+            listener.stats.push(Arc::clone(&stats));
+            let mut one = One {
+                warm: Arc::clone(&warm),
+                engine: engine.clone(),
+                subscriber,
+                stats,
+                replay_timeout,
+                resync: false,
+            };
+            let stop = Arc::clone(&stop);
+            let handle = std::thread::Builder::new()
+                .name(format!("superfluid-warm-listen-{}", engine.node))
+                .spawn(move || one.run(&stop))
+                .map_err(|source| Error::Thread { source: Arc::new(source) })?;
+            listener.threads.push(handle);
+        }
+        Ok(listener)
+    }
+
+    /// What each engine's thread has seen so far.
+    pub fn stats(&self) -> Vec<ListenStats> {
+        self.stats
+            .iter()
+            .filter_map(|s| s.lock().ok())
+            .map(|guard| {
+                let (mut stats, last) = guard.clone();
+                stats.silent_for = last.map(|t| t.elapsed().as_secs_f64());
+                stats
+            })
+            .collect()
+    }
+
+    /// Stops every thread and waits for them (each within one poll of its socket).
+    pub fn stop(mut self) -> Vec<ListenStats> {
+        self.stop.store(true, Ordering::Release);
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+        self.stats()
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        for handle in self.threads.drain(..) {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// One engine's thread.
+struct One {
+    warm: Arc<Warm>,
+    engine: EngineEndpoint,
+    subscriber: Subscriber,
+    stats: Shared,
+    replay_timeout: Duration,
+    /// A batch was lost (it did not decode): the next one starts the stream again.
+    resync: bool,
+}
+
+impl One {
+    fn run(&mut self, stop: &AtomicBool) {
+        while !stop.load(Ordering::Acquire) {
+            match self.step() {
+                Ok(()) => {}
+                Err(e) => {
+                    let fatal = e.needs_reopen();
+                    self.note(|s| s.error = Some(e.to_string()));
+                    if fatal {
+                        return;
+                    }
+                    std::thread::sleep(POLL);
+                }
+            }
+        }
+    }
+
+    fn note(&self, f: impl FnOnce(&mut ListenStats)) {
+        if let Ok(mut guard) = self.stats.lock() {
+            f(&mut guard.0);
+        }
+    }
+
+    /// Takes the next live batch, if one comes within a poll, and applies it.
+    fn step(&mut self) -> Result<()> {
+        let message = self.subscriber.next(POLL).map_err(|e| Error::InvalidConfig { detail: e.to_string() })?;
+        let malformed = self.subscriber.malformed();
+        self.note(|s| s.malformed = malformed);
+        let Some(message) = message else { return Ok(()) };
+        if let Ok(mut guard) = self.stats.lock() {
+            guard.0.received += 1;
+            guard.1 = Some(Instant::now());
+        }
+        let Some(batch) = self.batch(&message) else { return Ok(()) };
+        if std::mem::take(&mut self.resync) {
+            return self.warm.engine_resync(&self.engine.node, &batch);
+        }
+        match self.warm.engine_batch(&self.engine.node, &batch)? {
+            EngineOutcome::Gap { from } => self.cover(from, &batch),
+            _ => {
+                let lag = now() - batch.ts;
+                self.note(|s| s.lag = Some(lag));
+                Ok(())
+            }
+        }
+    }
+
+    /// Covers a gap before `live` by a replay from `from`; what it does not cover clears the
+    /// node, and `live` starts its stream again.
+    fn cover(&mut self, from: u64, live: &EngineBatch) -> Result<()> {
+        self.note(|s| s.replays += 1);
+        let replayed = match self.engine.replay {
+            Some(_) => self.subscriber.replay(from, self.replay_timeout).ok(),
+            None => None,
+        };
+        let Some(replayed) = replayed.filter(|r| !r.messages.is_empty()) else {
+            self.note(|s| s.replays_short += 1);
+            return self.warm.engine_resync(&self.engine.node, live);
+        };
+        let decoded: Vec<EngineBatch> = replayed.messages.iter().filter_map(|m| self.batch(m)).collect();
+        let mut batches = decoded.iter();
+        if !replayed.starts_at_requested {
+            self.note(|s| s.replays_short += 1);
+            if let Some(first) = batches.next() {
+                self.warm.engine_resync(&self.engine.node, first)?;
+            }
+        }
+        for batch in batches {
+            if let EngineOutcome::Gap { .. } = self.warm.engine_batch(&self.engine.node, batch)? {
+                // The replay itself has a hole (a batch that did not decode): start again here.
+                self.warm.engine_resync(&self.engine.node, batch)?;
+            }
+        }
+        // The live batch, if the replay did not reach it.
+        if let EngineOutcome::Gap { .. } = self.warm.engine_batch(&self.engine.node, live)? {
+            self.warm.engine_resync(&self.engine.node, live)?;
+        }
+        Ok(())
+    }
+
+    /// A message as the library's batch; `None` (counted, and the next batch resyncs) if it
+    /// does not decode.
+    fn batch(&mut self, message: &Message) -> Option<EngineBatch> {
+        match decode::decode_batch(&message.payload) {
+            Ok(decoded) => Some(EngineBatch {
+                seq: message.seq,
+                ts: decoded.ts,
+                events: decoded.events.into_iter().map(|e| self.event(e)).collect(),
+            }),
+            Err(_) => {
+                self.note(|s| s.undecodable += 1);
+                self.resync = true;
+                None
+            }
+        }
+    }
+
+    /// One decoded event as the library's: a store is keyed under the endpoint's model, its
+    /// LoRA's name instead if it has one, and its cache salt as the tenant; a store whose
+    /// blocks hash more than tokens (images, prompt embeddings) is not keyed.
+    fn event(&self, event: Event) -> EngineEvent {
+        match event {
+            Event::Stored { hashes, parent, tokens, block_size, medium, lora_name, extra_keys, .. } => {
+                EngineEvent::Stored(EngineStored {
+                    namespace: namespace(&self.engine.model, lora_name.as_deref(), &extra_keys),
+                    parent,
+                    hashes,
+                    tokens,
+                    block_size,
+                    medium: Medium::named(medium.as_deref()),
+                })
+            }
+            Event::Removed { hashes, medium } => {
+                EngineEvent::Removed { hashes, medium: Medium::named(medium.as_deref()) }
+            }
+            Event::Cleared => EngineEvent::Cleared,
+        }
+    }
+}
+
+/// The namespace a store's blocks are keyed in (see [`One::event`]); `None` when its blocks
+/// hash more than their tokens, or the names are not valid.
+fn namespace(model: &str, lora: Option<&str>, extra_keys: &[Option<Vec<Extra>>]) -> Option<Namespace> {
+    let mut salt: Option<&str> = None;
+    for (i, keys) in extra_keys.iter().enumerate() {
+        for key in keys.iter().flatten() {
+            match key {
+                Extra::Text(t) if Some(t.as_str()) == lora => {}
+                // vLLM puts the cache salt in the first block's extra keys only.
+                Extra::Text(t) if i == 0 && salt.is_none() => salt = Some(t),
+                _ => return None,
+            }
+        }
+    }
+    let model = lora.unwrap_or(model);
+    match salt {
+        Some(s) => Namespace::with_tenant(model, s.as_bytes()).ok(),
+        None => Namespace::new(model).ok(),
+    }
+}
+
+/// Seconds since the Unix epoch.
+fn now() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_or_say_what_is_wrong() {
+        let e = EngineEndpoint::parse("gpu-0=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558,topic=kv@,bind", Some("m"))
+            .expect("a spec");
+        assert_eq!(e.node, "gpu-0");
+        assert_eq!(
+            (e.replay.as_deref(), e.topic.as_deref(), e.bind, e.model.as_str()),
+            (Some("tcp://10.0.0.7:5558"), Some("kv@"), true, "m")
+        );
+        assert_eq!(EngineEndpoint::parse("a=tcp://h:1,model=x", None).map(|e| e.model).ok(), Some("x".into()));
+        for bad in ["gpu-0", "=tcp://h:1", "a=h:1", "a=tcp://h:1,color=red", "a=tcp://h:1"] {
+            assert!(matches!(EngineEndpoint::parse(bad, None), Err(Error::InvalidConfig { .. })), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_store_is_keyed_under_its_lora_and_salt_and_not_keyed_with_images() {
+        let plain = namespace("m", None, &[None, None]);
+        assert_eq!(plain, Namespace::new("m").ok());
+        let lora = namespace("m", Some("ad"), &[Some(vec![Extra::Text("ad".into())])]);
+        assert_eq!(lora, Namespace::new("ad").ok());
+        let salted = namespace("m", None, &[Some(vec![Extra::Text("s1".into())]), None]);
+        assert_eq!(salted, Namespace::with_tenant("m", b"s1").ok());
+        assert_eq!(namespace("m", None, &[Some(vec![Extra::Other])]), None, "an image");
+        assert_eq!(namespace("m", None, &[Some(vec![Extra::Bytes(vec![1])])]), None, "prompt embeddings");
+        assert_eq!(
+            namespace("m", None, &[None, Some(vec![Extra::Text("x".into())])]),
+            None,
+            "text past the first block"
+        );
+    }
+}

@@ -1,0 +1,7 @@
+//! The engine layer (feature `engines`): vLLM's and SGLang's KV cache events over ZMQ, decoded
+//! and applied to a `Warm` as engine batches. The only code that knows ZMQ and msgpack; the
+//! index knows only the engine-agnostic batches (`store/engines.rs`).
+
+pub(crate) mod decode;
+pub(crate) mod listener;
+pub(crate) mod subscriber;

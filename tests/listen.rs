@@ -1,0 +1,174 @@
+//! The ingester against a real ZMQ publisher on loopback speaking vLLM's wire format: live
+//! batches, lost batches covered by replays, a replay that answers too late (the node is
+//! cleared), and `superfluid-warm listen` killed with SIGKILL mid-stream and restarted.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::Rng;
+use common::engine::{Engine, Publisher};
+use superfluid_warm::{EngineEndpoint, Error, Listener, ReadIndex, Snapshot, Warm};
+
+/// Waits (up to a minute: the machine may be loaded) until `done`.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(60), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Tokens of each of `prompts` the index answers node `node` warm for, against what `engine`
+/// can serve (whole 64-token blocks, from 2).
+fn compare(warm: &Warm, engine: &Engine, prompts: &[Vec<u32>]) -> Result<Vec<(usize, usize)>, Error> {
+    let mut out = Vec::new();
+    for p in prompts {
+        let answered = warm.warm_nodes("m", p)?.into_iter().find(|h| h.node == "gpu-0").map_or(0, |h| h.tokens);
+        let serves = engine.holds(p) / 64 * 64;
+        out.push((answered, if serves >= 128 { serves } else { 0 }));
+    }
+    Ok(out)
+}
+
+fn endpoint(publisher: &Publisher) -> EngineEndpoint {
+    EngineEndpoint::parse(&format!("gpu-0={},replay={}", publisher.events, publisher.replay), Some("m"))
+        .expect("an endpoint")
+}
+
+/// Conversations published live, one batch in five lost on the way: every lost batch is
+/// replayed, and the index answers exactly what the engine holds.
+#[test]
+fn lost_batches_are_replayed_and_the_index_equals_the_engine() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let warm = Arc::new(Warm::open(dir.path().join("l.redb"))?);
+    let publisher = Publisher::new(Duration::ZERO);
+    let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_secs(30))?;
+    let mut engine = Engine::new(16, 3000);
+    let mut rng = Rng(7);
+    let mut conversations = common::Conversations::new(8);
+    for i in 0..120 {
+        let (_, prompt) = conversations.turn(&mut rng);
+        let batch = engine.run(&prompt, &mut rng);
+        publisher.publish(&batch, i % 5 == 2);
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let last = engine.published.last().map(|b| b.seq);
+    wait_until("the last batch", || warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last));
+    let stats = listener.stop();
+    let pairs = compare(&warm, &engine, &conversations.prompts)?;
+    assert!(pairs.iter().all(|(a, w)| a == w), "answered vs held: {pairs:?}");
+    assert!(pairs.iter().filter(|(a, _)| *a > 0).count() >= 4, "warm answers to check: {pairs:?}");
+    let counts = &warm.engine_stats()?[0].counts;
+    assert!(stats[0].replays >= 20 && stats[0].replays_short == 0, "{stats:?}");
+    assert!(counts.gaps >= 20 && counts.lost == 0, "{counts:?}");
+    println!("{stats:?}\n{counts:?}");
+    Ok(())
+}
+
+/// A replay endpoint that answers after the listener gave up: the gap is lost, the node is
+/// cleared (it is answered for less than its engine holds, never more) and its stream goes on.
+#[test]
+fn a_replay_that_answers_late_clears_the_node() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let warm = Arc::new(Warm::open(dir.path().join("late.redb"))?);
+    let publisher = Publisher::new(Duration::from_secs(2));
+    let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_millis(200))?;
+    let mut engine = Engine::new(16, 1 << 20);
+    let mut rng = Rng(8);
+    let first: Vec<u32> = (0..64 * 5).collect();
+    let second: Vec<u32> = (10_000..10_000 + 64 * 5).collect();
+    // The first batch is sent until the subscriber has joined (ZMQ's slow joiner).
+    let batch = engine.run(&first, &mut rng);
+    wait_until("the first batch", || {
+        publisher.publish(&batch, false);
+        std::thread::sleep(Duration::from_millis(50));
+        warm.warmest("m", &first).is_ok_and(|h| h.is_some())
+    });
+    // A batch lost, and the replay of it comes too late.
+    publisher.publish(&engine.run(&second, &mut rng), true);
+    let third: Vec<u32> = (20_000..20_000 + 64 * 5).collect();
+    publisher.publish(&engine.run(&third, &mut rng), false);
+    wait_until("the third batch", || warm.warmest("m", &third).is_ok_and(|h| h.is_some()));
+    let stats = listener.stop();
+    assert!(stats[0].replays_short >= 1, "{stats:?}");
+    assert_eq!(warm.warmest("m", &first)?, None, "cleared: the index knows less than the engine");
+    assert_eq!(warm.warmest("m", &second)?, None, "never seen");
+    assert_eq!(warm.engine_stats()?[0].counts.lost, 1);
+    Ok(())
+}
+
+/// `superfluid-warm listen` on `path` for `publisher`'s engine.
+fn spawn_listen(path: &Path, publisher: &Publisher) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
+        .arg("listen")
+        .arg(path)
+        .arg("--engine")
+        .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
+        .args(["--model", "m", "--status-every", "0", "--replay-timeout", "30"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn listen")
+}
+
+/// The last batch the file holds (read live, beside the listener).
+fn last_seq(path: &Path) -> Option<u64> {
+    Snapshot::open(path).ok()?.stats().ok()?.engines.first()?.last_seq
+}
+
+/// The ingester killed with SIGKILL mid-stream, batches published while it is down, then
+/// restarted: it resumes from the position it committed, replays what it missed, and the index
+/// answers exactly what the engine holds. SIGTERM then closes the file cleanly.
+#[test]
+fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let path = dir.path().join("killed.redb");
+    let publisher = Publisher::new(Duration::ZERO);
+    let mut engine = Engine::new(16, 3000);
+    let mut rng = Rng(11);
+    let mut conversations = common::Conversations::new(8);
+    let mut child = spawn_listen(&path, &publisher);
+    let mut publish = |n: usize, engine: &mut Engine| {
+        for _ in 0..n {
+            let (_, prompt) = conversations.turn(&mut rng);
+            publisher.publish(&engine.run(&prompt, &mut rng), false);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    publish(40, &mut engine);
+    wait_until("a committed position", || last_seq(&path).is_some_and(|s| s >= 20));
+    publish(20, &mut engine);
+    child.kill().expect("SIGKILL");
+    child.wait().expect("reaped");
+    let before = last_seq(&path);
+    publish(30, &mut engine);
+    let mut child = spawn_listen(&path, &publisher);
+    let last = engine.published.last().map(|b| b.seq);
+    wait_until("the last batch after the restart", || {
+        // Until it hears a live batch it does not know it missed any: keep the stream going.
+        if last_seq(&path) != last {
+            publish(1, &mut engine);
+        }
+        let now = engine.published.last().map(|b| b.seq);
+        last_seq(&path) == now
+    });
+    let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().expect("kill -TERM");
+    assert!(status.success());
+    assert!(child.wait().expect("exit").success(), "SIGTERM is a clean stop");
+    let snapshot = Snapshot::open(&path)?;
+    assert_eq!(snapshot.writer(), None, "closed cleanly");
+    drop(snapshot);
+    let warm = Warm::open(&path)?;
+    let prompts: Vec<Vec<u32>> = conversations.prompts.clone();
+    let pairs = compare(&warm, &engine, &prompts)?;
+    assert!(pairs.iter().all(|(a, w)| a == w), "answered vs held: {pairs:?}");
+    assert!(pairs.iter().filter(|(a, _)| *a > 0).count() >= 4, "warm answers to check: {pairs:?}");
+    let counts = &warm.engine_stats()?[0].counts;
+    assert_eq!(counts.lost, 0, "the restart replayed what it missed: {counts:?}");
+    println!("position before the restart {before:?}, last {last:?}; {counts:?}");
+    Ok(())
+}

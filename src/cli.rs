@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
+use superfluid_warm::tools::engine_replay::{self, EngineReport, Engines};
 use superfluid_warm::tools::heads::{HeadsReport, run_heads};
 use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 use superfluid_warm::tools::trace::{self, TraceError};
@@ -190,6 +191,19 @@ struct ReplayArgs {
     /// With --heads: the NATS server (JetStream on) they share through, e.g. nats://127.0.0.1:4222.
     #[arg(long, requires = "heads")]
     nats: Option<String>,
+    /// Make the nodes simulated engines (blocks of --engine-block tokens, an LRU of
+    /// --engine-cache-blocks each) that publish vLLM's KV cache events over loopback ZMQ to the
+    /// index's listener; report the warm share the index claims against what the engines
+    /// really held, the lag from publish to applied, and the rate the same events are applied
+    /// at back to back. With --restart-every, engines restart and nobody tells the index.
+    #[arg(long, conflicts_with_all = ["threads", "node_cache_blocks", "heads", "db", "no_forget"])]
+    engine_events: bool,
+    /// With --engine-events: engine blocks each engine's cache holds.
+    #[arg(long, requires = "engine_events", default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..))]
+    engine_cache_blocks: u64,
+    /// With --engine-events: tokens per engine block (vLLM's default 16; any size works).
+    #[arg(long, requires = "engine_events", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    engine_block: u32,
     /// Skip the second, back-to-back pass (a fresh index fed one request after another with
     /// nothing between its calls, then 0.1.7 alone on the same choices; not run with --threads
     /// or --restart-every).
@@ -385,7 +399,8 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
     eprintln!("superfluid-warm: listening to {} engine(s) into {}", engines.len(), args.path.display());
     let print = |stats: &[ListenStats]| {
         for s in stats {
-            let lag = s.lag.map_or_else(|| "-".to_string(), |l| format!("{:.1} ms", l * 1000.0));
+            let ms = |l: Option<f64>| l.map_or_else(|| "-".to_string(), |l| format!("{:.1} ms", l * 1000.0));
+            let lag = format!("{} p50, {} p99", ms(s.lag_p50), ms(s.lag_p99));
             let silent = s.silent_for.map_or_else(|| "never heard".to_string(), |t| format!("last batch {t:.1} s ago"));
             eprintln!(
                 "  {}: {} batches ({} undecodable, {} malformed), {} replays ({} short), lag {lag}, {silent}{}",
@@ -887,6 +902,79 @@ fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
     Ok(())
 }
 
+/// Dynamo's KV router applying block events in memory, not durably, on the shared trace on
+/// these machines (issue 26's figure), for scale beside ours.
+const DYNAMO_BLOCK_OPS_PER_S: f64 = 11.8e6;
+
+fn engines_text(r: &EngineReport, e: &Engines, source: &str) -> String {
+    let pct = |x: f64| format!("{:.2}%", 100.0 * x);
+    let ms = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{:.1} ms", v * 1000.0));
+    let lag50 =
+        r.listen.iter().filter_map(|l| l.lag_p50).fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))));
+    let lag99 =
+        r.listen.iter().filter_map(|l| l.lag_p99).fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))));
+    let replays: u64 = r.listen.iter().map(|l| l.replays).sum();
+    let mut text = format!(
+        "{} requests of {source} over {} engines ({}-token blocks, {} blocks each), publishing vLLM's KV events over ZMQ\n",
+        thousands(r.requests as u64),
+        r.load.len(),
+        e.block,
+        thousands(e.cache_blocks as u64)
+    );
+    text += &format!(
+        "warm share claimed by the index   {} of prompt tokens\ncached share (engines held)       {} in blocks of 64 ({} at the engine's block size)\n",
+        pct(r.claimed_share()),
+        pct(r.cached_share()),
+        pct(r.cached_engine_share())
+    );
+    text += &format!(
+        "claimed - cached                  {:+.3} points\nsent warm to a node holding less  {} requests\nload max/min                      {:.3}\n",
+        100.0 * (r.claimed_share() - r.cached_share()),
+        thousands(r.warm_not_cached as u64),
+        r.imbalance()
+    );
+    if r.restarts > 0 {
+        text += &format!(
+            "engine restarts                   {} (tokens routed warm that only a restarted engine's old process held: {} once the restart was seen, {} before)\n",
+            r.restarts,
+            thousands(r.warm_to_restarted_seen),
+            thousands(r.warm_to_restarted_unseen)
+        );
+    }
+    text += &format!(
+        "lag publish -> applied            {} p50, {} p99 (worst engine); {} replays\nhead's calls per request          {:.1} us p50, {:.1} us p99\n",
+        ms(lag50),
+        ms(lag99),
+        replays,
+        r.index.p50.as_secs_f64() * 1e6,
+        r.index.p99.as_secs_f64() * 1e6
+    );
+    text += &format!(
+        "ingest, back to back, durable     {} block events in {:.2} s: {} events/s (Dynamo's router, in memory, not durable: ~{:.1}M/s)",
+        thousands(r.block_events),
+        r.ingest.as_secs_f64(),
+        thousands(r.ingest_rate() as u64),
+        DYNAMO_BLOCK_OPS_PER_S / 1e6
+    );
+    text
+}
+
+fn engines_json(r: &EngineReport, e: &Engines, source: &str) -> String {
+    json!({
+        "source": source, "requests": r.requests, "engines": r.load.len(), "engine_block": e.block,
+        "engine_cache_blocks": e.cache_blocks, "claimed_share": r.claimed_share(), "cached_share": r.cached_share(),
+        "cached_engine_share": r.cached_engine_share(), "warm_not_cached": r.warm_not_cached,
+        "load_max_over_min": r.imbalance(), "restarts": r.restarts,
+        "warm_to_restarted_seen": r.warm_to_restarted_seen, "warm_to_restarted_unseen": r.warm_to_restarted_unseen,
+        "lag_p50_s": r.listen.iter().filter_map(|l| l.lag_p50).fold(0.0, f64::max),
+        "lag_p99_s": r.listen.iter().filter_map(|l| l.lag_p99).fold(0.0, f64::max),
+        "replays": r.listen.iter().map(|l| l.replays).sum::<u64>(),
+        "index_p50_us": r.index.p50.as_secs_f64() * 1e6, "index_p99_us": r.index.p99.as_secs_f64() * 1e6,
+        "block_events": r.block_events, "ingest_s": r.ingest.as_secs_f64(), "ingest_events_per_s": r.ingest_rate(),
+    })
+    .to_string()
+}
+
 fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliError> {
     let config = args.config();
     let wanted = args.requests.map(|n| usize::try_from(n).unwrap_or(usize::MAX));
@@ -930,6 +1018,24 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
         let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
         let r = run_heads(&builder, dir.path(), url, &workload, &config, heads as usize)?;
         return emit(out, &if args.json { heads_json(&r, &config, &source) } else { heads_text(&r, &config, &source) });
+    }
+    if args.engine_events {
+        let engines = Engines {
+            block: args.engine_block as usize,
+            cache_blocks: usize::try_from(args.engine_cache_blocks).unwrap_or(usize::MAX),
+            restart_every: config.restart_every,
+        };
+        let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+        let bar = progress(workload.len(), "replaying over engines that publish their KV events");
+        let report = engine_replay::run(&path, &dir.path().join("ingest.redb"), &workload, &config, &engines, |i| {
+            bar.set_position(i as u64)
+        });
+        bar.finish_and_clear();
+        let r = report?;
+        return emit(
+            out,
+            &if args.json { engines_json(&r, &engines, &source) } else { engines_text(&r, &engines, &source) },
+        );
     }
     let warm = builder.open(&path)?;
     if args.db.is_some() {

@@ -138,6 +138,14 @@ pub enum Error {
         /// JetStream on it, ...), if anything.
         reason: Option<String>,
     },
+    /// An engine's KV cache event stream cannot be used: a batch that does not decode, or an
+    /// endpoint ZMQ refuses (malformed, or it cannot be bound).
+    Engine {
+        /// What is wrong and what to do.
+        detail: String,
+        /// The decoder's or ZMQ's error underneath, if any.
+        source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+    },
     /// A sharing head cannot go on applying the stream (its position was dropped by the
     /// stream's retention, the file is ahead of the stream, or a setting is refused).
     Sharing {
@@ -218,6 +226,7 @@ impl fmt::Display for Error {
                  they stay buffered and answered here, and are published when it answers",
                 reason.as_deref().unwrap_or("the server is slow to acknowledge them")
             ),
+            Error::Engine { detail, .. } => write!(f, "engine events: {detail}"),
             Error::Sharing { detail, source } => write!(
                 f,
                 "sharing through NATS: {detail}{}",
@@ -281,7 +290,9 @@ impl std::error::Error for Error {
             Error::Codec { source, .. } => Some(source.as_ref()),
             Error::UnknownFormat { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
             Error::LegacyJson { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
-            Error::Sharing { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),
+            Error::Sharing { source, .. } | Error::Engine { source, .. } => {
+                source.as_deref().map(|e| e as &(dyn std::error::Error + 'static))
+            }
             _ => None,
         }
     }

@@ -45,6 +45,8 @@ pub mod tools;
 
 #[cfg(feature = "engines")]
 pub use engine::listener::{DEFAULT_REPLAY_TIMEOUT, EngineEndpoint, ListenStats, Listener};
+#[cfg(feature = "engines")]
+pub use engine::vllm::decode_engine_batch;
 pub use error::{Error, Result};
 pub use file::check::FileCheck;
 pub use file::compact::Compacted;

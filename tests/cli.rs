@@ -902,3 +902,24 @@ fn the_replay_report_says_what_it_found_in_plain_words() {
     let r: serde_json::Value = serde_json::from_slice(&more.stdout).expect("JSON");
     assert_eq!(r["requests"], 4000, "the built-in workload makes as many requests as asked");
 }
+
+/// `replay --engine-events`: engines publish vLLM's events over loopback ZMQ, the index claims
+/// what they hold (never warm on what only a restarted engine's old process held, once the
+/// restart is seen), and the same events are applied again back to back.
+#[test]
+fn replay_over_engines_that_publish_their_kv_events() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/mooncake-conversation.jsonl");
+    let args = ["replay", "--trace", trace, "--requests", "600", "--json", "--engine-events", "--engine-cache-blocks"];
+    let out = run(&[&args[..], &["4096", "--restart-every", "100"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).expect("replay JSON");
+    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    assert_eq!(r["requests"], 600);
+    assert_eq!(r["restarts"], 5);
+    assert!(f("claimed_share") > 0.01 && f("cached_share") > 0.01, "{r}");
+    assert!((f("claimed_share") - f("cached_share")).abs() < 0.01, "claims follow the engines: {r}");
+    assert_eq!(r["warm_to_restarted_seen"], 0, "{r}");
+    assert!(f("block_events") > 1000.0 && f("ingest_events_per_s") > 0.0, "{r}");
+    let bad = run(&["replay", "--engine-events", "--threads", "2"]);
+    assert!(!bad.status.success(), "--engine-events and --threads do not go together");
+}

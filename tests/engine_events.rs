@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::Rng;
-use common::engine::{Engine, engine_hash};
+use superfluid_warm::tools::engine_sim::{SimEngine as Engine, engine_hash};
 use superfluid_warm::{
     EngineBatch, EngineEvent, EngineOutcome, EngineStored, Error, Hit, Medium, Namespace, ReadIndex, Warm,
 };
@@ -51,7 +51,8 @@ fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> R
         let path = dir.path().join("engines.redb");
         let mut warm = Warm::open(&path)?;
         let mut rng = Rng(seed);
-        let mut engines: Vec<Engine> = (0..3).map(|_| Engine::new(size, 4096 / size * 3)).collect();
+        let mut engines: Vec<Engine> =
+            (0..3).map(|i| Engine::new(size, 4096 / size * 3, "m", Some(seed * 10 + i))).collect::<Result<_, _>>()?;
         let mut lost = [false; 3];
         // A batch not delivered yet: until the next, the index is behind that engine.
         let mut behind = [false; 3];
@@ -68,13 +69,13 @@ fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> R
                 }
                 1 | 2 => {
                     // A batch the listener never sees; the next one shows the gap.
-                    engines[e].run(&prompt, &mut rng);
+                    engines[e].run(&prompt);
                     behind[e] = true;
                     continue;
                 }
                 _ => {}
             }
-            let batch = engines[e].run(&prompt, &mut rng);
+            let batch = engines[e].run(&prompt);
             let replay = rng.below(3) > 0;
             lost[e] |= deliver(&warm, &node, &engines[e], &batch, replay)?;
             behind[e] = false;
@@ -118,11 +119,10 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
     let dir = common::tempdir();
     let prompt: Vec<u32> = (0..64 * 4).collect();
     let other: Vec<u32> = (1000..1000 + 64 * 4).collect();
-    let mut engine = Engine::new(16, 1 << 20);
+    let mut engine = Engine::new(16, 1 << 20, "m", Some(1))?;
     // A long grace: the claim stands until the engine removes a block.
     let warm = Warm::builder().engine_grace(Duration::from_secs(3600)).open(dir.path().join("a.redb"))?;
-    let mut rng = Rng(9);
-    warm.engine_batch("gpu-0", &engine.run(&other, &mut rng))?;
+    warm.engine_batch("gpu-0", &engine.run(&other))?;
     warm.ran("m", &prompt, "gpu-0")?;
     assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "gpu-0".into(), tokens: 256 }), "a claim");
     let removal = engine
@@ -136,8 +136,8 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
     // A short grace: the claim ends by itself; what the engine stored stays.
     let grace = Duration::from_millis(50);
     let warm = Warm::builder().engine_grace(grace).open(dir.path().join("b.redb"))?;
-    let mut engine = Engine::new(16, 1 << 20);
-    warm.engine_batch("gpu-0", &engine.run(&other, &mut rng))?;
+    let mut engine = Engine::new(16, 1 << 20, "m", Some(1))?;
+    warm.engine_batch("gpu-0", &engine.run(&other))?;
     warm.ran("m", &prompt, "gpu-0")?;
     std::thread::sleep(grace * 3);
     assert_eq!(warm.warmest("m", &prompt)?, None, "the grace window passed");
@@ -153,12 +153,12 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
         }
         n
     };
-    let mut offload = engine.run(&prompt, &mut rng);
+    let mut offload = engine.run(&prompt);
     let cpu = stores(&mut offload, &|s| s.medium = Medium::Cpu);
     warm.engine_batch("gpu-0", &offload)?;
     assert_eq!(warm.warmest("m", &prompt)?, None, "CPU blocks are not GPU-warm");
     let third: Vec<u32> = (5000..5000 + 64 * 4).collect();
-    let mut unkeyed = engine.run(&third, &mut rng);
+    let mut unkeyed = engine.run(&third);
     stores(&mut unkeyed, &|s| s.namespace = None);
     warm.engine_batch("gpu-0", &unkeyed)?;
     assert_eq!(warm.warmest("m", &third)?, None, "an unkeyed store keys nothing");
@@ -172,10 +172,9 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
 fn malformed_events_are_counted_and_a_forget_drops_the_stream() -> Result<(), Error> {
     let dir = common::tempdir();
     let warm = Warm::open(dir.path().join("m.redb"))?;
-    let mut engine = Engine::new(16, 1 << 20);
-    let mut rng = Rng(3);
+    let mut engine = Engine::new(16, 1 << 20, "m", Some(1))?;
     let prompt: Vec<u32> = (0..64 * 3).collect();
-    warm.engine_batch("gpu-0", &engine.run(&prompt, &mut rng))?;
+    warm.engine_batch("gpu-0", &engine.run(&prompt))?;
     let bad = EngineStored {
         parent: None,
         hashes: vec![1, 2],
@@ -192,7 +191,7 @@ fn malformed_events_are_counted_and_a_forget_drops_the_stream() -> Result<(), Er
     assert_eq!(warm.warmest("m", &prompt)?, None);
     assert!(warm.engine_stats()?.is_empty(), "the stream went with the node");
     // Its next batch starts a new stream, which asks for the engine's history.
-    let next = engine.run(&prompt, &mut rng);
+    let next = engine.run(&prompt);
     assert_eq!(warm.engine_batch("gpu-0", &next)?, EngineOutcome::Gap { from: 0 });
     warm.close()?;
     Ok(())

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::Rng;
-use common::engine::{Engine, Publisher};
+use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
 use superfluid_warm::{EngineEndpoint, Error, Listener, ReadIndex, Snapshot, Warm};
 
 /// Waits (up to a minute: the machine may be loaded) until `done`.
@@ -45,18 +45,18 @@ fn endpoint(publisher: &Publisher) -> EngineEndpoint {
 fn lost_batches_are_replayed_and_the_index_equals_the_engine() -> Result<(), Error> {
     let dir = common::tempdir();
     let warm = Arc::new(Warm::open(dir.path().join("l.redb"))?);
-    let publisher = Publisher::new(Duration::ZERO);
+    let publisher = Publisher::new(Duration::ZERO)?;
     let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_secs(30))?;
-    let mut engine = Engine::new(16, 3000);
+    let mut engine = Engine::new(16, 3000, "m", Some(2))?;
     let mut rng = Rng(7);
     let mut conversations = common::Conversations::new(8);
     for i in 0..120 {
         let (_, prompt) = conversations.turn(&mut rng);
-        let batch = engine.run(&prompt, &mut rng);
-        publisher.publish(&batch, i % 5 == 2);
+        let batch = engine.run(&prompt);
+        publisher.publish(&batch, i % 5 == 2)?;
         std::thread::sleep(Duration::from_millis(2));
     }
-    let last = engine.published.last().map(|b| b.seq);
+    let last = engine.published.back().map(|b| b.seq);
     wait_until("the last batch", || warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last));
     let stats = listener.stop();
     let pairs = compare(&warm, &engine, &conversations.prompts)?;
@@ -75,23 +75,22 @@ fn lost_batches_are_replayed_and_the_index_equals_the_engine() -> Result<(), Err
 fn a_replay_that_answers_late_clears_the_node() -> Result<(), Error> {
     let dir = common::tempdir();
     let warm = Arc::new(Warm::open(dir.path().join("late.redb"))?);
-    let publisher = Publisher::new(Duration::from_secs(2));
+    let publisher = Publisher::new(Duration::from_secs(2))?;
     let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_millis(200))?;
-    let mut engine = Engine::new(16, 1 << 20);
-    let mut rng = Rng(8);
+    let mut engine = Engine::new(16, 1 << 20, "m", Some(2))?;
     let first: Vec<u32> = (0..64 * 5).collect();
     let second: Vec<u32> = (10_000..10_000 + 64 * 5).collect();
     // The first batch is sent until the subscriber has joined (ZMQ's slow joiner).
-    let batch = engine.run(&first, &mut rng);
+    let batch = engine.run(&first);
     wait_until("the first batch", || {
-        publisher.publish(&batch, false);
+        publisher.publish(&batch, false).expect("publish");
         std::thread::sleep(Duration::from_millis(50));
         warm.warmest("m", &first).is_ok_and(|h| h.is_some())
     });
     // A batch lost, and the replay of it comes too late.
-    publisher.publish(&engine.run(&second, &mut rng), true);
+    publisher.publish(&engine.run(&second), true).expect("publish");
     let third: Vec<u32> = (20_000..20_000 + 64 * 5).collect();
-    publisher.publish(&engine.run(&third, &mut rng), false);
+    publisher.publish(&engine.run(&third), false).expect("publish");
     wait_until("the third batch", || warm.warmest("m", &third).is_ok_and(|h| h.is_some()));
     let stats = listener.stop();
     assert!(stats[0].replays_short >= 1, "{stats:?}");
@@ -127,15 +126,15 @@ fn last_seq(path: &Path) -> Option<u64> {
 fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
     let dir = common::tempdir();
     let path = dir.path().join("killed.redb");
-    let publisher = Publisher::new(Duration::ZERO);
-    let mut engine = Engine::new(16, 3000);
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let mut engine = Engine::new(16, 3000, "m", Some(2))?;
     let mut rng = Rng(11);
     let mut conversations = common::Conversations::new(8);
     let mut child = spawn_listen(&path, &publisher);
     let mut publish = |n: usize, engine: &mut Engine| {
         for _ in 0..n {
             let (_, prompt) = conversations.turn(&mut rng);
-            publisher.publish(&engine.run(&prompt, &mut rng), false);
+            publisher.publish(&engine.run(&prompt), false).expect("publish");
             std::thread::sleep(Duration::from_millis(5));
         }
     };
@@ -147,13 +146,13 @@ fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
     let before = last_seq(&path);
     publish(30, &mut engine);
     let mut child = spawn_listen(&path, &publisher);
-    let last = engine.published.last().map(|b| b.seq);
+    let last = engine.published.back().map(|b| b.seq);
     wait_until("the last batch after the restart", || {
         // Until it hears a live batch it does not know it missed any: keep the stream going.
         if last_seq(&path) != last {
             publish(1, &mut engine);
         }
-        let now = engine.published.last().map(|b| b.seq);
+        let now = engine.published.back().map(|b| b.seq);
         last_seq(&path) == now
     });
     let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().expect("kill -TERM");

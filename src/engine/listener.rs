@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::decode::{self, Event, Extra};
 use super::subscriber::{Endpoint, Message, Subscriber};
+use super::vllm::decode_engine_batch;
 use crate::error::{Error, Result};
 use crate::index::warm::Warm;
 use crate::keys::Namespace;
-use crate::store::engines::{EngineBatch, EngineEvent, EngineOutcome, EngineStored, Medium};
+use crate::store::engines::{EngineBatch, EngineOutcome};
 
 /// How long a replay may take before the gap is taken as lost.
 pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -100,15 +100,29 @@ pub struct ListenStats {
     pub replays_short: u64,
     /// Seconds since the last batch was received (`None`: none yet).
     pub silent_for: Option<f64>,
-    /// Lag from publish to applied, in seconds, of the last batch.
-    pub lag: Option<f64>,
+    /// Lag from publish (the engine's clock) to applied (this host's), in seconds: the median
+    /// and 99th percentile of the last batches applied live (up to 65,536).
+    pub lag_p50: Option<f64>,
+    /// See [`ListenStats::lag_p50`].
+    pub lag_p99: Option<f64>,
     /// The newest error, if the thread had one (it retries; a file that needs reopening stops
     /// it).
     pub error: Option<String>,
 }
 
-/// One thread's stats, and when it last received a batch.
-type Shared = Arc<Mutex<(ListenStats, Option<Instant>)>>;
+/// Lags kept for the percentiles.
+const LAGS: usize = 1 << 16;
+
+/// What one thread has seen: its counts, when it last received a batch, its last lags.
+#[derive(Default)]
+struct Seen {
+    stats: ListenStats,
+    last: Option<Instant>,
+    lags: std::collections::VecDeque<f64>,
+}
+
+/// One thread's [`Seen`], shared with the [`Listener`].
+type Shared = Arc<Mutex<Seen>>;
 
 /// The listening threads of a set of engines, applying to one `Warm`.
 pub struct Listener {
@@ -121,7 +135,7 @@ impl Listener {
     /// Opens a subscriber per engine and starts its thread.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] for an endpoint ZMQ refuses (malformed, or it cannot be bound);
+    /// [`Error::Engine`] for an endpoint ZMQ refuses (malformed, or it cannot be bound);
     /// [`Error::Thread`] if a thread cannot be started.
     pub fn start(warm: Arc<Warm>, engines: &[EngineEndpoint], replay_timeout: Duration) -> Result<Listener> {
         let stop = Arc::new(AtomicBool::new(false));
@@ -133,10 +147,14 @@ impl Listener {
                 topic: engine.topic.clone(),
                 bind: engine.bind,
             };
-            let subscriber = Subscriber::open(endpoint)
-                .map_err(|e| Error::InvalidConfig { detail: format!("engine {}: {e}", engine.node) })?;
-            let stats =
-                Arc::new(Mutex::new((ListenStats { node: engine.node.clone(), ..ListenStats::default() }, None)));
+            let subscriber = Subscriber::open(endpoint).map_err(|e| Error::Engine {
+                detail: format!("engine {}: {e}", engine.node),
+                source: Some(Arc::new(e)),
+            })?;
+            let stats = Arc::new(Mutex::new(Seen {
+                stats: ListenStats { node: engine.node.clone(), ..ListenStats::default() },
+                ..Seen::default()
+            }));
             listener.stats.push(Arc::clone(&stats));
             let mut one = One {
                 warm: Arc::clone(&warm),
@@ -161,9 +179,13 @@ impl Listener {
         self.stats
             .iter()
             .filter_map(|s| s.lock().ok())
-            .map(|guard| {
-                let (mut stats, last) = guard.clone();
-                stats.silent_for = last.map(|t| t.elapsed().as_secs_f64());
+            .map(|seen| {
+                let mut stats = seen.stats.clone();
+                stats.silent_for = seen.last.map(|t| t.elapsed().as_secs_f64());
+                let mut lags: Vec<f64> = seen.lags.iter().copied().collect();
+                lags.sort_by(f64::total_cmp);
+                let at = |q: f64| lags.get(((lags.len() as f64 - 1.0) * q).round() as usize).copied();
+                (stats.lag_p50, stats.lag_p99) = (at(0.5), at(0.99));
                 stats
             })
             .collect()
@@ -217,20 +239,23 @@ impl One {
     }
 
     fn note(&self, f: impl FnOnce(&mut ListenStats)) {
-        if let Ok(mut guard) = self.stats.lock() {
-            f(&mut guard.0);
+        if let Ok(mut seen) = self.stats.lock() {
+            f(&mut seen.stats);
         }
     }
 
     /// Takes the next live batch, if one comes within a poll, and applies it.
     fn step(&mut self) -> Result<()> {
-        let message = self.subscriber.next(POLL).map_err(|e| Error::InvalidConfig { detail: e.to_string() })?;
+        let message = self
+            .subscriber
+            .next(POLL)
+            .map_err(|e| Error::Engine { detail: e.to_string(), source: Some(Arc::new(e)) })?;
         let malformed = self.subscriber.malformed();
         self.note(|s| s.malformed = malformed);
         let Some(message) = message else { return Ok(()) };
-        if let Ok(mut guard) = self.stats.lock() {
-            guard.0.received += 1;
-            guard.1 = Some(Instant::now());
+        if let Ok(mut seen) = self.stats.lock() {
+            seen.stats.received += 1;
+            seen.last = Some(Instant::now());
         }
         let Some(batch) = self.batch(&message) else { return Ok(()) };
         if std::mem::take(&mut self.resync) {
@@ -239,8 +264,12 @@ impl One {
         match self.warm.engine_batch(&self.engine.node, &batch)? {
             EngineOutcome::Gap { from } => self.cover(from, &batch),
             _ => {
-                let lag = now() - batch.ts;
-                self.note(|s| s.lag = Some(lag));
+                if let Ok(mut seen) = self.stats.lock() {
+                    if seen.lags.len() == LAGS {
+                        seen.lags.pop_front();
+                    }
+                    seen.lags.push_back(now() - batch.ts);
+                }
                 Ok(())
             }
         }
@@ -282,61 +311,14 @@ impl One {
     /// A message as the library's batch; `None` (counted, and the next batch resyncs) if it
     /// does not decode.
     fn batch(&mut self, message: &Message) -> Option<EngineBatch> {
-        match decode::decode_batch(&message.payload) {
-            Ok(decoded) => Some(EngineBatch {
-                seq: message.seq,
-                ts: decoded.ts,
-                events: decoded.events.into_iter().map(|e| self.event(e)).collect(),
-            }),
+        match decode_engine_batch(message.seq, &message.payload, &self.engine.model) {
+            Ok(batch) => Some(batch),
             Err(_) => {
                 self.note(|s| s.undecodable += 1);
                 self.resync = true;
                 None
             }
         }
-    }
-
-    /// One decoded event as the library's: a store is keyed under the endpoint's model, its
-    /// LoRA's name instead if it has one, and its cache salt as the tenant; a store whose
-    /// blocks hash more than tokens (images, prompt embeddings) is not keyed.
-    fn event(&self, event: Event) -> EngineEvent {
-        match event {
-            Event::Stored { hashes, parent, tokens, block_size, medium, lora_name, extra_keys, .. } => {
-                EngineEvent::Stored(EngineStored {
-                    namespace: namespace(&self.engine.model, lora_name.as_deref(), &extra_keys),
-                    parent,
-                    hashes,
-                    tokens,
-                    block_size,
-                    medium: Medium::named(medium.as_deref()),
-                })
-            }
-            Event::Removed { hashes, medium } => {
-                EngineEvent::Removed { hashes, medium: Medium::named(medium.as_deref()) }
-            }
-            Event::Cleared => EngineEvent::Cleared,
-        }
-    }
-}
-
-/// The namespace a store's blocks are keyed in (see [`One::event`]); `None` when its blocks
-/// hash more than their tokens, or the names are not valid.
-fn namespace(model: &str, lora: Option<&str>, extra_keys: &[Option<Vec<Extra>>]) -> Option<Namespace> {
-    let mut salt: Option<&str> = None;
-    for (i, keys) in extra_keys.iter().enumerate() {
-        for key in keys.iter().flatten() {
-            match key {
-                Extra::Text(t) if Some(t.as_str()) == lora => {}
-                // vLLM puts the cache salt in the first block's extra keys only.
-                Extra::Text(t) if i == 0 && salt.is_none() => salt = Some(t),
-                _ => return None,
-            }
-        }
-    }
-    let model = lora.unwrap_or(model);
-    match salt {
-        Some(s) => Namespace::with_tenant(model, s.as_bytes()).ok(),
-        None => Namespace::new(model).ok(),
     }
 }
 
@@ -362,22 +344,5 @@ mod tests {
         for bad in ["gpu-0", "=tcp://h:1", "a=h:1", "a=tcp://h:1,color=red", "a=tcp://h:1"] {
             assert!(matches!(EngineEndpoint::parse(bad, None), Err(Error::InvalidConfig { .. })), "{bad}");
         }
-    }
-
-    #[test]
-    fn a_store_is_keyed_under_its_lora_and_salt_and_not_keyed_with_images() {
-        let plain = namespace("m", None, &[None, None]);
-        assert_eq!(plain, Namespace::new("m").ok());
-        let lora = namespace("m", Some("ad"), &[Some(vec![Extra::Text("ad".into())])]);
-        assert_eq!(lora, Namespace::new("ad").ok());
-        let salted = namespace("m", None, &[Some(vec![Extra::Text("s1".into())]), None]);
-        assert_eq!(salted, Namespace::with_tenant("m", b"s1").ok());
-        assert_eq!(namespace("m", None, &[Some(vec![Extra::Other])]), None, "an image");
-        assert_eq!(namespace("m", None, &[Some(vec![Extra::Bytes(vec![1])])]), None, "prompt embeddings");
-        assert_eq!(
-            namespace("m", None, &[None, Some(vec![Extra::Text("x".into())])]),
-            None,
-            "text past the first block"
-        );
     }
 }

@@ -5,3 +5,4 @@
 pub(crate) mod decode;
 pub(crate) mod listener;
 pub(crate) mod subscriber;
+pub(crate) mod vllm;

@@ -4,6 +4,10 @@
 //! Uses the library's public API, and the 0.1.7 formats from `keys` and `store`.
 
 pub mod baseline;
+#[cfg(feature = "engines")]
+pub mod engine_replay;
+#[cfg(feature = "engines")]
+pub mod engine_sim;
 #[cfg(feature = "nats")]
 pub mod heads;
 pub mod replay;

@@ -335,7 +335,7 @@ fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, token
 
 /// The prompt's prefix and its warm nodes by index into `names` (with the tokens each has warm,
 /// longest first): balanced weighs every warm node, warmest needs only the first.
-fn ask(
+pub(super) fn ask(
     warm: &Warm,
     namespace: &Namespace,
     names: &[String],

@@ -2,7 +2,6 @@
 #![allow(dead_code)]
 
 pub mod backend;
-pub mod engine;
 pub mod fixtures;
 pub mod nats;
 pub mod torture;

@@ -1,0 +1,247 @@
+//! A replay whose nodes are simulated engines that publish vLLM's KV cache events over loopback
+//! ZMQ to the index's listener: the head asks `warm_nodes`, routes, records its `ran` (a claim),
+//! and the chosen engine runs the request through its LRU and publishes what it stored and
+//! evicted. What the index claims is then compared with what the engines really hold.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::engine_sim::{Publisher, SimEngine};
+use super::replay::{Config, Load, Timing, ask, choose_among, node_name, nth, nth_mut, prompt};
+use super::trace::{Request, splitmix64};
+use crate::{
+    BLOCK_TOKENS, EngineBatch, EngineEndpoint, EngineEvent, ListenStats, Listener, MIN_BLOCKS, Namespace, Result, Warm,
+    decode_engine_batch,
+};
+
+/// The engines of a replay.
+#[derive(Clone, Debug)]
+pub struct Engines {
+    /// Tokens per engine block (vLLM's default 16).
+    pub block: usize,
+    /// Engine blocks each engine's cache holds.
+    pub cache_blocks: usize,
+    /// Restart a pseudo-random engine every this many requests (its process: an empty cache,
+    /// numbers from 0, nothing to replay). Nobody tells the index: it sees the restart in the
+    /// engine's next batch.
+    pub restart_every: Option<usize>,
+}
+
+impl Default for Engines {
+    fn default() -> Self {
+        Engines { block: 16, cache_blocks: 65_536, restart_every: None }
+    }
+}
+
+/// What a replay over engines found.
+#[derive(Clone, Debug, Default)]
+pub struct EngineReport {
+    /// Requests replayed.
+    pub requests: usize,
+    /// Prompt tokens in all.
+    pub prompt_tokens: u64,
+    /// Tokens the index named warm on the node each request went to.
+    pub claimed_tokens: u64,
+    /// Tokens that node's engine held of the prompt when the request came, in the index's
+    /// unit: whole blocks of 64 from the first, counted from two.
+    pub cached_tokens: u64,
+    /// The same at the engine's own block size (a partial block of 64 included).
+    pub cached_engine_tokens: u64,
+    /// Requests sent as warm to a node whose engine held less than the index named.
+    pub warm_not_cached: usize,
+    /// Prompt tokens given to each node.
+    pub load: Vec<u64>,
+    /// Engine restarts made.
+    pub restarts: usize,
+    /// Tokens routed warm to a restarted engine beyond what it held, that only its process
+    /// before the restart had stored, after the index had seen the restart (the index must
+    /// never do this).
+    pub warm_to_restarted_seen: u64,
+    /// The same before the index had seen it (the engine had not published since).
+    pub warm_to_restarted_unseen: u64,
+    /// Block events the engines published (stored and removed hashes).
+    pub block_events: u64,
+    /// The same batches applied again back to back into a new file (decoded from vLLM's wire
+    /// form, applied, made durable): how long it took.
+    pub ingest: Duration,
+    /// Time per request of the head's calls (`warm_nodes`, `ran`).
+    pub index: Timing,
+    /// What each engine's listening thread saw (replays, lag).
+    pub listen: Vec<ListenStats>,
+    /// Wall time of the whole replay.
+    pub wall: Duration,
+}
+
+impl EngineReport {
+    /// Share of prompt tokens the index named warm on the chosen node.
+    pub fn claimed_share(&self) -> f64 {
+        self.share(self.claimed_tokens)
+    }
+
+    /// Share of prompt tokens the chosen engine held (the index's unit).
+    pub fn cached_share(&self) -> f64 {
+        self.share(self.cached_tokens)
+    }
+
+    /// Share of prompt tokens the chosen engine held (its own unit).
+    pub fn cached_engine_share(&self) -> f64 {
+        self.share(self.cached_engine_tokens)
+    }
+
+    fn share(&self, tokens: u64) -> f64 {
+        if self.prompt_tokens == 0 { 0.0 } else { tokens as f64 / self.prompt_tokens as f64 }
+    }
+
+    /// Most loaded node's tokens over the least loaded's.
+    pub fn imbalance(&self) -> f64 {
+        let max = self.load.iter().copied().max().unwrap_or(0) as f64;
+        let min = self.load.iter().copied().min().unwrap_or(0) as f64;
+        if min == 0.0 { f64::INFINITY } else { max / min }
+    }
+
+    /// Block events applied durably per second, back to back.
+    pub fn ingest_rate(&self) -> f64 {
+        self.block_events as f64 / self.ingest.as_secs_f64().max(1e-9)
+    }
+}
+
+/// Block events of a batch: the hashes it stores and removes.
+fn block_events(batch: &EngineBatch) -> u64 {
+    batch
+        .events
+        .iter()
+        .map(|e| match e {
+            EngineEvent::Stored(s) => s.hashes.len() as u64,
+            EngineEvent::Removed { hashes, .. } => hashes.len() as u64,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// Replays `requests` through the index at `path` (opened here) and `config.nodes` simulated
+/// engines, calling `progress` after each request; then applies every batch again back to back
+/// into `ingest_path` to time ingestion.
+///
+/// # Errors
+/// Any error of the index, the listener or the simulated engines' sockets.
+pub fn run(
+    path: &std::path::Path,
+    ingest_path: &std::path::Path,
+    requests: &[Request],
+    config: &Config,
+    engines: &Engines,
+    mut progress: impl FnMut(usize),
+) -> Result<EngineReport> {
+    let started = Instant::now();
+    let nodes = config.nodes.max(1);
+    let names: Vec<String> = (0..nodes).map(node_name).collect();
+    let namespace = Namespace::new(&config.model)?;
+    let warm = Arc::new(Warm::open(path)?);
+    let mut sims: Vec<SimEngine> = (0..nodes)
+        .map(|_| SimEngine::new(engines.block, engines.cache_blocks, &config.model, None))
+        .collect::<Result<_>>()?;
+    let publishers: Vec<Publisher> = (0..nodes).map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
+    let endpoints: Vec<EngineEndpoint> = names
+        .iter()
+        .zip(&publishers)
+        .map(|(n, p)| EngineEndpoint::parse(&format!("{n}={},replay={}", p.events, p.replay), Some(&config.model)))
+        .collect::<Result<_>>()?;
+    let listener = Listener::start(Arc::clone(&warm), &endpoints, Duration::from_secs(30))?;
+    let mut report = EngineReport { requests: requests.len(), load: vec![0; nodes], ..EngineReport::default() };
+    let mut load = Load::new(config);
+    let mut times = Vec::with_capacity(requests.len());
+    // Each node's restarts made, and seen by the index.
+    let mut restarted = vec![0u64; nodes];
+    // Every batch as published: (node, seq, vLLM payload), for the ingest run.
+    let mut all: Vec<(usize, u64, Vec<u8>)> = Vec::new();
+    for (i, request) in requests.iter().enumerate() {
+        if let Some(every) = engines.restart_every.filter(|&n| n > 0)
+            && i > 0
+            && i % every == 0
+        {
+            let node = (splitmix64(i as u64) % nodes as u64) as usize;
+            nth_mut(&mut sims, node)?.restart();
+            nth(&publishers, node)?.restart();
+            *nth_mut(&mut restarted, node)? += 1;
+            report.restarts += 1;
+        }
+        let tokens = prompt(config, request);
+        let t0 = Instant::now();
+        let (prefix, found) = ask(&warm, &namespace, &names, config.policy, &tokens)?;
+        let mut spent = t0.elapsed();
+        let (chosen, claimed) = choose_among(config, &load, &found, tokens.len());
+        let sim = nth_mut(&mut sims, chosen)?;
+        let held = sim.holds(&tokens);
+        let whole = held / BLOCK_TOKENS * BLOCK_TOKENS;
+        let cached = if whole >= MIN_BLOCKS * BLOCK_TOKENS { whole } else { 0 };
+        report.claimed_tokens += claimed as u64;
+        report.cached_tokens += cached as u64;
+        report.cached_engine_tokens += held as u64;
+        if claimed > held {
+            report.warm_not_cached += 1;
+            if *nth(&restarted, chosen)? > 0 && !sim.stored_since_restart(&tokens, claimed) {
+                let name = nth(&names, chosen)?;
+                let seen = warm.engine_stats()?.iter().find(|s| &s.node == name).map_or(0, |s| s.counts.restarts);
+                let over = (claimed - held) as u64;
+                match seen >= *nth(&restarted, chosen)? {
+                    true => report.warm_to_restarted_seen += over,
+                    false => report.warm_to_restarted_unseen += over,
+                }
+            }
+        }
+        let t1 = Instant::now();
+        warm.ran_prefix(&prefix, nth(&names, chosen)?)?;
+        spent += t1.elapsed();
+        times.push(spent);
+        let batch = sim.run(&tokens);
+        report.block_events += block_events(&batch);
+        nth(&publishers, chosen)?.publish(&batch, false)?;
+        all.push((chosen, batch.seq, super::engine_sim::encode(&batch)));
+        load.add(chosen, tokens.len() as u64)?;
+        *nth_mut(&mut report.load, chosen)? += tokens.len() as u64;
+        report.prompt_tokens += tokens.len() as u64;
+        progress(i + 1);
+    }
+    // Every batch applied before the listener stops.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        let stats = warm.engine_stats()?;
+        let behind = sims.iter().zip(&names).any(|(sim, name)| {
+            let last = sim.published.back().map(|b| b.seq);
+            last.is_some() && stats.iter().find(|s| &s.node == name).map(|s| s.last_seq) != Some(last)
+        });
+        if !behind {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    report.listen = listener.stop();
+    report.index = Timing::of(&times);
+    match Arc::try_unwrap(warm) {
+        Ok(warm) => warm.close()?,
+        Err(shared) => drop(shared),
+    }
+    report.ingest = ingest(ingest_path, &names, &all, &config.model)?;
+    report.wall = started.elapsed();
+    Ok(report)
+}
+
+/// Applies `batches` (node, seq, vLLM payload) back to back into a new file at `path`,
+/// decoding each as the listener does, and makes them durable; returns the time.
+fn ingest(
+    path: &std::path::Path,
+    names: &[String],
+    batches: &[(usize, u64, Vec<u8>)],
+    model: &str,
+) -> Result<Duration> {
+    let warm = Warm::open(path)?;
+    let t = Instant::now();
+    for (node, seq, payload) in batches {
+        let batch = decode_engine_batch(*seq, payload, model)?;
+        warm.engine_batch(nth(names, *node)?, &batch)?;
+    }
+    warm.sync()?;
+    let spent = t.elapsed();
+    warm.close()?;
+    Ok(spent)
+}

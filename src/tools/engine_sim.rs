@@ -1,0 +1,395 @@
+//! A simulated inference engine that publishes vLLM's KV cache events: an LRU of engine blocks
+//! (prefix caching as vLLM's block pool does it) whose stores and evictions are vLLM 0.33.0's
+//! event batches, in the library's form and on the wire (msgpack map events over a ZMQ PUB,
+//! with a ROUTER answering replays from its last 10,000 batches). For the replay and the tests.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::tools::trace::splitmix64;
+use crate::{EngineBatch, EngineEvent, EngineStored, Error, Medium, Namespace, Result};
+
+/// Batches an engine keeps for replays (vLLM's `buffer_steps`).
+pub const REPLAY_BUFFER: usize = 10_000;
+
+/// A block's engine hash: its parent's and its tokens' (vLLM chains a hash of each block with
+/// its parent's; this is another hash, with the same structure).
+pub fn engine_hash(parent: Option<u64>, tokens: &[u32]) -> u64 {
+    let mut h = parent.unwrap_or(0x5eed) ^ 0x9E37_79B9_7F4A_7C15;
+    for &t in tokens {
+        h = splitmix64(h ^ u64::from(t));
+    }
+    h
+}
+
+/// One held block.
+#[derive(Clone, Copy, Debug)]
+struct Held {
+    /// Copies stored and not yet evicted (vLLM stores some blocks twice).
+    refs: u32,
+    /// Its place in the LRU.
+    tick: u64,
+}
+
+/// A simulated engine: its cache and its event stream.
+#[derive(Debug)]
+pub struct SimEngine {
+    /// Tokens per engine block.
+    pub block: usize,
+    capacity: usize,
+    held: HashMap<u64, Held>,
+    /// LRU order: tick → hash (one entry per held block, copies share it).
+    by_tick: BTreeMap<u64, u64>,
+    tick: u64,
+    /// Random event boundaries and duplicate stores (the tests' chaos), from this seed.
+    chaos: Option<u64>,
+    /// The model its blocks are stored under.
+    namespace: Namespace,
+    /// The next batch's sequence number.
+    seq: u64,
+    /// Restarts so far (each new process publishes later than the last).
+    restarts: u64,
+    /// The batches this process published that a replay can still give.
+    pub published: VecDeque<EngineBatch>,
+    /// Every block this process stored (evicted since or not).
+    stored: std::collections::HashSet<u64>,
+}
+
+impl SimEngine {
+    /// An engine of `capacity` blocks of `block` tokens serving `model`; with `chaos`, its
+    /// events are cut at random places and some blocks are stored twice (seeded).
+    ///
+    /// # Errors
+    /// [`Error::InvalidName`] for an empty or over-long model name.
+    pub fn new(block: usize, capacity: usize, model: &str, chaos: Option<u64>) -> Result<SimEngine> {
+        Ok(SimEngine {
+            block: block.max(1),
+            capacity,
+            held: HashMap::new(),
+            by_tick: BTreeMap::new(),
+            tick: 0,
+            chaos,
+            namespace: Namespace::new(model)?,
+            seq: 0,
+            restarts: 0,
+            published: VecDeque::new(),
+            stored: std::collections::HashSet::new(),
+        })
+    }
+
+    fn coin(&mut self, one_in: u64) -> bool {
+        match self.chaos.as_mut() {
+            Some(state) => {
+                *state = splitmix64(*state);
+                *state % one_in == 0
+            }
+            None => false,
+        }
+    }
+
+    /// Runs a prompt, as vLLM's scheduler and block pool do: the blocks it holds are hits, the
+    /// others are stored (one event a run of new blocks, cut at random places with chaos), then
+    /// the request's blocks are freed last block first (so the LRU evicts a prompt's tail
+    /// before its head), and blocks past capacity are evicted least recent first, one removal
+    /// each. Returns the batch it publishes.
+    pub fn run(&mut self, tokens: &[u32]) -> EngineBatch {
+        let mut events = Vec::new();
+        let mut parent = None;
+        let mut pending: Option<EngineStored> = None;
+        let mut chain = Vec::new();
+        for block in tokens.chunks_exact(self.block) {
+            let hash = engine_hash(parent, block);
+            chain.push(hash);
+            let again = self.coin(20);
+            if self.held.contains_key(&hash) && !again {
+                if let Some(p) = pending.take() {
+                    events.push(EngineEvent::Stored(p));
+                }
+            } else {
+                self.held.entry(hash).or_insert(Held { refs: 0, tick: 0 }).refs += 1;
+                self.stored.insert(hash);
+                let cut = self.coin(4);
+                if pending.is_none() || cut {
+                    if let Some(p) = pending.take() {
+                        events.push(EngineEvent::Stored(p));
+                    }
+                    pending = Some(EngineStored {
+                        parent,
+                        hashes: Vec::new(),
+                        tokens: Vec::new(),
+                        block_size: u32::try_from(self.block).unwrap_or(u32::MAX),
+                        medium: Medium::Gpu,
+                        namespace: Some(self.namespace.clone()),
+                    });
+                }
+                if let Some(p) = pending.as_mut() {
+                    p.hashes.push(hash);
+                    p.tokens.extend_from_slice(block);
+                }
+            }
+            parent = Some(hash);
+        }
+        if let Some(p) = pending.take() {
+            events.push(EngineEvent::Stored(p));
+        }
+        // Freed tail first: the last block is the least recent of the request's.
+        for &hash in chain.iter().rev() {
+            self.tick += 1;
+            if let Some(h) = self.held.get_mut(&hash) {
+                self.by_tick.remove(&h.tick);
+                h.tick = self.tick;
+                self.by_tick.insert(self.tick, hash);
+            }
+        }
+        while self.by_tick.len() > self.capacity {
+            let Some((_, victim)) = self.by_tick.pop_first() else { break };
+            // One removal a copy.
+            let copies = self.held.remove(&victim).map_or(1, |h| h.refs);
+            for _ in 0..copies {
+                events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Gpu });
+            }
+        }
+        self.publish(events)
+    }
+
+    /// Publishes `events` as the next batch.
+    pub fn publish(&mut self, events: Vec<EngineEvent>) -> EngineBatch {
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        // A later process always publishes later (its clock, as vLLM's `time.time()`).
+        let batch = EngineBatch { seq: self.seq, ts: ts + self.restarts as f64, events };
+        self.seq += 1;
+        self.published.push_back(batch.clone());
+        if self.published.len() > REPLAY_BUFFER {
+            self.published.pop_front();
+        }
+        batch
+    }
+
+    /// A restart: a new process, an empty cache, numbers from 0 again, nothing to replay.
+    pub fn restart(&mut self) {
+        self.held.clear();
+        self.by_tick.clear();
+        self.seq = 0;
+        self.published.clear();
+        self.stored.clear();
+        self.restarts += 1;
+    }
+
+    /// Whether this process stored every block of the first `n` tokens of `tokens` at some
+    /// time (whatever it evicted since): a claim of them comes from its own events, not from
+    /// a process before a restart.
+    pub fn stored_since_restart(&self, tokens: &[u32], n: usize) -> bool {
+        let mut parent = None;
+        tokens.chunks_exact(self.block).take(n / self.block).all(|block| {
+            let hash = engine_hash(parent, block);
+            parent = Some(hash);
+            self.stored.contains(&hash)
+        })
+    }
+
+    /// Tokens of `tokens` the engine can serve from its cache: its held blocks from the first.
+    pub fn holds(&self, tokens: &[u32]) -> usize {
+        let mut parent = None;
+        let mut n = 0;
+        for block in tokens.chunks_exact(self.block) {
+            let hash = engine_hash(parent, block);
+            if !self.held.contains_key(&hash) {
+                break;
+            }
+            n += self.block;
+            parent = Some(hash);
+        }
+        n
+    }
+
+    /// Blocks held.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+}
+
+/// A batch in vLLM 0.33.0's wire form: `[ts, events, dp_rank]`, each event a map with its
+/// `"type"` and its fields by name.
+pub fn encode(batch: &EngineBatch) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64);
+    // Writing into a `Vec` cannot fail.
+    let _ = write_batch(&mut out, batch);
+    out
+}
+
+fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    use rmp::encode::{write_array_len, write_f64, write_map_len, write_nil, write_str, write_uint};
+    let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
+    let medium = |m: Medium| match m {
+        Medium::Gpu => "GPU",
+        Medium::Cpu => "CPU",
+        _ => "STORAGE",
+    };
+    write_array_len(w, 3)?;
+    write_f64(w, batch.ts)?;
+    write_array_len(w, len(batch.events.len()))?;
+    for event in &batch.events {
+        match event {
+            EngineEvent::Stored(s) => {
+                write_map_len(w, 8)?;
+                write_str(w, "type")?;
+                write_str(w, "BlockStored")?;
+                write_str(w, "block_hashes")?;
+                write_array_len(w, len(s.hashes.len()))?;
+                for &h in &s.hashes {
+                    write_uint(w, h)?;
+                }
+                write_str(w, "parent_block_hash")?;
+                match s.parent {
+                    Some(p) => drop(write_uint(w, p)?),
+                    None => write_nil(w)?,
+                }
+                write_str(w, "token_ids")?;
+                write_array_len(w, len(s.tokens.len()))?;
+                for &t in &s.tokens {
+                    write_uint(w, u64::from(t))?;
+                }
+                write_str(w, "block_size")?;
+                write_uint(w, u64::from(s.block_size))?;
+                write_str(w, "lora_id")?;
+                write_nil(w)?;
+                write_str(w, "medium")?;
+                write_str(w, medium(s.medium))?;
+                write_str(w, "lora_name")?;
+                write_nil(w)?;
+            }
+            EngineEvent::Removed { hashes, medium: m } => {
+                write_map_len(w, 3)?;
+                write_str(w, "type")?;
+                write_str(w, "BlockRemoved")?;
+                write_str(w, "block_hashes")?;
+                write_array_len(w, len(hashes.len()))?;
+                for &h in hashes {
+                    write_uint(w, h)?;
+                }
+                write_str(w, "medium")?;
+                write_str(w, medium(*m))?;
+            }
+            _ => {
+                write_map_len(w, 1)?;
+                write_str(w, "type")?;
+                write_str(w, "AllBlocksCleared")?;
+            }
+        }
+    }
+    write_uint(w, 0)?;
+    Ok(())
+}
+
+/// Everything a publisher can still replay: (seq, payload).
+type Buffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
+
+/// vLLM's publisher on loopback: a PUB for live batches (`[topic, seq, payload]`) and a ROUTER
+/// that answers a replay request (`[b"", start]`) with every buffered batch from `start` on
+/// (`[b"", topic, seq, payload]` each) and the end marker, after `replay_delay`.
+pub struct Publisher {
+    /// The PUB's address.
+    pub events: String,
+    /// The ROUTER's address.
+    pub replay: String,
+    socket: zmq::Socket,
+    buffer: Buffer,
+    stop: Arc<AtomicBool>,
+    router: Option<JoinHandle<()>>,
+}
+
+fn zmq_err(what: &'static str) -> impl Fn(zmq::Error) -> Error {
+    move |e| Error::InvalidConfig { detail: format!("simulated engine: {what}: {e}") }
+}
+
+impl Publisher {
+    /// Binds both sockets on loopback ports of the system's choice.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if ZMQ cannot bind or start.
+    pub fn new(replay_delay: Duration) -> Result<Publisher> {
+        let context = zmq::Context::new();
+        let socket = context.socket(zmq::PUB).map_err(zmq_err("PUB"))?;
+        socket.set_linger(0).map_err(zmq_err("linger"))?;
+        socket.set_sndhwm(1_000_000).map_err(zmq_err("hwm"))?;
+        socket.bind("tcp://127.0.0.1:*").map_err(zmq_err("bind"))?;
+        let events = socket.get_last_endpoint().map_err(zmq_err("endpoint"))?.unwrap_or_default();
+        let router = context.socket(zmq::ROUTER).map_err(zmq_err("ROUTER"))?;
+        router.set_linger(0).map_err(zmq_err("linger"))?;
+        router.set_rcvtimeo(50).map_err(zmq_err("timeout"))?;
+        router.bind("tcp://127.0.0.1:*").map_err(zmq_err("bind"))?;
+        let replay = router.get_last_endpoint().map_err(zmq_err("endpoint"))?.unwrap_or_default();
+        let buffer: Buffer = Arc::default();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (b, s) = (Arc::clone(&buffer), Arc::clone(&stop));
+        let handle = std::thread::Builder::new()
+            .name("sim-engine-replay".into())
+            .spawn(move || answer_replays(&router, &b, &s, replay_delay))
+            .map_err(|source| Error::Thread { source: Arc::new(source) })?;
+        Ok(Publisher { events, replay, socket, buffer, stop, router: Some(handle) })
+    }
+
+    /// Publishes `batch` live (unless `lost`: what a slow subscriber loses) and keeps it for
+    /// replays.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if ZMQ cannot send.
+    pub fn publish(&self, batch: &EngineBatch, lost: bool) -> Result<()> {
+        let payload = encode(batch);
+        if let Ok(mut buffer) = self.buffer.lock() {
+            buffer.push_back((batch.seq, payload.clone()));
+            if buffer.len() > REPLAY_BUFFER {
+                buffer.pop_front();
+            }
+        }
+        if !lost {
+            let frames: [&[u8]; 3] = [b"", &batch.seq.to_be_bytes(), &payload];
+            self.socket.send_multipart(frames, 0).map_err(zmq_err("send"))?;
+        }
+        Ok(())
+    }
+
+    /// A restarted engine's replay buffer starts empty.
+    pub fn restart(&self) {
+        if let Ok(mut buffer) = self.buffer.lock() {
+            buffer.clear();
+        }
+    }
+}
+
+/// The ROUTER's loop: one answer a request, until `stop`.
+fn answer_replays(router: &zmq::Socket, buffer: &Buffer, stop: &AtomicBool, delay: Duration) {
+    while !stop.load(Ordering::Acquire) {
+        let Ok(frames) = router.recv_multipart(0) else { continue };
+        let [identity, _, start] = frames.as_slice() else { continue };
+        let Ok(start) = <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes) else { continue };
+        std::thread::sleep(delay);
+        let answer: Vec<(u64, Vec<u8>)> = match buffer.lock() {
+            Ok(b) => b.iter().filter(|(q, _)| *q >= start).cloned().collect(),
+            Err(_) => Vec::new(),
+        };
+        for (seq, payload) in answer {
+            let frames: [&[u8]; 5] = [identity, b"", b"", &seq.to_be_bytes(), &payload];
+            let _ = router.send_multipart(frames, 0);
+        }
+        let end: [&[u8]; 5] = [identity, b"", b"", &u64::MAX.to_be_bytes(), b""];
+        let _ = router.send_multipart(end, 0);
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(h) = self.router.take() {
+            let _ = h.join();
+        }
+    }
+}

@@ -325,7 +325,115 @@ fn threads() {
     );
 }
 
+/// Engines: 8 simulated engines of 65,536 blocks of 16 tokens fed the shared trace until all
+/// are full (and on, evicting), their batches written to a file; a fresh process then applies
+/// them as a listening head does (decode, `engine_batch`), closes, and reopens the file: its
+/// peak resident memory is what a head following 8 full engines needs.
+fn engines() {
+    use superfluid_warm::tools::engine_sim::{SimEngine, encode};
+    use superfluid_warm::tools::trace;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let batches = dir.path().join("batches.bin");
+    let requests =
+        trace::read(Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../traces/mooncake-conversation.jsonl")))
+            .expect("the shared trace");
+    let (nodes, capacity) = (8usize, 65_536usize);
+    let mut sims: Vec<SimEngine> =
+        (0..nodes).map(|_| SimEngine::new(16, capacity, "mooncake", None).expect("engine")).collect();
+    let mut out = Vec::new();
+    let (mut n, mut full_at) = (0usize, None);
+    for (i, r) in requests.iter().enumerate() {
+        // Round robin: every engine fills.
+        let node = i % nodes;
+        let batch = sims[node].run(&r.tokens());
+        let payload = encode(&batch);
+        out.push(node as u8);
+        out.extend_from_slice(&batch.seq.to_le_bytes());
+        out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+        out.extend_from_slice(&payload);
+        n += 1;
+        if full_at.is_none() && sims.iter().all(|s| s.len() >= capacity) {
+            full_at = Some(i);
+        }
+    }
+    std::fs::write(&batches, &out).expect("write the batches");
+    println!(
+        "engines: {} batches ({:.0} MiB of vLLM payloads) for {nodes} engines of {capacity} blocks; all full from request {}",
+        n,
+        out.len() as f64 / 1048576.0,
+        full_at.map_or_else(|| "never".to_string(), |i| i.to_string())
+    );
+    drop((sims, out));
+    // A head with redb's default cache, and one with a 32 MiB cache (a listener that answers
+    // little needs little of it).
+    for cache in [None, Some("32")] {
+        let mut child = Command::new(std::env::current_exe().expect("exe"));
+        child.env("SCALE_ENGINES_CHILD", &batches);
+        if let Some(mb) = cache {
+            child.env("SCALE_ENGINES_CACHE_MB", mb);
+        }
+        assert!(child.status().expect("spawn a child").success(), "the engines child failed");
+    }
+}
+
+/// Applies the batches of [`engines`] as a listening head does, then reopens the file.
+fn engines_child(batches: &Path) {
+    // Streamed from the file, a batch at a time, as a listener receives them.
+    let mut file = std::io::BufReader::new(std::fs::File::open(batches).expect("the batches"));
+    // The redb cache: the default, or SCALE_ENGINES_CACHE_MB.
+    let cache = std::env::var("SCALE_ENGINES_CACHE_MB").ok().and_then(|c| c.parse::<usize>().ok());
+    let path = batches.with_file_name(format!("engines-{}.redb", cache.unwrap_or(0)));
+    let open = || {
+        let mut b = Warm::builder();
+        if let Some(mb) = cache {
+            b.cache_size(mb << 20);
+        }
+        b.open(&path).expect("open")
+    };
+    let warm = open();
+    let names: Vec<String> = (0..8).map(node_name).collect();
+    let t = Instant::now();
+    let mut events = 0usize;
+    let mut head = [0u8; 13];
+    let mut payload = Vec::new();
+    while std::io::Read::read_exact(&mut file, &mut head).is_ok() {
+        let node = head[0] as usize;
+        let seq = u64::from_le_bytes(head[1..9].try_into().expect("seq"));
+        let len = u32::from_le_bytes(head[9..13].try_into().expect("len")) as usize;
+        payload.resize(len, 0);
+        std::io::Read::read_exact(&mut file, &mut payload).expect("a payload");
+        let batch = superfluid_warm::decode_engine_batch(seq, &payload, "mooncake").expect("decode");
+        events += batch.events.len();
+        warm.engine_batch(&names[node], &batch).expect("apply");
+    }
+    warm.sync().expect("sync");
+    let applied = t.elapsed();
+    let (rss_applied, peak_applied) = rss();
+    let stats = warm.engine_stats().expect("stats");
+    let engine_blocks: usize = stats.iter().map(|s| s.engine_blocks).sum();
+    let ours: usize = stats.iter().map(|s| s.blocks).sum();
+    warm.close().expect("close");
+    let t = Instant::now();
+    let warm = open();
+    let reopened = t.elapsed();
+    let again: usize = warm.engine_stats().expect("stats").iter().map(|s| s.engine_blocks).sum();
+    assert_eq!(again, engine_blocks, "a reopen keeps what the engines hold");
+    let (rss_reopened, peak) = rss();
+    let file = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    println!(
+        "engines ({} redb cache): applied {events} events in {:.1} s; {engine_blocks} engine blocks held ({ours} of 64 tokens); resident {rss_applied:.0} MiB (peak {peak_applied:.0}); reopened in {} with resident {rss_reopened:.0} MiB (peak of the process {peak:.0} MiB); file {:.0} MiB",
+        cache.map_or_else(|| "default".to_string(), |c| format!("{c} MiB")),
+        applied.as_secs_f64(),
+        ms(reopened),
+        file as f64 / 1048576.0
+    );
+}
+
 fn main() {
+    if let Some(path) = std::env::var_os("SCALE_ENGINES_CHILD") {
+        engines_child(Path::new(&path));
+        return;
+    }
     if let Some(path) = std::env::var_os("SCALE_CRASH_CHILD") {
         crash_child(Path::new(&path));
     }
@@ -352,5 +460,8 @@ fn main() {
     }
     if want("10m") {
         ten_million();
+    }
+    if want("engines") {
+        engines();
     }
 }

@@ -11,7 +11,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("file", &["error", "keys", "store"]),
     ("index", &["error", "keys", "store", "file"]),
     ("share", &["error", "keys", "store", "index"]),
-    ("tools", &["error", "keys", "store", "share"]),
+    ("engine", &["error", "keys", "store", "index"]),
+    ("tools", &["error", "keys", "store", "share", "engine"]),
 ];
 /// Layers that may also use the public API (any root re-export of `lib.rs`).
 const PUBLIC_API_USERS: &[&str] = &["tools"];

@@ -100,18 +100,30 @@ fn a_replay_that_answers_late_clears_the_node() -> Result<(), Error> {
     Ok(())
 }
 
+/// A child process killed when dropped (a failed test leaves none behind).
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// `superfluid-warm listen` on `path` for `publisher`'s engine.
-fn spawn_listen(path: &Path, publisher: &Publisher) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
-        .arg("listen")
-        .arg(path)
-        .arg("--engine")
-        .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
-        .args(["--model", "m", "--status-every", "0", "--replay-timeout", "30"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn listen")
+fn spawn_listen(path: &Path, publisher: &Publisher) -> Reaped {
+    Reaped(
+        Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
+            .arg("listen")
+            .arg(path)
+            .arg("--engine")
+            .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
+            .args(["--model", "m", "--status-every", "0", "--replay-timeout", "30"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn listen"),
+    )
 }
 
 /// The last batch the file holds (read live, beside the listener).
@@ -141,23 +153,29 @@ fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
     publish(40, &mut engine);
     wait_until("a committed position", || last_seq(&path).is_some_and(|s| s >= 20));
     publish(20, &mut engine);
-    child.kill().expect("SIGKILL");
-    child.wait().expect("reaped");
+    child.0.kill().expect("SIGKILL");
+    child.0.wait().expect("reaped");
     let before = last_seq(&path);
     publish(30, &mut engine);
     let mut child = spawn_listen(&path, &publisher);
-    let last = engine.published.back().map(|b| b.seq);
+    // Until it hears a live batch it does not know it missed any: one more every second (a
+    // subscriber that has not joined yet loses it) until it has caught up with the last.
+    let mut poked = Instant::now();
     wait_until("the last batch after the restart", || {
-        // Until it hears a live batch it does not know it missed any: keep the stream going.
-        if last_seq(&path) != last {
-            publish(1, &mut engine);
+        let last = engine.published.back().map(|b| b.seq);
+        if last_seq(&path) == last {
+            return true;
         }
-        let now = engine.published.back().map(|b| b.seq);
-        last_seq(&path) == now
+        if poked.elapsed() >= Duration::from_secs(1) {
+            publish(1, &mut engine);
+            poked = Instant::now();
+        }
+        false
     });
-    let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().expect("kill -TERM");
+    let last = engine.published.back().map(|b| b.seq);
+    let status = Command::new("kill").arg("-TERM").arg(child.0.id().to_string()).status().expect("kill -TERM");
     assert!(status.success());
-    assert!(child.wait().expect("exit").success(), "SIGTERM is a clean stop");
+    assert!(child.0.wait().expect("exit").success(), "SIGTERM is a clean stop");
     let snapshot = Snapshot::open(&path)?;
     assert_eq!(snapshot.writer(), None, "closed cleanly");
     drop(snapshot);

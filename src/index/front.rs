@@ -38,6 +38,9 @@ pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
 /// of the request's start, so a few seconds cover a loaded engine and a slow link.
 pub const DEFAULT_ENGINE_GRACE: Duration = Duration::from_secs(3);
 
+/// What an engine effect costs in the queue besides its row: the effect and the row's header.
+const ENGINE_EFFECT_BYTES: usize = 64;
+
 pub(crate) struct Queued {
     pub effects: Vec<Effect>,
     /// When it was decided (for the sync window).
@@ -54,6 +57,18 @@ impl Queued {
     }
 
     /// The keys it writes.
+    /// Bytes its engine rows hold (what the memtable does not count).
+    pub(crate) fn engine_bytes(&self) -> usize {
+        self.effects
+            .iter()
+            .map(|e| match e {
+                Effect::EngineBlock { row, .. } => ENGINE_EFFECT_BYTES + row.as_ref().map_or(0, |r| r.len()),
+                Effect::EngineStream { .. } | Effect::EngineClear { .. } => ENGINE_EFFECT_BYTES,
+                _ => 0,
+            })
+            .sum()
+    }
+
     pub(crate) fn keys(&self) -> impl Iterator<Item = &[BlockKey]> {
         self.effects.iter().filter_map(|e| match e {
             Effect::Put { blocks, .. } => Some(&blocks[..]),
@@ -136,6 +151,10 @@ pub(crate) struct Front {
     /// Changes the commit thread has not taken yet, oldest first.
     pub queue: Vec<Queued>,
     pub queued_blocks: usize,
+    /// Bytes of engine rows in the queue, and in the batch being committed (the memtable holds
+    /// none of them).
+    pub queued_engine_bytes: usize,
+    pub taken_engine_bytes: usize,
     /// When the oldest change not yet committed was made.
     pub oldest_pending: Option<Instant>,
     /// Nodes a block keeps.
@@ -167,6 +186,8 @@ impl Front {
             others: OthersCache::default(),
             queue: Vec::new(),
             queued_blocks: 0,
+            queued_engine_bytes: 0,
+            taken_engine_bytes: 0,
             oldest_pending: None,
             nodes_per_prefix,
             searched: None,
@@ -198,7 +219,10 @@ impl Front {
     /// Bytes of the changes not yet committed: the memtable's maps, and each uncommitted block's
     /// key (held once, shared by the queue or the batch and the writer).
     pub(crate) fn uncommitted_bytes(&self) -> usize {
-        self.memtable.bytes() + self.memtable.blocks() * std::mem::size_of::<BlockKey>()
+        self.memtable.bytes()
+            + self.memtable.blocks() * std::mem::size_of::<BlockKey>()
+            + self.queued_engine_bytes
+            + self.taken_engine_bytes
     }
 
     /// Whether an entry of `clock` is live (not yet evicted by 0.1.7's rule).
@@ -214,6 +238,7 @@ impl Front {
             }
         }
         self.queued_blocks += queued.blocks();
+        self.queued_engine_bytes += queued.engine_bytes();
         self.oldest_pending.get_or_insert(queued.at);
         self.queue.push(queued);
     }
@@ -221,6 +246,7 @@ impl Front {
     /// Takes the queue for the commit thread.
     pub(crate) fn take(&mut self) -> Vec<Queued> {
         self.queued_blocks = 0;
+        self.taken_engine_bytes += std::mem::take(&mut self.queued_engine_bytes);
         self.memtable.seal(self.nodes_per_prefix > 1);
         std::mem::take(&mut self.queue)
     }
@@ -229,6 +255,9 @@ impl Front {
     /// they are still in the memtable and will be retried.
     pub(crate) fn requeue(&mut self, mut changes: Vec<Queued>) {
         self.queued_blocks += changes.iter().map(Queued::blocks).sum::<usize>();
+        let bytes = changes.iter().map(Queued::engine_bytes).sum::<usize>();
+        self.queued_engine_bytes += bytes;
+        self.taken_engine_bytes = self.taken_engine_bytes.saturating_sub(bytes);
         changes.append(&mut self.queue);
         self.queue = changes;
         self.oldest_pending = self.queue.first().map(|q| q.at);
@@ -242,6 +271,7 @@ impl Front {
         self.others.committed(others_changed);
         let old = std::mem::replace(&mut self.view, Arc::new(view));
         let gone = self.memtable.drop_sealed();
+        self.taken_engine_bytes = 0;
         self.oldest_pending = self.queue.first().map(|q| q.at);
         (old, gone)
     }

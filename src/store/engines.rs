@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use super::codec;
 use super::effect::Effect;
+use super::engine_blocks::{Blocks, Completed, Slot};
 use super::tables::{ENGINE_BLOCKS, ENGINE_STREAMS};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, Namespace, Scheme};
@@ -193,45 +194,15 @@ pub(crate) struct StreamRecord {
     pub counts: EngineCounts,
 }
 
-/// One engine block.
-#[derive(Clone, Debug)]
-struct Block {
-    parent: Option<u64>,
-    /// Its own tokens.
-    tokens: Box<[u32]>,
-    /// Times stored and not yet removed.
-    refs: u32,
-    /// The clock of the batch that stored it first.
-    clock: u64,
-    /// For a first block: its namespace's index in the stream's list (`None`: unkeyed).
-    root: Option<Option<u16>>,
-    /// Derived: where it stands in its chain, if attached.
-    at: Option<Attached>,
-}
-
-/// Where an attached block stands.
-#[derive(Clone, Debug)]
-struct Attached {
-    /// The namespace its chain is keyed in (`None`: unkeyed).
-    ns: Option<u16>,
-    /// Tokens from the prompt's first to its last.
-    end: u64,
-    /// The chain after the last whole block of ours that ends at or before its end (kept
-    /// where a block of ours ends inside it, and at first blocks; others look up).
-    state: Option<Box<ChainState>>,
-    /// The blocks of ours that end inside it.
-    keys: Box<[BlockKey]>,
-}
-
 /// One node's engine stream.
 #[derive(Clone, Debug, Default)]
 struct Stream {
     record: StreamRecord,
-    blocks: HashMap<u64, Block>,
-    /// Derived: each hash's children that are held (attached or not).
-    children: HashMap<u64, Vec<u64>>,
+    blocks: Blocks,
     /// The namespaces its first blocks are keyed in.
     namespaces: Vec<Namespace>,
+    /// Derived: blocks of ours it holds (keys of attached blocks).
+    ours: usize,
     /// Memory only: claims (`ran`s) on the node at or below this clock are not answered (a
     /// removal or clear since, or the grace window passed).
     claim_floor: u64,
@@ -297,9 +268,7 @@ impl Engines {
 
     /// Engine blocks and blocks of ours `node` holds.
     pub(crate) fn sizes(&self, node: u32) -> (usize, usize) {
-        let Some(s) = self.streams.get(&node) else { return (0, 0) };
-        let ours = s.blocks.values().filter_map(|b| b.at.as_ref()).map(|a| a.keys.len()).sum();
-        (s.blocks.len(), ours)
+        self.streams.get(&node).map_or((0, 0), |s| (s.blocks.len(), s.ours))
     }
 
     /// Each stream's position, sizes and counts, with node names from `name`.
@@ -416,8 +385,8 @@ impl Engines {
         self.drop_holdings(node);
         if let Some(s) = self.streams.get_mut(&node) {
             s.blocks.clear();
-            s.children.clear();
             s.namespaces.clear();
+            s.ours = 0;
             s.record.last = None;
             s.record.counts.clears += 1;
             s.claim_floor = s.claim_floor.max(clock);
@@ -428,8 +397,13 @@ impl Engines {
     /// Takes every block of ours node `node` holds out of the held map.
     fn drop_holdings(&mut self, node: u32) {
         let Some(s) = self.streams.get(&node) else { return };
-        let keys: Vec<BlockKey> =
-            s.blocks.values().filter_map(|b| b.at.as_ref()).flat_map(|a| a.keys.iter().copied()).collect();
+        let keys: Vec<BlockKey> = s
+            .blocks
+            .slots()
+            .filter_map(|i| s.blocks.get(i))
+            .filter(|b| b.attached)
+            .flat_map(|b| keys_of(b).iter().copied())
+            .collect();
         for key in keys {
             unhold(&mut self.held, &key, node);
         }
@@ -446,17 +420,19 @@ impl Engines {
             stream.record.counts.unkeyed += 1;
         }
         if let Some(p) = stored.parent
-            && !stream.blocks.contains_key(&p)
+            && stream.blocks.find(p).is_none()
         {
             stream.record.counts.unknown_parents += 1;
         }
         let mut parent = stored.parent;
         for (&hash, tokens) in stored.hashes.iter().zip(stored.tokens.chunks_exact(size)) {
             stream.record.counts.stored += 1;
-            if let Some(b) = stream.blocks.get_mut(&hash) {
-                b.refs = b.refs.saturating_add(1);
+            if let Some(i) = stream.blocks.find(hash) {
+                if let Some(b) = stream.blocks.get_mut(i) {
+                    b.refs = b.refs.saturating_add(1);
+                }
                 stream.record.counts.duplicate_blocks += 1;
-                let row = encode_row(b, &stream.namespaces);
+                let row = encode_row(&stream.blocks, i, &stream.namespaces);
                 self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
                 parent = Some(hash);
                 continue;
@@ -465,14 +441,18 @@ impl Engines {
                 Some(_) => None,
                 None => Some(stored.namespace.as_ref().map(|ns| namespace_index(&mut stream.namespaces, ns))),
             };
-            let block = Block { parent, tokens: tokens.into(), refs: 1, clock, root, at: None };
-            self.effects.push(Effect::EngineBlock { node, hash, row: Some(encode_row(&block, &stream.namespaces)) });
-            stream.blocks.insert(hash, block);
-            if let Some(p) = parent {
-                stream.children.entry(p).or_default().push(hash);
-            }
-            if parent.is_none_or(|p| stream.blocks.get(&p).is_some_and(|b| b.at.is_some())) {
-                attach(scheme, stream, &mut self.held, node, hash);
+            let i = stream.blocks.insert(hash, parent, tokens, clock, root);
+            self.effects.push(Effect::EngineBlock {
+                node,
+                hash,
+                row: Some(encode_row(&stream.blocks, i, &stream.namespaces)),
+            });
+            let parent_attached = parent
+                .and_then(|p| stream.blocks.find(p))
+                .and_then(|p| stream.blocks.get(p))
+                .is_some_and(|b| b.attached);
+            if parent.is_none() || parent_attached {
+                attach(scheme, stream, &mut self.held, node, i);
             }
             parent = Some(hash);
         }
@@ -480,29 +460,23 @@ impl Engines {
 
     fn remove(&mut self, node: u32, hash: u64, clock: u64) {
         let Some(stream) = self.streams.get_mut(&node) else { return };
-        let Some(block) = stream.blocks.get_mut(&hash) else {
+        let Some(i) = stream.blocks.find(hash) else {
             stream.record.counts.unknown_removals += 1;
             return;
         };
         stream.record.counts.removed += 1;
         // Removals win over claims: the node's `ran`s before this are no longer answered.
         stream.claim_floor = stream.claim_floor.max(clock);
-        if block.refs > 1 {
-            block.refs -= 1;
-            let row = encode_row(block, &stream.namespaces);
+        if let Some(b) = stream.blocks.get_mut(i)
+            && b.refs > 1
+        {
+            b.refs -= 1;
+            let row = encode_row(&stream.blocks, i, &stream.namespaces);
             self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
             return;
         }
-        detach(stream, &mut self.held, node, hash);
-        if let Some(gone) = stream.blocks.remove(&hash)
-            && let Some(p) = gone.parent
-            && let Some(siblings) = stream.children.get_mut(&p)
-        {
-            siblings.retain(|&c| c != hash);
-            if siblings.is_empty() {
-                stream.children.remove(&p);
-            }
-        }
+        detach(stream, &mut self.held, node, i);
+        stream.blocks.remove(i);
         self.effects.push(Effect::EngineBlock { node, hash, row: None });
     }
 
@@ -525,16 +499,17 @@ impl Engines {
         for item in blocks {
             let ((node, hash), bytes) = item?;
             let stream = engines.streams.entry(node).or_default();
-            let block = decode_row(&bytes, &mut stream.namespaces)?;
-            if let Some(p) = block.parent {
-                stream.children.entry(p).or_default().push(hash);
+            let row = decode_row(&bytes, &mut stream.namespaces)?;
+            let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, row.root);
+            if let Some(b) = stream.blocks.get_mut(i) {
+                b.refs = row.refs.max(1);
             }
-            stream.blocks.insert(hash, block);
         }
         let nodes: Vec<u32> = engines.streams.keys().copied().collect();
         for node in nodes {
             let Some(stream) = engines.streams.get_mut(&node) else { continue };
-            let roots: Vec<u64> = stream.blocks.iter().filter(|(_, b)| b.parent.is_none()).map(|(&h, _)| h).collect();
+            let roots: Vec<u32> =
+                stream.blocks.slots().filter(|&i| stream.blocks.get(i).is_some_and(|b| b.parent.is_none())).collect();
             for root in roots {
                 attach(scheme, stream, &mut engines.held, node, root);
             }
@@ -605,93 +580,105 @@ fn unhold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32) 
     }
 }
 
-/// Attaches block `hash` (its parent is attached, or it is a first block) and every detached
-/// block below it: each keys the blocks of ours that end inside it.
-fn attach(scheme: Scheme, stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, hash: u64) {
-    let mut todo = vec![hash];
-    while let Some(h) = todo.pop() {
-        let Some(at) = attached_at(scheme, stream, h) else { continue };
-        let Some(block) = stream.blocks.get_mut(&h) else { continue };
-        for &key in at.keys.iter() {
-            hold(held, key, node, block.clock);
+/// The blocks of ours block `b` keys (none before it was first attached).
+fn keys_of(b: &Slot) -> &[BlockKey] {
+    b.completed.as_deref().map_or(&[], |c| &c.keys)
+}
+
+/// Attaches the block in slot `i` (its parent is attached, or it is a first block) and every
+/// detached block below it: each holds the blocks of ours that end inside it, derived the first
+/// time it is attached.
+fn attach(scheme: Scheme, stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32) {
+    let mut todo = vec![i];
+    while let Some(i) = todo.pop() {
+        if !stream.blocks.get(i).is_some_and(|b| b.derived) {
+            let Some((ns, end, completed)) = derive(scheme, stream, i) else { continue };
+            if let Some(b) = stream.blocks.get_mut(i) {
+                (b.ns, b.end, b.completed, b.derived) = (ns, end, completed, true);
+            }
         }
-        block.at = Some(at);
-        if let Some(children) = stream.children.get(&h) {
-            todo.extend(children.iter().filter(|c| stream.blocks.get(c).is_some_and(|b| b.at.is_none())));
+        let Some(b) = stream.blocks.get_mut(i) else { continue };
+        b.attached = true;
+        for &key in keys_of(b) {
+            hold(held, key, node, b.clock);
         }
+        let n = keys_of(b).len();
+        stream.ours += n;
+        todo.extend(
+            stream.blocks.children(i).into_iter().filter(|&c| stream.blocks.get(c).is_some_and(|b| !b.attached)),
+        );
     }
 }
 
-/// Where block `hash` stands once attached: its parent's chain state and the tokens since,
-/// continued through its own tokens. `None` if its parent is not attached.
-fn attached_at(scheme: Scheme, stream: &Stream, hash: u64) -> Option<Attached> {
-    let block = stream.blocks.get(&hash)?;
+/// What the block in slot `i` keys, from its parent's chain state and the tokens since,
+/// continued through its own tokens: (namespace, end, what it completes). `None` if its parent
+/// is not attached.
+fn derive(scheme: Scheme, stream: &Stream, i: u32) -> Option<(Option<u16>, u64, Option<Box<Completed>>)> {
+    let block = stream.blocks.get(i)?;
+    let own = stream.blocks.tokens(i);
     // The chain state at or before the parent's end, and the tokens after it up to the parent's
     // end, found by walking up to the nearest block that keeps a state.
     let (ns, start, mut state, mut pending) = match (block.parent, block.root) {
         (None, Some(ns)) => {
-            let state = ns.and_then(|i| stream.namespaces.get(usize::from(i))).map(|n| ChainState::start(n.key()));
+            let state = ns.and_then(|n| stream.namespaces.get(usize::from(n))).map(|n| ChainState::start(n.key()));
             (ns, 0u64, state, Vec::new())
         }
         (None, None) => return None,
         (Some(p), _) => {
-            let parent = stream.blocks.get(&p)?;
-            let at = parent.at.as_ref()?;
+            let mut cursor = stream.blocks.find(p)?;
+            let parent = stream.blocks.get(cursor).filter(|b| b.attached)?;
+            let (ns, end) = (parent.ns, parent.end);
             let mut tail: Vec<&[u32]> = Vec::new();
-            let mut cursor = parent;
-            let mut cursor_at = at;
             let state = loop {
-                if let Some(s) = cursor_at.state.as_deref() {
+                let at = stream.blocks.get(cursor)?;
+                if let Some(c) = at.completed.as_deref() {
                     // The tokens of `cursor` after the state's last block.
-                    let boundary = s.blocks() * BLOCK_TOKENS as u64;
-                    let after = usize::try_from(cursor_at.end.saturating_sub(boundary)).unwrap_or(usize::MAX);
-                    let own = &cursor.tokens;
-                    tail.push(own.get(own.len().saturating_sub(after)..).unwrap_or(&[]));
-                    break Some(*s);
+                    let boundary = c.state.blocks() * BLOCK_TOKENS as u64;
+                    let after = usize::try_from(at.end.saturating_sub(boundary)).unwrap_or(usize::MAX);
+                    let tokens = stream.blocks.tokens(cursor);
+                    tail.push(tokens.get(tokens.len().saturating_sub(after)..).unwrap_or(&[]));
+                    break Some(c.state);
                 }
-                if cursor_at.ns.is_none() {
+                if at.ns.is_none() {
                     break None;
                 }
-                tail.push(&cursor.tokens);
-                let up = cursor.parent.and_then(|p| stream.blocks.get(&p))?;
-                cursor_at = up.at.as_ref()?;
-                cursor = up;
+                tail.push(stream.blocks.tokens(cursor));
+                cursor = stream.blocks.find(at.parent?)?;
             };
             let pending: Vec<u32> = tail.iter().rev().flat_map(|t| t.iter().copied()).collect();
-            (at.ns, at.end, state, pending)
+            (ns, end, state, pending)
         }
     };
-    let end = start + block.tokens.len() as u64;
+    let end = start + own.len() as u64;
     let mut keys = Vec::new();
-    let mut kept = None;
+    let mut completed = None;
     if let Some(s) = state.as_mut() {
-        pending.extend_from_slice(&block.tokens);
-        let mut chunks = pending.chunks_exact(BLOCK_TOKENS);
-        for chunk in chunks.by_ref() {
+        pending.extend_from_slice(own);
+        for chunk in pending.chunks_exact(BLOCK_TOKENS) {
             if let Ok(whole) = <&[u32; BLOCK_TOKENS]>::try_from(chunk) {
                 keys.push(s.push(scheme, whole));
             }
         }
         if !keys.is_empty() || block.parent.is_none() {
-            kept = Some(Box::new(*s));
+            completed = Some(Box::new(Completed { state: *s, keys: keys.into() }));
         }
     }
-    Some(Attached { ns: ns.filter(|_| state.is_some()), end, state: kept, keys: keys.into() })
+    Some((ns.filter(|_| state.is_some()), end, completed))
 }
 
-/// Detaches block `hash` and every attached block below it: their blocks of ours are no longer
-/// held by `node`.
-fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, hash: u64) {
-    let mut todo = vec![hash];
-    while let Some(h) = todo.pop() {
-        let Some(block) = stream.blocks.get_mut(&h) else { continue };
-        let Some(at) = block.at.take() else { continue };
-        for key in at.keys.iter() {
+/// Detaches the block in slot `i` and every attached block below it: their blocks of ours are
+/// no longer held by `node`.
+fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32) {
+    let mut todo = vec![i];
+    while let Some(i) = todo.pop() {
+        let Some(b) = stream.blocks.get_mut(i).filter(|b| b.attached) else { continue };
+        b.attached = false;
+        for key in keys_of(b) {
             unhold(held, key, node);
         }
-        if let Some(children) = stream.children.get(&h) {
-            todo.extend(children.iter().copied());
-        }
+        let n = keys_of(b).len();
+        stream.ours = stream.ours.saturating_sub(n);
+        todo.extend(stream.blocks.children(i));
     }
 }
 
@@ -699,17 +686,19 @@ const HAS_PARENT: u8 = 1;
 const KEYED: u8 = 2;
 
 /// A block's row (see the module docs).
-fn encode_row(block: &Block, namespaces: &[Namespace]) -> Arc<[u8]> {
-    let ns = block.root.flatten().and_then(|i| namespaces.get(usize::from(i)));
-    let mut out = Vec::with_capacity(32 + 4 * block.tokens.len());
+fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
+    let Some(block) = blocks.get(i) else { return Arc::from(&[][..]) };
+    let tokens = blocks.tokens(i);
+    let ns = block.root.flatten().and_then(|n| namespaces.get(usize::from(n)));
+    let mut out = Vec::with_capacity(32 + 4 * tokens.len());
     out.push((u8::from(block.parent.is_some()) * HAS_PARENT) | (u8::from(ns.is_some()) * KEYED));
     if let Some(p) = block.parent {
         out.extend_from_slice(&p.to_le_bytes());
     }
     out.extend_from_slice(&block.refs.to_le_bytes());
     out.extend_from_slice(&block.clock.to_le_bytes());
-    out.extend_from_slice(&u32::try_from(block.tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
-    for t in block.tokens.iter() {
+    out.extend_from_slice(&u32::try_from(tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
+    for t in tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
     if let Some(ns) = ns {
@@ -721,8 +710,17 @@ fn encode_row(block: &Block, namespaces: &[Namespace]) -> Arc<[u8]> {
     out.into()
 }
 
+/// A block's row, read.
+struct Row {
+    parent: Option<u64>,
+    refs: u32,
+    clock: u64,
+    tokens: Vec<u32>,
+    root: Option<Option<u16>>,
+}
+
 /// Reads a block's row, adding its namespace (if a keyed first block) to `namespaces`.
-fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Block> {
+fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
     let corrupt = || Error::Corrupted { detail: "an engine block row does not decode".into() };
     let mut r = Reader(bytes);
     let flags = r.take::<1>().ok_or_else(corrupt)?[0];
@@ -734,7 +732,7 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Block> {
     let clock = u64::from_le_bytes(r.take().ok_or_else(corrupt)?);
     let n = u32::from_le_bytes(r.take().ok_or_else(corrupt)?) as usize;
     let raw = r.bytes(n.checked_mul(4).ok_or_else(corrupt)?).ok_or_else(corrupt)?;
-    let tokens: Box<[u32]> =
+    let tokens: Vec<u32> =
         raw.chunks_exact(4).map(|c| c.try_into().map(u32::from_le_bytes).unwrap_or_default()).collect();
     let root = match (parent, flags & KEYED) {
         (Some(_), _) => None,
@@ -758,7 +756,7 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Block> {
     if !r.0.is_empty() {
         return Err(corrupt());
     }
-    Ok(Block { parent, tokens, refs, clock, root, at: None })
+    Ok(Row { parent, refs, clock, tokens, root })
 }
 
 /// Reads fixed-width fields off the front of a row.

@@ -4,6 +4,7 @@
 pub(crate) mod caches;
 pub(crate) mod codec;
 pub(crate) mod effect;
+pub(crate) mod engine_blocks;
 pub(crate) mod engines;
 pub(crate) mod import;
 pub(crate) mod records;

@@ -150,8 +150,9 @@ pub fn run(
     let mut report = EngineReport { requests: requests.len(), load: vec![0; nodes], ..EngineReport::default() };
     let mut load = Load::new(config);
     let mut times = Vec::with_capacity(requests.len());
-    // Each node's restarts made, and seen by the index.
+    // Each node's restarts made, and those the index had seen before the request was asked.
     let mut restarted = vec![0u64; nodes];
+    let mut seen = vec![0u64; nodes];
     // Every batch as published: (node, seq, vLLM payload), for the ingest run.
     let mut all: Vec<(usize, u64, Vec<u8>)> = Vec::new();
     for (i, request) in requests.iter().enumerate() {
@@ -166,6 +167,12 @@ pub fn run(
             report.restarts += 1;
         }
         let tokens = prompt(config, request);
+        if restarted.iter().zip(&seen).any(|(r, s)| r > s) {
+            let stats = warm.engine_stats()?;
+            for (name, s) in names.iter().zip(seen.iter_mut()) {
+                *s = stats.iter().find(|e| &e.node == name).map_or(*s, |e| e.counts.restarts);
+            }
+        }
         let t0 = Instant::now();
         let (prefix, found) = ask(&warm, &namespace, &names, config.policy, &tokens)?;
         let mut spent = t0.elapsed();
@@ -180,10 +187,8 @@ pub fn run(
         if claimed > held {
             report.warm_not_cached += 1;
             if *nth(&restarted, chosen)? > 0 && !sim.stored_since_restart(&tokens, claimed) {
-                let name = nth(&names, chosen)?;
-                let seen = warm.engine_stats()?.iter().find(|s| &s.node == name).map_or(0, |s| s.counts.restarts);
                 let over = (claimed - held) as u64;
-                match seen >= *nth(&restarted, chosen)? {
+                match nth(&seen, chosen)? >= nth(&restarted, chosen)? {
                     true => report.warm_to_restarted_seen += over,
                     false => report.warm_to_restarted_unseen += over,
                 }

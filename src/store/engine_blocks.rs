@@ -1,0 +1,282 @@
+//! The engine blocks of one stream, laid out for memory: a slab of fixed-size slots, an index
+//! from engine hash to slot, the tokens of each slot in one arena, and each block's children as
+//! an intrusive list through the slots (a block whose parent is not held waits in `orphans`
+//! under its parent's hash, and is adopted when the parent is stored). A head following 8
+//! engines of 65,536 blocks holds half a million of these.
+
+use std::collections::HashMap;
+
+use crate::keys::{BlockKey, ChainState};
+
+/// No slot.
+pub(crate) const NIL: u32 = u32::MAX;
+
+/// What an attached block keys: where its chain stands after the last block of ours that ends
+/// inside it, and those blocks (only for blocks where one ends, and first blocks).
+#[derive(Clone, Debug)]
+pub(crate) struct Completed {
+    /// The chain after its last block of ours (for a first block with none: the chain's start).
+    pub state: ChainState,
+    /// The blocks of ours that end inside it.
+    pub keys: Box<[BlockKey]>,
+}
+
+/// One engine block.
+#[derive(Clone, Debug)]
+pub(crate) struct Slot {
+    /// Its engine hash.
+    pub hash: u64,
+    /// Its parent's hash (`None`: a prompt's first block).
+    pub parent: Option<u64>,
+    /// The clock of the batch that first stored it.
+    pub clock: u64,
+    /// Derived once it was first attached: tokens from the prompt's first to its last.
+    pub end: u64,
+    /// Derived once it was first attached: what it keys (the same at every later attachment:
+    /// an engine hash names its whole prefix).
+    pub completed: Option<Box<Completed>>,
+    /// Copies stored and not yet removed (0: a free slot).
+    pub refs: u32,
+    first_child: u32,
+    next_sibling: u32,
+    /// For a first block: its namespace's index in the stream's list (`None`: unkeyed).
+    pub root: Option<Option<u16>>,
+    /// Derived once it was first attached: the namespace its chain is keyed in (`None`:
+    /// unkeyed, or not yet attached).
+    pub ns: Option<u16>,
+    /// Whether what it keys was derived.
+    pub derived: bool,
+    /// Whether it is attached now: its parent is (back to a prompt's first block).
+    pub attached: bool,
+}
+
+/// The blocks of one stream.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Blocks {
+    slots: Vec<Slot>,
+    index: HashMap<u64, u32>,
+    free: Vec<u32>,
+    /// Tokens: slot `i`'s at `i * stride ..`, for blocks of `stride` tokens.
+    arena: Vec<u32>,
+    stride: usize,
+    /// Tokens of blocks of another size, by slot.
+    odd: HashMap<u32, Box<[u32]>>,
+    /// First waiting child (by slot), by the hash of its parent that is not held.
+    orphans: HashMap<u64, u32>,
+}
+
+impl Blocks {
+    /// Blocks held.
+    pub(crate) fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// The slot of the block of hash `hash`.
+    pub(crate) fn find(&self, hash: u64) -> Option<u32> {
+        self.index.get(&hash).copied()
+    }
+
+    /// Slot `i`.
+    pub(crate) fn get(&self, i: u32) -> Option<&Slot> {
+        self.slots.get(i as usize).filter(|s| s.refs > 0)
+    }
+
+    /// Slot `i`, to change.
+    pub(crate) fn get_mut(&mut self, i: u32) -> Option<&mut Slot> {
+        self.slots.get_mut(i as usize).filter(|s| s.refs > 0)
+    }
+
+    /// The tokens of slot `i`.
+    pub(crate) fn tokens(&self, i: u32) -> &[u32] {
+        match self.odd.get(&i) {
+            Some(t) => t,
+            None => {
+                let start = (i as usize).saturating_mul(self.stride);
+                self.arena.get(start..start.saturating_add(self.stride)).unwrap_or(&[])
+            }
+        }
+    }
+
+    /// Every held block's slot.
+    pub(crate) fn slots(&self) -> impl Iterator<Item = u32> + '_ {
+        self.index.values().copied()
+    }
+
+    /// Slot `i`'s children (held, attached or not).
+    pub(crate) fn children(&self, i: u32) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut c = self.slots.get(i as usize).map_or(NIL, |s| s.first_child);
+        while let Some(child) = self.slots.get(c as usize) {
+            out.push(c);
+            c = child.next_sibling;
+        }
+        out
+    }
+
+    /// Adds a block (one copy), linked under its parent (or waiting for it), adopting the
+    /// children that were waiting for it. Returns its slot.
+    pub(crate) fn insert(
+        &mut self,
+        hash: u64,
+        parent: Option<u64>,
+        tokens: &[u32],
+        clock: u64,
+        root: Option<Option<u16>>,
+    ) -> u32 {
+        if self.stride == 0 {
+            self.stride = tokens.len();
+        }
+        let slot = Slot {
+            hash,
+            parent,
+            clock,
+            end: 0,
+            completed: None,
+            refs: 1,
+            first_child: self.orphans.remove(&hash).unwrap_or(NIL),
+            next_sibling: NIL,
+            root,
+            ns: None,
+            derived: false,
+            attached: false,
+        };
+        let i = match self.free.pop() {
+            Some(i) => {
+                if let Some(s) = self.slots.get_mut(i as usize) {
+                    *s = slot;
+                }
+                i
+            }
+            None => {
+                self.slots.push(slot);
+                u32::try_from(self.slots.len() - 1).unwrap_or(NIL)
+            }
+        };
+        self.set_tokens(i, tokens);
+        self.index.insert(hash, i);
+        if let Some(p) = parent {
+            let head = match self.find(p) {
+                Some(ps) => self.slots.get_mut(ps as usize).map(|s| &mut s.first_child),
+                None => Some(self.orphans.entry(p).or_insert(NIL)),
+            };
+            if let Some(head) = head {
+                let next = std::mem::replace(head, i);
+                if let Some(s) = self.slots.get_mut(i as usize) {
+                    s.next_sibling = next;
+                }
+            }
+        }
+        i
+    }
+
+    fn set_tokens(&mut self, i: u32, tokens: &[u32]) {
+        if tokens.len() != self.stride {
+            self.odd.insert(i, tokens.into());
+            return;
+        }
+        self.odd.remove(&i);
+        let start = (i as usize).saturating_mul(self.stride);
+        if self.arena.len() < start + self.stride {
+            self.arena.resize(start + self.stride, 0);
+        }
+        if let Some(place) = self.arena.get_mut(start..start + self.stride) {
+            place.copy_from_slice(tokens);
+        }
+    }
+
+    /// Removes slot `i` (its last copy): unlinked from its parent's children, its own children
+    /// left waiting for its hash. Returns it.
+    pub(crate) fn remove(&mut self, i: u32) -> Option<Slot> {
+        let slot = self.get(i)?.clone();
+        self.index.remove(&slot.hash);
+        if let Some(p) = slot.parent {
+            let parent_slot = self.find(p);
+            self.unlink(parent_slot, p, i, slot.next_sibling);
+        }
+        if slot.first_child != NIL {
+            self.orphans.insert(slot.hash, slot.first_child);
+        }
+        if let Some(s) = self.slots.get_mut(i as usize) {
+            s.refs = 0;
+            s.completed = None;
+            s.first_child = NIL;
+        }
+        self.odd.remove(&i);
+        self.free.push(i);
+        Some(slot)
+    }
+
+    /// Takes `i` out of the children of `parent` (its slot, else the orphans waiting for it).
+    fn unlink(&mut self, parent: Option<u32>, parent_hash: u64, i: u32, next: u32) {
+        let first = match parent {
+            Some(ps) => self.slots.get(ps as usize).map_or(NIL, |s| s.first_child),
+            None => self.orphans.get(&parent_hash).copied().unwrap_or(NIL),
+        };
+        if first == i {
+            match parent {
+                Some(ps) => {
+                    if let Some(s) = self.slots.get_mut(ps as usize) {
+                        s.first_child = next;
+                    }
+                }
+                None if next == NIL => {
+                    self.orphans.remove(&parent_hash);
+                }
+                None => {
+                    self.orphans.insert(parent_hash, next);
+                }
+            }
+            return;
+        }
+        let mut c = first;
+        while let Some(s) = self.slots.get(c as usize) {
+            if s.next_sibling == i {
+                if let Some(s) = self.slots.get_mut(c as usize) {
+                    s.next_sibling = next;
+                }
+                return;
+            }
+            c = s.next_sibling;
+        }
+    }
+
+    /// Drops every block.
+    pub(crate) fn clear(&mut self) {
+        *self = Blocks::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn children_follow_their_parent_out_and_back() {
+        let mut b = Blocks::default();
+        let root = b.insert(1, None, &[1, 2], 1, Some(None));
+        let x = b.insert(2, Some(1), &[3, 4], 1, None);
+        let y = b.insert(3, Some(1), &[5, 6, 7], 1, None);
+        assert_eq!(b.tokens(y), [5, 6, 7], "a block of another size");
+        assert_eq!(b.tokens(x), [3, 4]);
+        let mut kids = b.children(root);
+        kids.sort_unstable();
+        assert_eq!(kids, vec![x, y]);
+        // The parent goes: its children wait for its hash, and come back with it.
+        b.remove(root);
+        assert_eq!(b.find(1), None);
+        let again = b.insert(1, None, &[1, 2], 2, Some(None));
+        let mut kids = b.children(again);
+        kids.sort_unstable();
+        assert_eq!(kids, vec![x, y]);
+        // A child stored before its parent waits for it too.
+        let z = b.insert(9, Some(8), &[0, 0], 3, None);
+        let p = b.insert(8, Some(1), &[0, 1], 3, None);
+        assert_eq!(b.children(p), vec![z]);
+        b.remove(x);
+        let mut kids = b.children(again);
+        kids.sort_unstable();
+        assert_eq!(kids, vec![y, p]);
+        assert_eq!(b.len(), 4);
+        assert_eq!(b.insert(10, None, &[4, 4], 4, Some(None)), x, "a freed slot is used again");
+    }
+}

@@ -15,7 +15,7 @@ use superfluid_warm::{
     DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, IndexFile, LegacyJson, MAX_CAPACITY,
     Snapshot, Stats, Warm,
 };
-use superfluid_warm::{EngineEndpoint, ListenStats, Listener};
+use superfluid_warm::{EngineEndpoint, ListenStats, Listener, Namespace, ReadIndex, Reader};
 
 /// What every command does with a file a crashed head left, said once.
 const CRASH_RULE: &str = "A file left open by a head that crashed: `dump` and `stats` refuse it and `check` reports \
@@ -83,6 +83,24 @@ enum Command {
     },
     /// Replays a conversation workload through the index and reports what routing found.
     Replay(ReplayArgs),
+    /// Answers `warm_nodes` for each prompt of a file (one JSON array of token ids a line), from
+    /// the index's last commit, whether or not a head has it open.
+    Ask {
+        /// The index file.
+        path: PathBuf,
+        /// The model the prompts are for.
+        #[arg(long)]
+        model: String,
+        /// The tenant (cache salt) the prompts are for, if any.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// The prompts: one JSON array of token ids a line.
+        #[arg(long)]
+        prompts: PathBuf,
+        /// One JSON object a line.
+        #[arg(long)]
+        json: bool,
+    },
     /// Keeps the index of what each engine holds from its KV cache events (vLLM's or SGLang's,
     /// over ZMQ), as a head that only listens, until SIGTERM or Ctrl-C (then closes the file
     /// cleanly). A status line a node goes to stderr every --status-every seconds.
@@ -374,7 +392,52 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Forget { path, node } => forget(out, &path, &node),
         Command::Replay(args) => replay_cmd(out, &args),
         Command::Listen(args) => listen(out, &args),
+        Command::Ask { path, model, tenant, prompts, json } => {
+            ask(out, &path, (&model, tenant.as_deref()), &prompts, json)
+        }
     }
+}
+
+fn ask(
+    out: &mut impl Write,
+    path: &Path,
+    (model, tenant): (&str, Option<&str>),
+    prompts: &Path,
+    json: bool,
+) -> Result<ExitCode, CliError> {
+    let namespace = match tenant {
+        Some(t) => Namespace::with_tenant(model, t.as_bytes())?,
+        None => Namespace::new(model)?,
+    };
+    let text = std::fs::read_to_string(prompts)
+        .map_err(|e| CliError::Refused(format!("cannot read the prompts {}: {e}", prompts.display())))?;
+    let reader = Reader::open(path)?;
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let tokens: Vec<u32> = serde_json::from_str(line).map_err(|e| {
+            CliError::Refused(format!(
+                "{} line {}: not a JSON array of token ids (0 to 2^32-1): {e}",
+                prompts.display(),
+                i + 1
+            ))
+        })?;
+        let hits = reader.warm_nodes_prefix(&reader.prefix(&namespace, &tokens))?;
+        let line = match json {
+            true => json!({
+                "line": i + 1, "tokens": tokens.len(),
+                "warm_nodes": hits.iter().map(|h| json!({"node": h.node, "tokens": h.tokens})).collect::<Vec<_>>(),
+            })
+            .to_string(),
+            false if hits.is_empty() => format!("{}: {} tokens, warm nowhere", i + 1, tokens.len()),
+            false => format!(
+                "{}: {} tokens, warm on {}",
+                i + 1,
+                tokens.len(),
+                hits.iter().map(|h| format!("{} ({} tokens)", h.node, h.tokens)).collect::<Vec<_>>().join(", ")
+            ),
+        };
+        writeln!(out, "{line}").map_err(CliError::Output)?;
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Seconds as a `Duration`, refusing what is not a finite, non-negative number.

@@ -55,6 +55,7 @@ pub use file::snapshot::{Check, DumpEntry, MAX_PROBLEMS, Snapshot, SnapshotStats
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
 pub use index::front::DEFAULT_ENGINE_GRACE;
 pub use index::read_index::ReadIndex;
+pub use index::reader::Reader;
 pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
 pub use keys::{
     BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix,

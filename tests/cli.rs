@@ -923,3 +923,65 @@ fn replay_over_engines_that_publish_their_kv_events() {
     let bad = run(&["replay", "--engine-events", "--threads", "2"]);
     assert!(!bad.status.success(), "--engine-events and --threads do not go together");
 }
+
+/// `ask` answers `warm_nodes` from a file's last commit, the same as the head that wrote it: on
+/// a closed file, and on one a head has open (its committed changes), engine streams included.
+#[test]
+fn ask_answers_from_the_last_commit_of_a_closed_or_live_file() -> Result<(), superfluid_warm::Error> {
+    use superfluid_warm::tools::engine_sim::SimEngine;
+    use superfluid_warm::{ReadIndex, Warm};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("ask.redb");
+    let prompts: Vec<Vec<u32>> = (0..6u32).map(|c| (0..64 * (3 + c)).map(|t| c * 100_000 + t).collect()).collect();
+    let file = dir.path().join("prompts.jsonl");
+    let lines: Vec<String> = prompts.iter().map(|p| serde_json::to_string(p).expect("json")).collect();
+    std::fs::write(&file, lines.join("\n") + "\n[1, 2, 3]\n").expect("prompts");
+    let warm = Warm::open(&path)?;
+    for (i, p) in prompts.iter().enumerate().take(4) {
+        warm.ran("m", p, &format!("node-{}", i % 2))?;
+    }
+    // gpu-0's engine holds the last two prompts.
+    let mut engine = SimEngine::new(16, 1 << 16, "m", None)?;
+    for p in &prompts[4..] {
+        warm.engine_batch("gpu-0", &engine.run(p))?;
+    }
+    warm.sync()?;
+    let want: Vec<Vec<superfluid_warm::Hit>> =
+        prompts.iter().map(|p| warm.warm_nodes("m", p)).collect::<Result<_, _>>()?;
+    assert_eq!(want[5].first().map(|h| h.node.as_str()), Some("gpu-0"), "{want:?}");
+    let ask = |what: &str| -> Vec<serde_json::Value> {
+        let out = run(&[
+            "ask",
+            path.to_str().expect("utf-8"),
+            "--model",
+            "m",
+            "--prompts",
+            file.to_str().expect("utf-8"),
+            "--json",
+        ]);
+        assert!(out.status.success(), "{what}: {}", text(&out.stderr));
+        json_lines(&out)
+    };
+    let check = |lines: &[serde_json::Value], what: &str| {
+        assert_eq!(lines.len(), 7, "{what}");
+        for (line, want) in lines.iter().zip(&want) {
+            let got: Vec<(String, u64)> = line["warm_nodes"]
+                .as_array()
+                .expect("warm nodes")
+                .iter()
+                .map(|h| (h["node"].as_str().unwrap_or_default().to_string(), h["tokens"].as_u64().unwrap_or(0)))
+                .collect();
+            let want: Vec<(String, u64)> = want.iter().map(|h| (h.node.clone(), h.tokens as u64)).collect();
+            assert_eq!(got, want, "{what}: line {}", line["line"]);
+        }
+        assert_eq!(lines[6]["warm_nodes"], serde_json::json!([]), "a prompt under two blocks");
+    };
+    check(&ask("live"), "live");
+    warm.close()?;
+    check(&ask("closed"), "closed");
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "[1, -2]\n").expect("bad prompts");
+    let out = run(&["ask", path.to_str().expect("utf-8"), "--model", "m", "--prompts", bad.to_str().expect("utf-8")]);
+    assert!(!out.status.success() && text(&out.stderr).contains("line 1"), "{}", text(&out.stderr));
+    Ok(())
+}

@@ -256,6 +256,11 @@ impl Snapshot {
         })
     }
 
+    /// The read transaction of the snapshot, and its meta record (for a reader's answers).
+    pub(crate) fn read(&self) -> (&ReadTransaction, &Meta) {
+        (&self.txn, &self.meta)
+    }
+
     /// Whether the head that has the file open lost its side file (`<file>.seal`, which holds its
     /// lock) to a deletion: readers and other heads can no longer see that it has the file
     /// open. Restart that head to recreate it.

@@ -109,7 +109,14 @@ impl Decided {
     /// [`Error::Corrupted`] for records that contradict each other (live counts that do not
     /// add up, rows of unknown node ids); [`Error::Codec`]; [`Error::Storage`].
     pub(crate) fn load(db: &Database, scheme: Scheme) -> Result<Decided> {
-        let read = db.begin_read().map_err(redb_err("starting a read"))?;
+        Decided::read(&db.begin_read().map_err(redb_err("starting a read"))?, scheme)
+    }
+
+    /// [`Decided::load`] from a read transaction (a head's, or a reader's of a live file).
+    ///
+    /// # Errors
+    /// As [`Decided::load`].
+    pub(crate) fn read(read: &redb::ReadTransaction, scheme: Scheme) -> Result<Decided> {
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?
             .ok_or_else(|| Error::unknown_format("no meta record"))?;
         let state = read.open_table(STATE).map_err(redb_err("reading the floor"))?;
@@ -145,7 +152,7 @@ impl Decided {
             (floor, meta.next_node),
         )?;
         let clock = meta.clock.max(newest);
-        let engines = read_engines(&read, scheme, clock)?;
+        let engines = read_engines(read, scheme, clock)?;
         Ok(Decided { clock, nodes, horizon, caches, engines, scheme })
     }
 

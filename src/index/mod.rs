@@ -1,6 +1,7 @@
 //! The index layer: `Warm` and its `Builder`, the caller's side (decided state, memtable, queue,
 //! committed view, lookup) and the commit thread. Depends on `file`, `store` and `keys`.
 
+pub(crate) mod answer;
 pub(crate) mod builder;
 pub(crate) mod commit;
 pub(crate) mod decided;
@@ -13,4 +14,5 @@ pub(crate) mod others;
 pub(crate) mod pending;
 pub(crate) mod presence;
 pub(crate) mod read_index;
+pub(crate) mod reader;
 pub(crate) mod warm;

@@ -15,18 +15,19 @@ use std::time::{Duration, Instant};
 
 use redb::Database;
 
+use super::answer;
 use super::builder::Builder;
 use super::commit::{Back, Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, mark_open, published};
 use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
-use super::lookup::{self, NodeDepth};
-use super::pending::{PENDING_NODES, Pending};
+use super::lookup;
+use super::pending::Pending;
 use super::presence::Filters;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::keys::{
-    BLOCK_TOKENS, BlockKey, MAX_NODE_BYTES, MIN_BLOCKS, Namespace, Prefix, Scheme, check_len, legacy_chain, legacy_key,
+    BLOCK_TOKENS, BlockKey, MAX_NODE_BYTES, Namespace, Prefix, Scheme, check_len, legacy_chain, legacy_key,
 };
 use crate::store::caches::{NodeCacheStats, named_pairs};
 use crate::store::effect::Effect;
@@ -656,78 +657,13 @@ impl Warm {
     /// yet back from the stream), then the memtable and the last commit: one read path.
     pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Option<Hit>> {
         self.same_scheme(prefix)?;
-        if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
-            return Ok(None);
-        }
-        let mut front = self.front()?;
-        front.expire_claims();
-        let found = lookup::answer_search(&mut front, own, &prefix.blocks)?;
-        // The last block's node was forgotten, or its cache no longer holds it: the next node
-        // that ran the most of the prompt.
-        let found = match found {
-            Some(((node, clock), _)) if !lookup::answered(&front, own, node, clock) => {
-                lookup::warm_nodes(&mut front, own, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
-            }
-            found => found,
-        };
-        // What the engines hold, by their events.
-        let found = lookup::better(found, lookup::engine_search(&front, &prefix.blocks));
-        let found = if prefix.legacy.is_empty() {
-            found
-        } else {
-            lookup::longer(found, lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?)
-        };
-        Ok(found
-            .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-            .map(|((node, _), blocks)| Hit { node: node_name(&front, own, node), tokens: blocks * BLOCK_TOKENS }))
+        answer::warmest(&mut *self.front()?, own, prefix)
     }
 
     /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
     pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
         self.same_scheme(prefix)?;
-        let mut front = self.front()?;
-        front.expire_claims();
-        let mut found: Vec<NodeDepth> = lookup::warm_nodes(&mut front, own, &prefix.blocks)?;
-        if front.decided.engines.any() {
-            // What each engine holds, by its events, where more than its claims.
-            for held in lookup::engine_depths(&front, &prefix.blocks) {
-                match found.iter_mut().find(|d| d.node == held.node) {
-                    Some(d) if (d.blocks, d.clock) >= (held.blocks, held.clock) => {}
-                    Some(d) => *d = held,
-                    None => found.push(held),
-                }
-            }
-            found.sort_by(NodeDepth::longest_first);
-        }
-        if !prefix.legacy.is_empty()
-            && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(&front, k))?
-        {
-            // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
-            match found.iter_mut().find(|d| d.node == node) {
-                Some(d) if d.blocks >= blocks => {}
-                Some(d) => *d = NodeDepth { node, blocks, clock },
-                None => found.push(NodeDepth { node, blocks, clock }),
-            }
-            found.sort_by(NodeDepth::longest_first);
-        }
-        // Longest first, ties newest first: a node named twice (a file's incarnation and `own`'s
-        // write of the same name) is listed once, where it comes first.
-        let mut hits: Vec<Hit> = Vec::with_capacity(found.len());
-        for d in found.into_iter().filter(|d| d.blocks >= MIN_BLOCKS) {
-            let node = node_name(&front, own, d.node);
-            if !hits.iter().any(|h| h.node == node) {
-                hits.push(Hit { node, tokens: d.blocks * BLOCK_TOKENS });
-            }
-        }
-        Ok(hits)
-    }
-}
-
-/// The name of node `node`: the file's, or `own`'s for its own nodes.
-fn node_name(front: &Front, own: Option<&dyn Pending>, node: u32) -> String {
-    match own.filter(|_| node >= PENDING_NODES).and_then(|o| o.name(node)) {
-        Some(name) => name.to_string(),
-        None => front.decided.nodes.name(node),
+        answer::warm_nodes(&mut *self.front()?, own, prefix)
     }
 }
 

@@ -1,0 +1,98 @@
+//! `Reader`: the answers of a file's last commit without a head, for a process that only asks
+//! (`superfluid-warm ask`), on a closed file or one a head is writing. The same read path as a
+//! head's (`answer.rs`), over the decided state and the committed view read from one snapshot.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use super::answer;
+use super::decided::Decided;
+use super::front::{Front, Published, View};
+use super::read_index::ReadIndex;
+use super::warm::Hit;
+use crate::error::{Error, Result, redb_err};
+use crate::file::snapshot::Snapshot;
+use crate::keys::{BLOCK_TOKENS, Namespace, Prefix, Scheme, legacy_chain};
+use crate::store::schema;
+use crate::store::tables::{OTHERS, PREFIXES};
+use crate::store::writer::MAX_NODES_PER_PREFIX;
+
+/// A file's answers as of its last commit, read-only: what a head would answer had it just
+/// opened the file (a `ran`'s claim on a node with an engine stream has expired; the node
+/// caches and engine streams are the file's). Open another to see later commits.
+pub struct Reader {
+    front: Mutex<Front>,
+    scheme: Scheme,
+    legacy: bool,
+    /// The snapshot the answers are read from (its lock keeps a head from rewriting the file
+    /// under a reader of a closed one).
+    _snapshot: Snapshot,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader").field("scheme", &self.scheme.name()).finish_non_exhaustive()
+    }
+}
+
+impl Reader {
+    /// Opens `path` read-only at its last commit (verified first as [`Snapshot::open`] does).
+    ///
+    /// # Errors
+    /// As [`Snapshot::open`]; [`Error::UnknownFormat`] for a file older than schema 4 (a head
+    /// upgrades it when it opens it).
+    pub fn open(path: impl AsRef<Path>) -> Result<Reader> {
+        let snapshot = Snapshot::open(path)?;
+        let (read, meta) = snapshot.read();
+        let scheme = schema::check(meta)?;
+        if meta.schema < 4 {
+            return Err(Error::unknown_format(format!(
+                "schema {} (open it with a head once: it is upgraded in place)",
+                meta.schema
+            )));
+        }
+        let decided = Decided::read(read, scheme)?;
+        let prefixes = read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
+        let others = read.open_table(OTHERS).map_err(redb_err("opening the others"))?;
+        let published = Published {
+            entries: meta.entries,
+            legacy_entries: meta.legacy_entries,
+            capacity: meta.capacity,
+            held: Arc::from(Vec::new()),
+        };
+        let view = View { generation: 0, tables: Arc::new((prefixes, others)), presence: None, published };
+        let legacy = meta.legacy_entries > 0;
+        // Every node a block keeps is read: how many a head keeps is its own setting.
+        let front = Front::new(decided, view, MAX_NODES_PER_PREFIX);
+        Ok(Reader { front: Mutex::new(front), scheme, legacy, _snapshot: snapshot })
+    }
+
+    fn same_scheme(&self, prefix: &Prefix) -> Result<()> {
+        match prefix.scheme == self.scheme || prefix.blocks.is_empty() {
+            true => Ok(()),
+            false => Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: self.scheme.name() }),
+        }
+    }
+}
+
+impl ReadIndex for Reader {
+    fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
+        let mut prefix = Prefix::in_scheme(self.scheme, namespace, tokens);
+        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.legacy {
+            prefix.legacy = legacy_chain(namespace.model(), tokens);
+        }
+        prefix
+    }
+
+    fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        self.same_scheme(prefix)?;
+        let mut front = self.front.lock().map_err(|_| Error::Poisoned)?;
+        answer::warmest(&mut front, None, prefix)
+    }
+
+    fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        self.same_scheme(prefix)?;
+        let mut front = self.front.lock().map_err(|_| Error::Poisoned)?;
+        answer::warm_nodes(&mut front, None, prefix)
+    }
+}

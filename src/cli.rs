@@ -482,10 +482,16 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
     print(&stats);
     // Every listening thread has ended, and with it its handle on the index.
     match std::sync::Arc::try_unwrap(warm) {
-        Ok(warm) => warm.close()?,
-        Err(still_shared) => drop(still_shared),
+        Ok(warm) => {
+            warm.close()?;
+            emit(out, &format!("stopped; {} closed cleanly", args.path.display()))
+        }
+        // Not reached (every thread has ended): dropping it closes it, best effort.
+        Err(still_shared) => {
+            drop(still_shared);
+            emit(out, &format!("stopped; {} closed", args.path.display()))
+        }
     }
-    emit(out, &format!("stopped; {} closed cleanly", args.path.display()))
 }
 
 /// Waits for SIGTERM, SIGINT or `until`, calling `tick` every `every` (if not zero).

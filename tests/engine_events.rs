@@ -41,12 +41,13 @@ fn answers(warm: &Warm, tokens: &[u32]) -> Result<HashMap<String, usize>, Error>
     Ok(hits.into_iter().map(|h| (h.node, h.tokens)).collect())
 }
 
-/// Random conversations on 3 engines of each block size: after every batch delivered, every
+/// Random conversations on 3 engines of each block size (16, 32, 64; 1, as SGLang pages a token
+/// at a time; 48, which does not divide 64 and so keys nothing): after every batch delivered, every
 /// answer is at most what the engine can serve, and exactly that (in whole blocks of 64, from 2) while no
 /// batch was lost; the same after a reopen.
 #[test]
 fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> Result<(), Error> {
-    for (seed, size) in [(1u64, 16usize), (2, 32), (3, 64), (4, 16)] {
+    for (seed, size) in [(1u64, 16usize), (2, 32), (3, 64), (4, 16), (5, 48), (6, 1)] {
         let dir = common::tempdir();
         let path = dir.path().join("engines.redb");
         let mut warm = Warm::open(&path)?;
@@ -88,7 +89,8 @@ fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> R
                 for (i, engine) in engines.iter().enumerate().filter(|&(i, _)| !behind[i]) {
                     let name = format!("engine-{i}");
                     let serves = engine.holds(c) / 64 * 64;
-                    let want = if serves >= 128 { serves } else { 0 };
+                    // Blocks whose ends are not ends of ours key nothing.
+                    let want = if serves >= 128 && 64 % size == 0 { serves } else { 0 };
                     let answered = got.get(&name).copied().unwrap_or(0);
                     assert!(answered <= want, "seed {seed} step {step}: {name} answered {answered}, holds {want}");
                     if !lost[i] {
@@ -104,7 +106,11 @@ fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> R
         let restarts: u64 = stats.iter().map(|s| s.counts.restarts).sum();
         let gaps: u64 = stats.iter().map(|s| s.counts.gaps).sum();
         let dups: u64 = stats.iter().map(|s| s.counts.duplicate_blocks).sum();
-        assert!(warm_answers > checked / 20, "the model has warm answers to check ({warm_answers} of {checked})");
+        if 64 % size == 0 {
+            assert!(warm_answers > checked / 20, "the model has warm answers to check ({warm_answers} of {checked})");
+        } else {
+            assert!(stats.iter().all(|s| s.counts.unaligned > 0 && s.blocks == 0), "counted, and nothing keyed");
+        }
         assert!(restarts > 0 && gaps > 0 && dups > 0, "restarts {restarts}, gaps {gaps}, duplicates {dups}");
         println!("block size {size}: {checked} answers checked, {warm_answers} warm; {restarts} restarts, {gaps} gaps");
         warm.close()?;
@@ -159,11 +165,11 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
     assert_eq!(warm.warmest("m", &prompt)?, None, "CPU blocks are not GPU-warm");
     let third: Vec<u32> = (5000..5000 + 64 * 4).collect();
     let mut unkeyed = engine.run(&third);
-    stores(&mut unkeyed, &|s| s.namespace = None);
+    let none = stores(&mut unkeyed, &|s| s.namespace = None);
     warm.engine_batch("gpu-0", &unkeyed)?;
     assert_eq!(warm.warmest("m", &third)?, None, "an unkeyed store keys nothing");
     let counts = &warm.engine_stats()?[0].counts;
-    assert_eq!((counts.other_medium, counts.unkeyed), (cpu, 1));
+    assert_eq!((counts.other_medium, counts.unkeyed), (cpu, none));
     Ok(())
 }
 

@@ -305,6 +305,8 @@ impl One {
         if let EngineOutcome::Gap { .. } = self.warm.engine_batch(&self.engine.node, live)? {
             self.warm.engine_resync(&self.engine.node, live)?;
         }
+        // A replayed batch that did not decode was a hole of the replay, handled above.
+        self.resync = false;
         Ok(())
     }
 

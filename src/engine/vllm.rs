@@ -21,6 +21,14 @@ use crate::store::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
 pub fn decode_engine_batch(seq: u64, payload: &[u8], model: &str) -> Result<EngineBatch> {
     let decoded = decode::decode_batch(payload)
         .map_err(|e| Error::Engine { detail: format!("batch {seq}: {e}"), source: Some(Arc::new(e)) })?;
+    // Publish times order an engine's processes (a restart publishes later): a time that is
+    // not a number would make every later batch look like a restart, or none.
+    if !decoded.ts.is_finite() {
+        return Err(Error::Engine {
+            detail: format!("batch {seq}: publish time {} is not a time", decoded.ts),
+            source: None,
+        });
+    }
     Ok(EngineBatch { seq, ts: decoded.ts, events: decoded.events.into_iter().map(|e| event(model, e)).collect() })
 }
 

@@ -32,7 +32,6 @@ pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 48 << 20;
 /// dirty pages a write transaction holds in memory when the commit thread is saturated.
 pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
 
-/// A decided change, queued for the commit thread.
 /// How long a `ran` on a node whose engine reports what it holds is answered before the engine's
 /// events confirm it (`Builder::engine_grace`): vLLM publishes a store within one scheduler step
 /// of the request's start, so a few seconds cover a loaded engine and a slow link.
@@ -41,6 +40,7 @@ pub const DEFAULT_ENGINE_GRACE: Duration = Duration::from_secs(3);
 /// What an engine effect costs in the queue besides its row: the effect and the row's header.
 const ENGINE_EFFECT_BYTES: usize = 64;
 
+/// A decided change, queued for the commit thread.
 pub(crate) struct Queued {
     pub effects: Vec<Effect>,
     /// When it was decided (for the sync window).
@@ -56,7 +56,6 @@ impl Queued {
         self.effects.iter().map(Effect::blocks).sum()
     }
 
-    /// The keys it writes.
     /// Bytes its engine rows hold (what the memtable does not count).
     pub(crate) fn engine_bytes(&self) -> usize {
         self.effects
@@ -69,6 +68,7 @@ impl Queued {
             .sum()
     }
 
+    /// The keys it writes.
     pub(crate) fn keys(&self) -> impl Iterator<Item = &[BlockKey]> {
         self.effects.iter().filter_map(|e| match e {
             Effect::Put { blocks, .. } => Some(&blocks[..]),

@@ -44,6 +44,9 @@ pub(crate) struct Slot {
     /// Derived once it was first attached: the namespace its chain is keyed in (`None`:
     /// unkeyed, or not yet attached).
     pub ns: Option<u16>,
+    /// Whether it hashes more than its tokens (an image, prompt embeddings): it keys nothing,
+    /// nor does anything below it.
+    pub opaque: bool,
     /// Whether what it keys was derived.
     pub derived: bool,
     /// Whether it is attached now: its parent is (back to a prompt's first block).
@@ -137,6 +140,7 @@ impl Blocks {
             next_sibling: NIL,
             root,
             ns: None,
+            opaque: false,
             derived: false,
             attached: false,
         };
@@ -154,7 +158,7 @@ impl Blocks {
         };
         self.set_tokens(i, tokens);
         self.index.insert(hash, i);
-        if let Some(p) = parent {
+        if let Some(p) = parent.filter(|&p| p != hash) {
             let head = match self.find(p) {
                 Some(ps) => self.slots.get_mut(ps as usize).map(|s| &mut s.first_child),
                 None => Some(self.orphans.entry(p).or_insert(NIL)),
@@ -193,7 +197,7 @@ impl Blocks {
             let parent_slot = self.find(p);
             self.unlink(parent_slot, p, i, slot.next_sibling);
         }
-        if slot.first_child != NIL {
+        if slot.first_child != NIL && slot.first_child != i {
             self.orphans.insert(slot.hash, slot.first_child);
         }
         if let Some(s) = self.slots.get_mut(i as usize) {

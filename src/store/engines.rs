@@ -16,8 +16,8 @@
 //! chain states, children and the held map are derived, at load, from the rows.
 //!
 //! Row layouts (`engine_blocks/v6`, key `(node id, engine hash)`), all integers little-endian:
-//! `flags: u8` (bit 0: has a parent, bit 1: keyed: a namespace follows), `parent: u64` (if bit
-//! 0), `refs: u32`, `clock: u64`, `tokens: u32` count then each token as `u32`, and for a keyed
+//! `flags: u8` (bit 0: has a parent; bit 1: keyed, a namespace follows; bit 2: opaque, it hashes
+//! more than its tokens and keys nothing), `parent: u64` (if bit 0), `refs: u32`, `clock: u64`, `tokens: u32` count then each token as `u32`, and for a keyed
 //! first block (no parent): `model: u16` length and bytes, `tenant: u16` length and bytes.
 
 use std::collections::{BTreeMap, HashMap};
@@ -74,9 +74,10 @@ pub struct EngineStored {
     /// Where the engine keeps them; only GPU blocks are indexed.
     pub medium: Medium,
     /// The namespace the blocks are keyed in (the model the endpoint serves, or its LoRA, and a
-    /// cache salt as the tenant). Only read for a first block (`parent` `None`): the others
-    /// continue their parent's chain. `None`: no namespace of this index matches (the blocks
-    /// are kept, so that their children are not taken for orphans, but key nothing).
+    /// cache salt as the tenant). Read for a first block (`parent` `None`): the others continue
+    /// their parent's chain. `None`: the blocks key nothing, nor does anything stored below
+    /// them (no namespace of this index matches, or they hash more than their tokens: images,
+    /// prompt embeddings); they are kept, so that their children are not taken for orphans.
     pub namespace: Option<Namespace>,
 }
 
@@ -158,8 +159,12 @@ pub struct EngineCounts {
     pub other_medium: u64,
     /// Stores under no namespace of this index (a LoRA or salt it does not route).
     pub unkeyed: u64,
-    /// Malformed events (tokens that do not fill the blocks), skipped.
+    /// Malformed events (tokens that do not fill the blocks, a block its own parent), skipped.
     pub malformed: u64,
+    /// Blocks of a size that does not divide 64 (vLLM's hybrid models, some parallel modes):
+    /// kept, but they key nothing. A block of ours would end inside one of them, and the
+    /// engine can only reuse it for a prompt that also shares the tokens after that end.
+    pub unaligned: u64,
 }
 
 /// Where one node's engine event stream stands, and its counts (`Warm::engine_stats`,
@@ -256,7 +261,7 @@ impl Engines {
         }
     }
 
-    /// The nodes holding block `key`: (node, clock), the newest first.
+    /// The newest of the nodes holding block `key`: (node, clock).
     pub(crate) fn holders(&self, key: &BlockKey) -> Option<(u32, u64)> {
         self.held.get(key).and_then(|h| h.iter().max_by_key(|h| (h.clock, h.node))).map(|h| (h.node, h.clock))
     }
@@ -412,12 +417,20 @@ impl Engines {
     fn store(&mut self, scheme: Scheme, node: u32, stored: &EngineStored, clock: u64) {
         let size = stored.block_size as usize;
         let Some(stream) = self.streams.get_mut(&node) else { return };
-        if size == 0 || stored.tokens.len() != size.saturating_mul(stored.hashes.len()) {
+        // A block its own parent (no engine sends one) would make a cycle of the chain.
+        let loops =
+            stored.hashes.iter().zip(std::iter::once(stored.parent).chain(stored.hashes.iter().map(|&h| Some(h))));
+        let looped = loops.clone().any(|(&h, p)| p == Some(h));
+        if size == 0 || stored.tokens.len() != size.saturating_mul(stored.hashes.len()) || looped {
             stream.record.counts.malformed += 1;
             return;
         }
-        if stored.namespace.is_none() && stored.parent.is_none() {
+        if stored.namespace.is_none() {
             stream.record.counts.unkeyed += 1;
+        }
+        let aligned = BLOCK_TOKENS % size == 0;
+        if !aligned {
+            stream.record.counts.unaligned += stored.hashes.len() as u64;
         }
         if let Some(p) = stored.parent
             && stream.blocks.find(p).is_none()
@@ -439,9 +452,14 @@ impl Engines {
             }
             let root = match parent {
                 Some(_) => None,
-                None => Some(stored.namespace.as_ref().map(|ns| namespace_index(&mut stream.namespaces, ns))),
+                None => Some(stored.namespace.as_ref().and_then(|ns| namespace_index(&mut stream.namespaces, ns))),
             };
             let i = stream.blocks.insert(hash, parent, tokens, clock, root);
+            // Blocks that hash more than their tokens, or whose ends are not ends of blocks of
+            // ours, key nothing, nor does anything below them.
+            if let Some(b) = stream.blocks.get_mut(i) {
+                b.opaque = stored.namespace.is_none() || !aligned;
+            }
             self.effects.push(Effect::EngineBlock {
                 node,
                 hash,
@@ -465,16 +483,17 @@ impl Engines {
             return;
         };
         stream.record.counts.removed += 1;
-        // Removals win over claims: the node's `ran`s before this are no longer answered.
-        stream.claim_floor = stream.claim_floor.max(clock);
         if let Some(b) = stream.blocks.get_mut(i)
             && b.refs > 1
         {
+            // One copy of several: the engine still holds the block.
             b.refs -= 1;
             let row = encode_row(&stream.blocks, i, &stream.namespaces);
             self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
             return;
         }
+        // Removals win over claims: the node's `ran`s before this are no longer answered.
+        stream.claim_floor = stream.claim_floor.max(clock);
         detach(stream, &mut self.held, node, i);
         stream.blocks.remove(i);
         self.effects.push(Effect::EngineBlock { node, hash, row: None });
@@ -503,6 +522,7 @@ impl Engines {
             let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, row.root);
             if let Some(b) = stream.blocks.get_mut(i) {
                 b.refs = row.refs.max(1);
+                b.opaque = row.opaque;
             }
         }
         let nodes: Vec<u32> = engines.streams.keys().copied().collect();
@@ -543,14 +563,16 @@ pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: 
     Engines::load(scheme, streams, blocks, clock)
 }
 
-/// The index of `ns` in a stream's namespaces, added if new.
-fn namespace_index(list: &mut Vec<Namespace>, ns: &Namespace) -> u16 {
+/// The index of `ns` in a stream's namespaces, added if new; `None` past 65,535 namespaces in
+/// one stream (its blocks then key nothing).
+fn namespace_index(list: &mut Vec<Namespace>, ns: &Namespace) -> Option<u16> {
     match list.iter().position(|n| n == ns) {
-        Some(i) => u16::try_from(i).unwrap_or(u16::MAX),
-        None => {
+        Some(i) => u16::try_from(i).ok(),
+        None if list.len() < usize::from(u16::MAX) => {
             list.push(ns.clone());
-            u16::try_from(list.len() - 1).unwrap_or(u16::MAX)
+            u16::try_from(list.len() - 1).ok()
         }
+        None => None,
     }
 }
 
@@ -616,6 +638,14 @@ fn attach(scheme: Scheme, stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<
 fn derive(scheme: Scheme, stream: &Stream, i: u32) -> Option<(Option<u16>, u64, Option<Box<Completed>>)> {
     let block = stream.blocks.get(i)?;
     let own = stream.blocks.tokens(i);
+    if block.opaque {
+        // Keys nothing: its ancestors' chain does not name what it holds.
+        let start = match block.parent {
+            Some(p) => stream.blocks.find(p).and_then(|p| stream.blocks.get(p)).filter(|b| b.attached)?.end,
+            None => 0,
+        };
+        return Some((None, start + own.len() as u64, None));
+    }
     // The chain state at or before the parent's end, and the tokens after it up to the parent's
     // end, found by walking up to the nearest block that keeps a state.
     let (ns, start, mut state, mut pending) = match (block.parent, block.root) {
@@ -684,6 +714,7 @@ fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: 
 
 const HAS_PARENT: u8 = 1;
 const KEYED: u8 = 2;
+const OPAQUE: u8 = 4;
 
 /// A block's row (see the module docs).
 fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
@@ -691,7 +722,11 @@ fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
     let tokens = blocks.tokens(i);
     let ns = block.root.flatten().and_then(|n| namespaces.get(usize::from(n)));
     let mut out = Vec::with_capacity(32 + 4 * tokens.len());
-    out.push((u8::from(block.parent.is_some()) * HAS_PARENT) | (u8::from(ns.is_some()) * KEYED));
+    out.push(
+        (u8::from(block.parent.is_some()) * HAS_PARENT)
+            | (u8::from(ns.is_some()) * KEYED)
+            | (u8::from(block.opaque) * OPAQUE),
+    );
     if let Some(p) = block.parent {
         out.extend_from_slice(&p.to_le_bytes());
     }
@@ -712,6 +747,7 @@ fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
 
 /// A block's row, read.
 struct Row {
+    opaque: bool,
     parent: Option<u64>,
     refs: u32,
     clock: u64,
@@ -750,13 +786,13 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
                 false => Namespace::with_tenant(&model, tenant),
             }
             .map_err(|_| corrupt())?;
-            Some(Some(namespace_index(namespaces, &ns)))
+            Some(namespace_index(namespaces, &ns))
         }
     };
     if !r.0.is_empty() {
         return Err(corrupt());
     }
-    Ok(Row { parent, refs, clock, tokens, root })
+    Ok(Row { opaque: flags & OPAQUE != 0, parent, refs, clock, tokens, root })
 }
 
 /// Reads fixed-width fields off the front of a row.
@@ -852,6 +888,56 @@ mod tests {
         assert_eq!(held_prefix(&e, &tokens), 0);
         let counts = &e.streams.get(&0).expect("a stream").record.counts;
         assert_eq!((counts.restarts, counts.gaps, counts.duplicate_batches, counts.duplicate_blocks), (1, 1, 1, 1));
+    }
+
+    /// A block that hashes more than its tokens (an image after a cached text prefix) keys
+    /// nothing, nor does anything below it, across a reload; a block its own parent is refused;
+    /// removing one copy of a block stored twice leaves the node's claims standing.
+    #[test]
+    fn opaque_blocks_key_nothing_and_loops_are_refused() {
+        let tokens: Vec<u32> = (0..64 * 4).collect();
+        let mut e = Engines::default();
+        e.batch(Scheme::TreeChain, 0, &batch(0, vec![stored(None, &[1, 2], &tokens[..128], 64)]), 1);
+        let mut image = stored(Some(2), &[3], &tokens[128..192], 64);
+        if let EngineEvent::Stored(s) = &mut image {
+            s.namespace = None;
+        }
+        e.batch(Scheme::TreeChain, 0, &batch(1, vec![image, stored(Some(3), &[4], &tokens[192..], 64)]), 2);
+        assert_eq!(held_prefix(&e, &tokens), 2, "the text before the image, not the image nor after");
+        let mut rows = Vec::new();
+        let mut stream = None;
+        for effect in e.take_effects() {
+            match effect {
+                Effect::EngineBlock { node, hash, row: Some(row) } => rows.push(((node, hash), row.to_vec())),
+                Effect::EngineStream { row, .. } => stream = Some(row),
+                _ => {}
+            }
+        }
+        let stream = (*stream.expect("a stream row")).clone();
+        let loaded = Engines::load(Scheme::TreeChain, std::iter::once(Ok((0, stream))), rows.into_iter().map(Ok), 2)
+            .expect("the rows load");
+        assert_eq!(held_prefix(&loaded, &tokens), 2, "the same after a reload");
+        e.batch(Scheme::TreeChain, 0, &batch(2, vec![stored(Some(9), &[9], &tokens[..64], 64)]), 3);
+        e.batch(Scheme::TreeChain, 0, &batch(3, vec![stored(None, &[7, 7], &tokens[..128], 64)]), 4);
+        assert_eq!(e.streams.get(&0).map(|s| s.record.counts.malformed), Some(2), "a block its own parent");
+        assert_eq!(e.sizes(0).0, 4, "nothing of them kept");
+        // Stored twice, removed once: the engine still holds it, and claims stand.
+        e.batch(Scheme::TreeChain, 0, &batch(4, vec![stored(None, &[1], &tokens[..64], 64)]), 5);
+        let floor = e.claim_floor(0);
+        e.batch(
+            Scheme::TreeChain,
+            0,
+            &batch(5, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu }]),
+            6,
+        );
+        assert_eq!((e.claim_floor(0), held_prefix(&e, &tokens)), (floor, 2));
+        e.batch(
+            Scheme::TreeChain,
+            0,
+            &batch(6, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu }]),
+            7,
+        );
+        assert_eq!((e.claim_floor(0), held_prefix(&e, &tokens)), (7, 0), "the last copy: claims end");
     }
 
     #[test]

@@ -428,7 +428,7 @@ impl Engines {
         if stored.namespace.is_none() {
             stream.record.counts.unkeyed += 1;
         }
-        let aligned = BLOCK_TOKENS % size == 0;
+        let aligned = BLOCK_TOKENS.is_multiple_of(size);
         if !aligned {
             stream.record.counts.unaligned += stored.hashes.len() as u64;
         }

@@ -6,8 +6,29 @@ use super::front::Front;
 use super::lookup::{self, NodeDepth};
 use super::pending::{PENDING_NODES, Pending};
 use super::warm::Hit;
-use crate::error::Result;
-use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, Prefix};
+use crate::error::{Error, Result};
+use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, Scheme, legacy_chain};
+
+/// The prefix of `tokens` in `namespace` for a file of `scheme`, with the 0.1.7 chain while the
+/// file holds 0.1.7's entries (`legacy`).
+pub(crate) fn prefix(scheme: Scheme, legacy: bool, namespace: &Namespace, tokens: &[u32]) -> Prefix {
+    let mut prefix = Prefix::in_scheme(scheme, namespace, tokens);
+    if legacy && !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS {
+        prefix.legacy = legacy_chain(namespace.model(), tokens);
+    }
+    prefix
+}
+
+/// A prefix must be hashed in the file's scheme: another scheme's keys would never match.
+///
+/// # Errors
+/// [`Error::ForeignPrefix`].
+pub(crate) fn same_scheme(scheme: Scheme, prefix: &Prefix) -> Result<()> {
+    if prefix.scheme == scheme || prefix.blocks.is_empty() {
+        return Ok(());
+    }
+    Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: scheme.name() })
+}
 
 /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
 /// yet back from the stream), then the memtable and the last commit: one read path.

@@ -12,7 +12,7 @@ use super::read_index::ReadIndex;
 use super::warm::Hit;
 use crate::error::{Error, Result, redb_err};
 use crate::file::snapshot::Snapshot;
-use crate::keys::{BLOCK_TOKENS, Namespace, Prefix, Scheme, legacy_chain};
+use crate::keys::{Namespace, Prefix, Scheme};
 use crate::store::schema;
 use crate::store::tables::{OTHERS, PREFIXES};
 use crate::store::writer::MAX_NODES_PER_PREFIX;
@@ -66,32 +66,21 @@ impl Reader {
         let front = Front::new(decided, view, MAX_NODES_PER_PREFIX);
         Ok(Reader { front: Mutex::new(front), scheme, legacy, _snapshot: snapshot })
     }
-
-    fn same_scheme(&self, prefix: &Prefix) -> Result<()> {
-        match prefix.scheme == self.scheme || prefix.blocks.is_empty() {
-            true => Ok(()),
-            false => Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: self.scheme.name() }),
-        }
-    }
 }
 
 impl ReadIndex for Reader {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        let mut prefix = Prefix::in_scheme(self.scheme, namespace, tokens);
-        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.legacy {
-            prefix.legacy = legacy_chain(namespace.model(), tokens);
-        }
-        prefix
+        answer::prefix(self.scheme, self.legacy, namespace, tokens)
     }
 
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
-        self.same_scheme(prefix)?;
+        answer::same_scheme(self.scheme, prefix)?;
         let mut front = self.front.lock().map_err(|_| Error::Poisoned)?;
         answer::warmest(&mut front, None, prefix)
     }
 
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
-        self.same_scheme(prefix)?;
+        answer::same_scheme(self.scheme, prefix)?;
         let mut front = self.front.lock().map_err(|_| Error::Poisoned)?;
         answer::warm_nodes(&mut front, None, prefix)
     }

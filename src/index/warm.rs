@@ -26,9 +26,7 @@ use super::presence::Filters;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
-use crate::keys::{
-    BLOCK_TOKENS, BlockKey, MAX_NODE_BYTES, Namespace, Prefix, Scheme, check_len, legacy_chain, legacy_key,
-};
+use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, Prefix, Scheme, check_len, legacy_key};
 use crate::store::caches::{NodeCacheStats, named_pairs};
 use crate::store::effect::Effect;
 use crate::store::import::{ImportReport, LegacyJson, read_json};
@@ -201,10 +199,7 @@ impl Warm {
 
     /// A prefix must be hashed in this file's scheme: another scheme's keys would never match.
     fn same_scheme(&self, prefix: &Prefix) -> Result<()> {
-        if prefix.scheme == self.inner.scheme || prefix.blocks.is_empty() {
-            return Ok(());
-        }
-        Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: self.inner.scheme.name() })
+        answer::same_scheme(self.inner.scheme, prefix)
     }
 
     pub(super) fn front(&self) -> Result<MutexGuard<'_, Front>> {
@@ -632,11 +627,7 @@ impl Warm {
 
 impl ReadIndex for Warm {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        let mut prefix = Prefix::in_scheme(self.inner.scheme, namespace, tokens);
-        if !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS && self.inner.legacy.load(Ordering::Relaxed) {
-            prefix.legacy = legacy_chain(namespace.model(), tokens);
-        }
-        prefix
+        answer::prefix(self.inner.scheme, self.inner.legacy.load(Ordering::Relaxed), namespace, tokens)
     }
 
     /// About log2(blocks) lookups: a binary search over the uncommitted `ran`s and the last

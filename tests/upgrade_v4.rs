@@ -7,8 +7,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use superfluid_warm::ReadIndex;
 
-use common::backend::{Disk, crash_images};
 use common::fixtures::{Query, queries};
+use common::upgrade::crash_every_write_of_the_upgrade;
 use superfluid_warm::{Error, Hit, Snapshot, Warm};
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations/0004-node-sets-and-forget");
@@ -27,9 +27,7 @@ fn check_answers(warm: &Warm, queries: &[Query], what: &str) -> Result<usize, Er
 }
 
 fn fixture_copy(dir: &Path) -> PathBuf {
-    let path = dir.join("warm-v3.redb");
-    std::fs::copy(Path::new(DIR).join("warm-v3.redb"), &path).expect("copy the fixture");
-    path
+    common::upgrade::fixture_copy(DIR, "warm-v3.redb", dir)
 }
 
 #[test]
@@ -76,31 +74,8 @@ fn a_schema_3_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
 #[test]
 fn a_crash_at_any_write_of_the_upgrade_leaves_a_file_that_answers_the_same() -> Result<(), Error> {
     let dir = common::tempdir();
-    let start = std::fs::read(Path::new(DIR).join("warm-v3.redb")).expect("the fixture");
     let queries = queries(Path::new(DIR));
-    let disk = Disk::with_image(start.clone());
-    disk.state().record = true;
-    Warm::builder().open_with_backend(disk.backend())?.close()?;
-    let ops = disk.state().ops.clone();
-    let (mut images, mut upgraded_again) = (0, 0);
-    for k in 0..=ops.len() {
-        for (which, image) in crash_images(&start, &ops, k).into_iter().enumerate() {
-            if which > 0 && k % 2 == 1 {
-                continue;
-            }
-            images += 1;
-            let path = dir.path().join(format!("crash-{k}-{which}.redb"));
-            std::fs::write(&path, &image).expect("write image");
-            let warm = Warm::open(&path)?;
-            upgraded_again += usize::from(warm.stats()?.upgraded_from == Some(3));
-            check_answers(&warm, &queries, &format!("crash at op {k} ({which})"))?;
-            warm.close()?;
-            let check = Snapshot::open(&path)?.check()?;
-            assert!(check.problems.is_empty(), "crash at op {k} ({which}): {:?}", check.problems);
-            std::fs::remove_file(&path).expect("remove");
-        }
-    }
-    assert!(upgraded_again > 0 && upgraded_again < images, "both sides of the upgrade's commit were crashed into");
-    println!("{images} crash images over {} storage operations; {upgraded_again} still schema 3", ops.len());
+    let answers = |warm: &Warm, what: &str| check_answers(warm, &queries, what);
+    crash_every_write_of_the_upgrade(&Path::new(DIR).join("warm-v3.redb"), 3, dir.path(), answers)?;
     Ok(())
 }

@@ -29,15 +29,22 @@ pub fn check_answers(warm: &Warm, queries: &[Query], what: &str, keep: impl Fn(&
     Ok(warm_answers)
 }
 
+/// A copy of migration folder `migration`'s fixture `name` in `dir`.
+pub fn fixture_copy(migration: &str, name: &str, dir: &Path) -> std::path::PathBuf {
+    let path = dir.join(name);
+    std::fs::copy(Path::new(migration).join(name), &path).expect("copy the fixture");
+    path
+}
+
 /// A crash at every write the upgrade of `fixture` (and the close after it) makes, in every
-/// way the page cache can leave it: the file opens (upgraded then, if it was not), every
-/// answer is what the build that wrote it gave, and the invariants hold. Returns (images,
-/// images still of schema `from`).
+/// way the page cache can leave it: the file opens (upgraded then, if it was not), `answers`
+/// holds of it (every answer the build that wrote it gave), and the invariants hold. Returns
+/// (images, images still of schema `from`).
 pub fn crash_every_write_of_the_upgrade(
     fixture: &Path,
-    queries: &[Query],
     from: u32,
     dir: &Path,
+    answers: impl Fn(&Warm, &str) -> Result<usize, Error>,
 ) -> Result<(usize, usize), Error> {
     let start = std::fs::read(fixture).expect("the fixture");
     let disk = Disk::with_image(start.clone());
@@ -55,7 +62,7 @@ pub fn crash_every_write_of_the_upgrade(
             std::fs::write(&path, &image).expect("write image");
             let warm = Warm::open(&path)?;
             upgraded_again += usize::from(warm.stats()?.upgraded_from == Some(from));
-            check_answers(&warm, queries, &format!("crash at op {k} ({which})"), |_| true)?;
+            answers(&warm, &format!("crash at op {k} ({which})"))?;
             warm.close()?;
             let check = Snapshot::open(&path)?.check()?;
             assert!(check.problems.is_empty(), "crash at op {k} ({which}): {:?}", check.problems);

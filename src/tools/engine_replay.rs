@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::engine_sim::{Publisher, SimEngine};
-use super::replay::{Config, Load, Timing, ask, choose_among, node_name, nth, nth_mut, prompt};
+use super::replay::{Config, Load, Timing, ask, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::{Request, splitmix64};
 use crate::{
     BLOCK_TOKENS, EngineBatch, EngineEndpoint, EngineEvent, ListenStats, Listener, MIN_BLOCKS, Namespace, Result, Warm,
@@ -89,14 +89,12 @@ impl EngineReport {
     }
 
     fn share(&self, tokens: u64) -> f64 {
-        if self.prompt_tokens == 0 { 0.0 } else { tokens as f64 / self.prompt_tokens as f64 }
+        share(tokens, self.prompt_tokens)
     }
 
     /// Most loaded node's tokens over the least loaded's.
     pub fn imbalance(&self) -> f64 {
-        let max = self.load.iter().copied().max().unwrap_or(0) as f64;
-        let min = self.load.iter().copied().min().unwrap_or(0) as f64;
-        if min == 0.0 { f64::INFINITY } else { max / min }
+        imbalance(&self.load)
     }
 
     /// Block events applied durably per second, back to back.

@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::replay::{Config, Load, Policy, choose_among, conversations, node_name, nth, nth_mut, prompt};
+use super::replay::{
+    Config, Load, Policy, choose_among, conversations, imbalance, node_name, nth, nth_mut, prompt, share,
+};
 use super::trace::Request;
 use crate::{Builder, Error, Hit, Namespace, Result, SharedWarm, Sharing, Ticket, Warm};
 
@@ -62,7 +64,7 @@ impl HeadsReport {
     }
 
     fn share(&self, tokens: u64) -> f64 {
-        if self.prompt_tokens == 0 { 0.0 } else { tokens as f64 / self.prompt_tokens as f64 }
+        share(tokens, self.prompt_tokens)
     }
 
     /// The `q` quantile of the lags, in ms.
@@ -70,12 +72,6 @@ impl HeadsReport {
         let i = ((self.lags_ns.len() as f64 - 1.0) * q).round() as usize;
         self.lags_ns.get(i).map(|&ns| ns as f64 / 1e6)
     }
-}
-
-fn imbalance(load: &[u64]) -> f64 {
-    let max = load.iter().copied().max().unwrap_or(0) as f64;
-    let min = load.iter().copied().min().unwrap_or(0) as f64;
-    if min == 0.0 { f64::INFINITY } else { max / min }
 }
 
 /// One routing decision: the warm nodes the head knows, the node chosen, the tokens it has warm.

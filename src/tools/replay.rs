@@ -177,15 +177,25 @@ impl Report {
     }
 
     fn share(&self, tokens: u64) -> f64 {
-        if self.prompt_tokens == 0 { 0.0 } else { tokens as f64 / self.prompt_tokens as f64 }
+        share(tokens, self.prompt_tokens)
     }
 
     /// Most loaded node's tokens over the least loaded's (infinite if one got nothing).
     pub fn imbalance(&self) -> f64 {
-        let max = self.load.iter().copied().max().unwrap_or(0) as f64;
-        let min = self.load.iter().copied().min().unwrap_or(0) as f64;
-        if min == 0.0 { f64::INFINITY } else { max / min }
+        imbalance(&self.load)
     }
+}
+
+/// `tokens` as a share of `of` (0 of nothing).
+pub(super) fn share(tokens: u64, of: u64) -> f64 {
+    if of == 0 { 0.0 } else { tokens as f64 / of as f64 }
+}
+
+/// The most loaded node's tokens over the least loaded's (infinite if one got nothing).
+pub(super) fn imbalance(load: &[u64]) -> f64 {
+    let max = load.iter().copied().max().unwrap_or(0) as f64;
+    let min = load.iter().copied().min().unwrap_or(0) as f64;
+    if min == 0.0 { f64::INFINITY } else { max / min }
 }
 
 /// Node names used by replays: `node-0` …

@@ -405,10 +405,7 @@ fn ask(
     prompts: &Path,
     json: bool,
 ) -> Result<ExitCode, CliError> {
-    let namespace = match tenant {
-        Some(t) => Namespace::with_tenant(model, t.as_bytes())?,
-        None => Namespace::new(model)?,
-    };
+    let namespace = Namespace::of(model, tenant.map(str::as_bytes))?;
     let text = std::fs::read_to_string(prompts)
         .map_err(|e| CliError::Refused(format!("cannot read the prompts {}: {e}", prompts.display())))?;
     let reader = Reader::open(path)?;

@@ -65,10 +65,7 @@ fn namespace(model: &str, lora: Option<&str>, extra_keys: &[Option<Vec<Extra>>])
         }
     }
     let model = lora.unwrap_or(model);
-    match salt {
-        Some(s) => Namespace::with_tenant(model, s.as_bytes()).ok(),
-        None => Namespace::new(model).ok(),
-    }
+    Namespace::of(model, salt.map(str::as_bytes)).ok()
 }
 
 #[cfg(test)]

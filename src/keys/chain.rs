@@ -236,11 +236,7 @@ mod tests {
     const SCHEMES: [Scheme; 2] = [Scheme::KeyedChain, Scheme::TreeChain];
 
     fn chain(scheme: Scheme, model: &str, tenant: Option<&[u8]>, tokens: &[u32]) -> Vec<BlockKey> {
-        let ns = match tenant {
-            Some(t) => Namespace::with_tenant(model, t),
-            None => Namespace::new(model),
-        };
-        ns.map(|n| n.chain_in(scheme, tokens)).unwrap_or_default()
+        Namespace::of(model, tenant).map(|n| n.chain_in(scheme, tokens)).unwrap_or_default()
     }
 
     #[test]

@@ -60,6 +60,17 @@ impl Namespace {
         Self::build(model, Some(tenant))
     }
 
+    /// [`Namespace::with_tenant`] with a tenant, [`Namespace::new`] without one.
+    ///
+    /// # Errors
+    /// As those.
+    pub fn of(model: &str, tenant: Option<&[u8]>) -> Result<Namespace> {
+        match tenant {
+            Some(t) => Namespace::with_tenant(model, t),
+            None => Namespace::new(model),
+        }
+    }
+
     fn build(model: &str, tenant: Option<&[u8]>) -> Result<Namespace> {
         check_len("model", model.len(), MAX_MODEL_BYTES)?;
         let mut material = Vec::with_capacity(16 + model.len() + tenant.map_or(0, <[u8]>::len));

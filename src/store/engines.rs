@@ -781,11 +781,7 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
             let model = part().ok_or_else(corrupt)?;
             let model = std::str::from_utf8(model).map_err(|_| corrupt())?.to_string();
             let tenant = part().ok_or_else(corrupt)?;
-            let ns = match tenant.is_empty() {
-                true => Namespace::new(&model),
-                false => Namespace::with_tenant(&model, tenant),
-            }
-            .map_err(|_| corrupt())?;
+            let ns = Namespace::of(&model, Some(tenant).filter(|t| !t.is_empty())).map_err(|_| corrupt())?;
             Some(namespace_index(namespaces, &ns))
         }
     };

@@ -364,6 +364,10 @@ fn engines() {
         full_at.map_or_else(|| "never".to_string(), |i| i.to_string())
     );
     drop((sims, out));
+    // SCALE_ENGINES_BATCHES: keep a copy of the batches there (to profile a child by hand).
+    if let Some(keep) = std::env::var_os("SCALE_ENGINES_BATCHES") {
+        std::fs::copy(&batches, keep).expect("keep the batches");
+    }
     // A head with redb's default cache, and one with a 32 MiB cache (a listener that answers
     // little needs little of it).
     for cache in [None, Some("32")] {
@@ -396,7 +400,11 @@ fn engines_child(batches: &Path) {
     let mut events = 0usize;
     let mut head = [0u8; 13];
     let mut payload = Vec::new();
-    while std::io::Read::read_exact(&mut file, &mut head).is_ok() {
+    // SCALE_ENGINES_LIMIT: stop after that many batches (for a heap profile of the full engines).
+    let limit = std::env::var("SCALE_ENGINES_LIMIT").ok().and_then(|c| c.parse::<usize>().ok()).unwrap_or(usize::MAX);
+    let mut applied_batches = 0usize;
+    while applied_batches < limit && std::io::Read::read_exact(&mut file, &mut head).is_ok() {
+        applied_batches += 1;
         let node = head[0] as usize;
         let seq = u64::from_le_bytes(head[1..9].try_into().expect("seq"));
         let len = u32::from_le_bytes(head[9..13].try_into().expect("len")) as usize;

@@ -365,6 +365,10 @@ struct ListenArgs {
     /// Stop after this many seconds, as on SIGTERM.
     #[arg(long)]
     duration: Option<f64>,
+    /// redb's page cache in MiB. A head that only listens reads little: 32 MiB keeps a head
+    /// following 8 full engines of 65,536 blocks under 256 MiB resident.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    cache_mb: u64,
 }
 
 fn run(command: Command) -> Result<ExitCode, CliError> {
@@ -452,10 +456,15 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
     let (timeout, every) =
         (seconds("replay-timeout", args.replay_timeout)?, seconds("status-every", args.status_every)?);
     let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
-    let warm = Warm::open(&args.path)?;
+    let warm =
+        Warm::builder().cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX)).open(&args.path)?;
     say_how_opened(&args.path, &warm.stats()?);
     let warm = std::sync::Arc::new(warm);
     let listener = Listener::start(std::sync::Arc::clone(&warm), &engines, timeout)?;
+    let status = listen_status_path(&args.path);
+    // The status file is refreshed every --status-every seconds, or every 10 s without lines.
+    let refresh = if every.is_zero() { Duration::from_secs(10) } else { every };
+    write_listen_status(&status, &listener.stats(), true, refresh);
     eprintln!("superfluid-warm: listening to {} engine(s) into {}", engines.len(), args.path.display());
     let print = |stats: &[ListenStats]| {
         for s in stats {
@@ -474,8 +483,15 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
             );
         }
     };
-    wait_for_stop(until, every, || print(&listener.stats()))?;
+    wait_for_stop(until, refresh, || {
+        let stats = listener.stats();
+        write_listen_status(&status, &stats, true, refresh);
+        if !every.is_zero() {
+            print(&stats);
+        }
+    })?;
     let stats = listener.stop();
+    write_listen_status(&status, &stats, false, refresh);
     print(&stats);
     // Every listening thread has ended, and with it its handle on the index.
     match std::sync::Arc::try_unwrap(warm) {
@@ -488,6 +504,60 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
             drop(still_shared);
             emit(out, &format!("stopped; {} closed", args.path.display()))
         }
+    }
+}
+
+/// Where `listen` keeps its live status (connections, replays, lag) for `stats` to show: beside
+/// the index file, as `<file>.listen.json`.
+fn listen_status_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".listen.json");
+    PathBuf::from(name)
+}
+
+/// Writes `listen`'s status file (whole, by a rename: a reader never sees half of one). A
+/// failure is said on stderr and does not stop the listener.
+fn write_listen_status(path: &Path, stats: &[ListenStats], running: bool, refresh: Duration) {
+    let ms = |l: Option<f64>| l.map(|l| l * 1000.0);
+    let line = json!({
+        "pid": std::process::id(), "running": running, "written_at": unix_now(),
+        "refresh_s": refresh.as_secs_f64(),
+        "engines": stats.iter().map(|s| json!({
+            "node": s.node, "connected": s.connected && running, "received": s.received,
+            "undecodable": s.undecodable, "malformed": s.malformed, "replays": s.replays,
+            "replays_short": s.replays_short, "lag_p50_ms": ms(s.lag_p50), "lag_p99_ms": ms(s.lag_p99),
+            "silent_for_s": s.silent_for, "error": s.error,
+        })).collect::<Vec<_>>(),
+    });
+    let tmp = path.with_extension("json.tmp");
+    let written = std::fs::write(&tmp, line.to_string()).and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        eprintln!("superfluid-warm: cannot write the status file {}: {e}", path.display());
+    }
+}
+
+/// Seconds since the Unix epoch.
+fn unix_now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// What `stats` shows of a listener: its status file's engines, if a listener is running (its
+/// process is alive and it wrote within three refreshes), and otherwise why not.
+fn listen_status(path: &Path) -> (Option<String>, Vec<serde_json::Value>) {
+    let Ok(text) = std::fs::read_to_string(listen_status_path(path)) else { return (None, Vec::new()) };
+    let Ok(status) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return (Some("its status file does not parse".into()), Vec::new());
+    };
+    let age = unix_now() - status["written_at"].as_f64().unwrap_or(0.0);
+    let alive = status["pid"].as_u64().is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
+    let fresh = age <= 3.0 * status["refresh_s"].as_f64().unwrap_or(10.0) + 5.0;
+    let engines = status["engines"].as_array().cloned().unwrap_or_default();
+    if status["running"].as_bool() == Some(false) {
+        (Some(format!("stopped {age:.0} s ago")), engines)
+    } else if !alive || !fresh {
+        (Some(format!("not running (its last status is {age:.0} s old)")), engines)
+    } else {
+        (None, engines)
     }
 }
 
@@ -754,6 +824,9 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
     let snapshot = Snapshot::open(path)?;
     let s = snapshot.stats()?;
     let side_file_missing = snapshot.side_file_missing();
+    // The listener's live figures (connections, replays, lag), from its status file.
+    let (listener_down, listening) = listen_status(path);
+    let live = |node: &str| listening.iter().find(|l| l["node"].as_str() == Some(node)).cloned();
     if json {
         let per_node: serde_json::Map<String, serde_json::Value> =
             s.per_node.iter().map(|(n, c)| (n.clone(), json!(c))).collect();
@@ -771,7 +844,10 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "engines": s.engines.iter().map(|e| json!({
                 "node": e.node, "last_seq": e.last_seq, "last_ts": e.last_ts,
                 "engine_blocks": e.engine_blocks, "blocks": e.blocks, "counts": e.counts,
+                "listener": live(&e.node),
             })).collect::<Vec<_>>(),
+            "listener_running": listener_down.is_none() && !listening.is_empty(),
+            "listener_down": listener_down,
         });
         return emit(out, &line.to_string());
     }
@@ -829,6 +905,11 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
     }
     if !s.engines.is_empty() {
         text += "\nengine streams (what each engine says it holds):";
+        if let Some(why) = &listener_down {
+            text += &format!("\n  (listener {why}: connections and lag as it last saw them)");
+        } else if listening.is_empty() {
+            text += "\n  (no listener status beside this file: connections and lag unknown)";
+        }
         for e in &s.engines {
             let c = &e.counts;
             let seq = e.last_seq.map_or_else(|| "none".to_string(), |q| q.to_string());
@@ -852,6 +933,22 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
                 c.unkeyed,
                 c.malformed
             );
+            if let Some(l) = live(&e.node) {
+                let lag = |k: &str| l[k].as_f64().map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
+                let connected = if l["connected"].as_bool() == Some(true) { "connected" } else { "not connected" };
+                text += &format!(
+                    "\n  {:<20} {connected}; {} replays ({} short); lag {} p50, {} p99; {}",
+                    "",
+                    l["replays"].as_u64().unwrap_or(0),
+                    l["replays_short"].as_u64().unwrap_or(0),
+                    lag("lag_p50_ms"),
+                    lag("lag_p99_ms"),
+                    l["silent_for_s"].as_f64().map_or_else(
+                        || "no batch yet".to_string(),
+                        |t| format!("last batch {t:.1} s before its status")
+                    ),
+                );
+            }
         }
     }
     emit(out, &text)

@@ -22,6 +22,10 @@
 //! None is on by default: a head that links the library gets the index alone.
 //! - `nats`: [`SharedWarm`], several heads sharing one view through a NATS JetStream stream
 //!   (async-nats, on a tokio runtime of its own thread).
+//! - `kv-events`: [`decode_engine_batch`], vLLM's and SGLang's KV event payloads decoded into
+//!   [`EngineBatch`]es (rmp), for a caller that receives them itself.
+//! - `engines`: with `kv-events`, the ZMQ [`Listener`] that subscribes to engines, replays their
+//!   gaps and applies their batches (libzmq, built by the `zmq` crate).
 //! - `tools`: the 0.1.7 design, request traces and the replay, for the binary, the tests and
 //!   the benches. Hidden from these docs and outside semver: not for production use.
 //! - `cli`: the `superfluid-warm` binary (with `tools` and `nats`). Built from the repository's
@@ -29,7 +33,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
-#[cfg(feature = "engines")]
+#[cfg(feature = "kv-events")]
 mod engine;
 mod error;
 mod file;
@@ -45,7 +49,7 @@ pub mod tools;
 
 #[cfg(feature = "engines")]
 pub use engine::listener::{DEFAULT_REPLAY_TIMEOUT, EngineEndpoint, ListenStats, Listener};
-#[cfg(feature = "engines")]
+#[cfg(feature = "kv-events")]
 pub use engine::vllm::decode_engine_batch;
 pub use error::{Error, Result};
 pub use file::check::FileCheck;

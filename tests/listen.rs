@@ -100,6 +100,50 @@ fn a_replay_that_answers_late_clears_the_node() -> Result<(), Error> {
     Ok(())
 }
 
+/// A head that starts after its engine has been running (a deploy, a new head): the stores it
+/// hears first name parents stored before it listened. Its stream's first batch is not the
+/// engine's first, so it asks a replay from the engine's start; the parents arrive, nothing is
+/// left unknown, and the index answers exactly what the engine holds.
+#[test]
+fn a_listener_that_joins_late_replays_the_engine_from_its_start() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let mut engine = Engine::new(16, 1 << 20, "m", None)?;
+    let mut rng = Rng(23);
+    let mut conversations = common::Conversations::new(6);
+    // Published to nobody: only the replay buffer keeps them.
+    for _ in 0..40 {
+        let (_, prompt) = conversations.turn(&mut rng);
+        publisher.publish(&engine.run(&prompt), false)?;
+    }
+    let warm = Arc::new(Warm::open(dir.path().join("late-joiner.redb"))?);
+    let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_secs(30))?;
+    // Later turns of the same conversations (their parents are in the batches above), one a
+    // poll until the subscriber has joined and caught up.
+    let mut poked = Instant::now() - Duration::from_secs(1);
+    wait_until("the last batch", || {
+        let last = engine.published.back().map(|b| b.seq);
+        if warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last) {
+            return true;
+        }
+        if poked.elapsed() >= Duration::from_millis(200) {
+            let (_, prompt) = conversations.turn(&mut rng);
+            publisher.publish(&engine.run(&prompt), false).expect("publish");
+            poked = Instant::now();
+        }
+        false
+    });
+    let stats = listener.stop();
+    let counts = &warm.engine_stats()?[0].counts;
+    assert_eq!((counts.unknown_parents, counts.lost), (0, 0), "replayed from the start: {counts:?}");
+    assert!(stats[0].replays >= 1, "{stats:?}");
+    let pairs = compare(&warm, &engine, &conversations.prompts)?;
+    assert!(pairs.iter().all(|(a, w)| a == w), "answered vs held: {pairs:?}");
+    assert!(pairs.iter().filter(|(a, _)| *a > 0).count() >= 4, "warm answers to check: {pairs:?}");
+    println!("{stats:?}\n{counts:?}");
+    Ok(())
+}
+
 /// A child process killed when dropped (a failed test leaves none behind).
 struct Reaped(Child);
 
@@ -118,12 +162,20 @@ fn spawn_listen(path: &Path, publisher: &Publisher) -> Reaped {
             .arg(path)
             .arg("--engine")
             .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
-            .args(["--model", "m", "--status-every", "0", "--replay-timeout", "30"])
+            .args(["--model", "m", "--status-every", "0.2", "--replay-timeout", "30"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("spawn listen"),
     )
+}
+
+/// `superfluid-warm stats --json` of `path`.
+fn stats_json(path: &Path) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_superfluid-warm")).arg("stats").arg(path).arg("--json").output();
+    let out = out.expect("run stats");
+    assert!(out.status.success(), "stats: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("stats --json is JSON")
 }
 
 /// The last batch the file holds (read live, beside the listener).
@@ -173,12 +225,26 @@ fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
         false
     });
     let last = engine.published.back().map(|b| b.seq);
+    // `stats` on the live file shows what the listener sees: connected, its replays and lag
+    // (its status file is rewritten every 0.2 s: the first ones may predate the replay).
+    wait_until("stats to show the engine connected, its replay and its lag", || {
+        let live = stats_json(&path);
+        let l = &live["engines"][0]["listener"];
+        live["listener_running"] == true
+            && l["connected"] == true
+            && l["replays"].as_u64() >= Some(1)
+            && l["lag_p50_ms"].as_f64().is_some()
+    });
     let status = Command::new("kill").arg("-TERM").arg(child.0.id().to_string()).status().expect("kill -TERM");
     assert!(status.success());
     assert!(child.0.wait().expect("exit").success(), "SIGTERM is a clean stop");
     let snapshot = Snapshot::open(&path)?;
     assert_eq!(snapshot.writer(), None, "closed cleanly");
     drop(snapshot);
+    let stopped = stats_json(&path);
+    assert_eq!(stopped["listener_running"], false, "{stopped}");
+    assert!(stopped["listener_down"].as_str().is_some_and(|w| w.starts_with("stopped")), "{stopped}");
+    assert_eq!(stopped["engines"][0]["listener"]["connected"], false, "{stopped}");
     let warm = Warm::open(&path)?;
     let prompts: Vec<Vec<u32>> = conversations.prompts.clone();
     let pairs = compare(&warm, &engine, &prompts)?;

@@ -87,6 +87,8 @@ impl EngineEndpoint {
 pub struct ListenStats {
     /// The node.
     pub node: String,
+    /// Whether the engine is connected now (a ZMQ connection to its event socket is up).
+    pub connected: bool,
     /// Batches received (live and replayed).
     pub received: u64,
     /// Batches that did not decode (each then clears the node at the next batch).
@@ -101,7 +103,8 @@ pub struct ListenStats {
     /// Seconds since the last batch was received (`None`: none yet).
     pub silent_for: Option<f64>,
     /// Lag from publish (the engine's clock) to applied (this host's), in seconds: the median
-    /// and 99th percentile of the last batches applied live (up to 65,536).
+    /// and 99th percentile of the last batches received live (up to 65,536), a gap's replay
+    /// included.
     pub lag_p50: Option<f64>,
     /// See [`ListenStats::lag_p50`].
     pub lag_p99: Option<f64>,
@@ -250,8 +253,8 @@ impl One {
             .subscriber
             .next(POLL)
             .map_err(|e| Error::Engine { detail: e.to_string(), source: Some(Arc::new(e)) })?;
-        let malformed = self.subscriber.malformed();
-        self.note(|s| s.malformed = malformed);
+        let (malformed, connected) = (self.subscriber.malformed(), self.subscriber.connected());
+        self.note(|s| (s.malformed, s.connected) = (malformed, connected));
         let Some(message) = message else { return Ok(()) };
         if let Ok(mut seen) = self.stats.lock() {
             seen.stats.received += 1;
@@ -261,18 +264,17 @@ impl One {
         if std::mem::take(&mut self.resync) {
             return self.warm.engine_resync(&self.engine.node, &batch);
         }
-        match self.warm.engine_batch(&self.engine.node, &batch)? {
-            EngineOutcome::Gap { from } => self.cover(from, &batch),
-            _ => {
-                if let Ok(mut seen) = self.stats.lock() {
-                    if seen.lags.len() == LAGS {
-                        seen.lags.pop_front();
-                    }
-                    seen.lags.push_back(now() - batch.ts);
-                }
-                Ok(())
-            }
+        if let EngineOutcome::Gap { from } = self.warm.engine_batch(&self.engine.node, &batch)? {
+            self.cover(from, &batch)?;
         }
+        // The live batch is applied (after its gap's replay, if it had one).
+        if let Ok(mut seen) = self.stats.lock() {
+            if seen.lags.len() == LAGS {
+                seen.lags.pop_front();
+            }
+            seen.lags.push_back(now() - batch.ts);
+        }
+        Ok(())
     }
 
     /// Covers a gap before `live` by a replay from `from`; what it does not cover clears the

@@ -14,6 +14,7 @@
 
 use std::fmt;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Receive queue bound of each socket, in messages. vLLM's PUB keeps up to 100,000 too; past
@@ -134,6 +135,10 @@ pub(crate) struct Subscriber {
     dealer: Option<zmq::Socket>,
     /// Messages (live or replayed) of the wrong shape, skipped.
     malformed: u64,
+    /// The SUB socket's monitor: its connections made and lost.
+    monitor: zmq::Socket,
+    /// Connections of the SUB socket that are up (handshakes done, not yet disconnected).
+    peers: u32,
 }
 
 impl fmt::Debug for Subscriber {
@@ -162,12 +167,20 @@ impl Subscriber {
         configure(&sub).map_err(fail("setsockopt"))?;
         let prefix = endpoint.topic.as_deref().unwrap_or("");
         sub.set_subscribe(prefix.as_bytes()).map_err(fail("subscribe"))?;
+        // The monitor is set before the socket connects, so that it sees the first handshake.
+        static MONITORS: AtomicU64 = AtomicU64::new(0);
+        let address = format!("inproc://superfluid-warm-monitor-{}", MONITORS.fetch_add(1, Ordering::Relaxed));
+        let events = (zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw()) as i32;
+        sub.monitor(&address, events).map_err(fail("monitor"))?;
+        let monitor = context().socket(zmq::PAIR).map_err(fail("socket"))?;
+        monitor.set_linger(0).map_err(fail("setsockopt"))?;
+        monitor.connect(&address).map_err(fail("connect"))?;
         if endpoint.bind {
             sub.bind(&endpoint.events).map_err(fail("bind"))?;
         } else {
             sub.connect(&endpoint.events).map_err(fail("connect"))?;
         }
-        Ok(Subscriber { endpoint, sub, dealer: None, malformed: 0 })
+        Ok(Subscriber { endpoint, sub, dealer: None, malformed: 0, monitor, peers: 0 })
     }
 
     #[cfg(test)]
@@ -186,6 +199,27 @@ impl Subscriber {
         self.malformed
     }
 
+    /// Whether an engine is connected to the SUB socket now (a ZMTP handshake done and its
+    /// connection not lost since), as of the last [`Self::next`].
+    pub(crate) fn connected(&self) -> bool {
+        self.peers > 0
+    }
+
+    /// Takes the monitor's events that have arrived: each handshake is a connection up, each
+    /// disconnection one down.
+    fn watch(&mut self) {
+        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+            // libzmq's monitor message: the event (u16) and a value (u32), in the host's order,
+            // then the peer's address.
+            let event = frames.first().and_then(|f| f.get(..2)).and_then(|b| <[u8; 2]>::try_from(b).ok());
+            match event.map(u16::from_ne_bytes) {
+                Some(e) if e == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() => self.peers += 1,
+                Some(e) if e == zmq::SocketEvent::DISCONNECTED.to_raw() => self.peers = self.peers.saturating_sub(1),
+                _ => {}
+            }
+        }
+    }
+
     /// Waits up to `timeout` for the next well-formed live message; `Ok(None)` when none came.
     /// Malformed messages are counted ([`Self::malformed`]) and skipped. A zero timeout only
     /// takes what has already arrived.
@@ -194,8 +228,10 @@ impl Subscriber {
     /// [`Error::Zmq`] when the socket fails (not for an engine that is down).
     pub(crate) fn next(&mut self, timeout: Duration) -> Result<Option<Message>, Error> {
         let deadline = Deadline::after(timeout);
+        self.watch();
         loop {
             let Some(frames) = receive(&self.sub, &deadline).map_err(|source| self.live_error("recv", source))? else {
+                self.watch();
                 return Ok(None);
             };
             match parse_live(frames) {

@@ -24,6 +24,7 @@ impl Warm {
     /// [`crate::Error::InvalidName`] for an empty or over-long node name; as [`Warm::ran`] otherwise.
     pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.wait_for_engine_room()?;
         self.change(0, |front| front.decided.engine_batch(node, batch))
     }
 
@@ -36,6 +37,7 @@ impl Warm {
     /// As [`Warm::engine_batch`].
     pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.wait_for_engine_room()?;
         self.change(0, |front| Ok(((), front.decided.engine_resync(node, batch)?)))
     }
 

@@ -28,6 +28,12 @@ pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
 /// whatever the prompts' lengths.
 pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 48 << 20;
 
+/// Bytes of engine rows not yet committed above which an engine batch waits for the commit
+/// thread. Lower than [`MAX_UNCOMMITTED_BYTES`]: a head following full engines holds their
+/// blocks in memory as well (`store/engines.rs`), and a commit of this many rows already
+/// amortises its sync.
+pub(crate) const MAX_UNCOMMITTED_ENGINE_BYTES: usize = 16 << 20;
+
 /// Blocks in one batch above which it is committed without waiting for the window: bounds the
 /// dirty pages a write transaction holds in memory when the commit thread is saturated.
 pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
@@ -37,8 +43,9 @@ pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
 /// of the request's start, so a few seconds cover a loaded engine and a slow link.
 pub const DEFAULT_ENGINE_GRACE: Duration = Duration::from_secs(3);
 
-/// What an engine effect costs in the queue besides its row: the effect and the row's header.
-const ENGINE_EFFECT_BYTES: usize = 64;
+/// What an engine effect costs in the queue besides its row's bytes: the effect, and the row's
+/// shared header and allocation.
+const ENGINE_EFFECT_BYTES: usize = std::mem::size_of::<Effect>() + 32;
 
 /// A decided change, queued for the commit thread.
 pub(crate) struct Queued {
@@ -223,6 +230,12 @@ impl Front {
             + self.memtable.blocks() * std::mem::size_of::<BlockKey>()
             + self.queued_engine_bytes
             + self.taken_engine_bytes
+    }
+
+    /// Whether engine batches must wait for the commit thread: their uncommitted rows passed
+    /// [`MAX_UNCOMMITTED_ENGINE_BYTES`].
+    pub(crate) fn engine_rows_full(&self) -> bool {
+        self.queued_engine_bytes + self.taken_engine_bytes > MAX_UNCOMMITTED_ENGINE_BYTES
     }
 
     /// Whether an entry of `clock` is live (not yet evicted by 0.1.7's rule).

@@ -479,7 +479,19 @@ impl Warm {
         self.inner.scheme
     }
 
-    #[cfg(feature = "nats")]
+    /// Waits while the engine rows not yet committed fill their bound (with a commit thread
+    /// that is not failing): engine batches wait for the commit thread, `ran`s do not.
+    pub(super) fn wait_for_engine_room(&self) -> Result<()> {
+        if !self.threaded() {
+            return Ok(());
+        }
+        let mut front = self.front()?;
+        while front.engine_rows_full() && front.failed.is_none() {
+            front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+        }
+        Ok(())
+    }
+
     /// Whether a commit thread writes the file (the sync window is not zero).
     pub(crate) fn threaded(&self) -> bool {
         self.flusher.is_some()

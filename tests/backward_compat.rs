@@ -35,7 +35,7 @@ fn fixture() -> PathBuf {
 fn check_all(warm: &Warm, queries: &[Query]) -> Result<usize, Error> {
     let mut warm_answers = 0;
     for (i, q) in queries.iter().enumerate() {
-        let want = q.answer.as_ref().map(|a| Hit { node: a.node.clone(), tokens: a.tokens });
+        let want = q.answer.as_ref().map(|a| Hit::new(a.node.clone(), a.tokens));
         warm_answers += usize::from(want.is_some());
         assert_eq!(warm.warmest(&q.model, &q.tokens)?, want, "query {i}");
     }
@@ -127,7 +127,7 @@ fn malformed_or_missing_json_is_a_typed_error_and_changes_nothing() -> Result<()
     let missing = warm.import_json(dir.path().join("absent.json")).expect_err("missing");
     assert!(matches!(missing, Error::Io { .. }), "{missing}");
     assert_eq!(warm.stats()?.entries, 4);
-    assert_eq!(warm.warmest("m", &tokens)?, Some(Hit { node: "a".into(), tokens: 256 }));
+    assert_eq!(warm.warmest("m", &tokens)?, Some(Hit::new("a", 256)));
     drop(warm);
     let bad = dir.path().join("truncated.json");
     let err = Warm::builder().import_json(&bad).open(&path).expect_err("bad import on open");
@@ -261,8 +261,7 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
         let mut hits = 0;
         for (tenant, tokens, _) in &prompts {
             let prefix = warm.prefix(if *tenant { &tenant_a } else { &shared }, tokens);
-            let want =
-                model.warmest(name(*tenant), tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+            let want = model.warmest(name(*tenant), tokens).map(|(node, tokens)| Hit::new(node, tokens));
             assert_eq!(warm.warmest_prefix(&prefix)?, want, "tenant {tenant}");
             hits += usize::from(want.is_some());
         }
@@ -277,7 +276,7 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
         next.extend((0..128u32).map(|t| t * 7 + 3));
         warm.ran_prefix(&warm.prefix(&shared, &next), "node-new")?;
         model.ran(name(false), &next, "node-new");
-        assert_eq!(warm.warmest("fixture-model", &next)?, Some(Hit { node: "node-new".into(), tokens: next.len() }));
+        assert_eq!(warm.warmest("fixture-model", &next)?, Some(Hit::new("node-new", next.len())));
         // A prefix made outside this index, in the new files' scheme, is refused, not missed.
         let foreign = superfluid_warm::Prefix::new(&shared, &next);
         assert!(matches!(warm.warmest_prefix(&foreign), Err(Error::ForeignPrefix { .. })));
@@ -328,7 +327,7 @@ fn after_an_import_evictions_keep_0_1_7s_order_between_old_and_new_entries() -> 
     let mut model = Baseline::kept_in(copy, capacity as usize);
     let queries = queries();
     let answer = |model: &Baseline, m: &str, tokens: &[u32]| {
-        model.warmest(m, tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens })
+        model.warmest(m, tokens).map(|(node, tokens)| Hit::new(node, tokens))
     };
     let mut prompts: Vec<Vec<u32>> = Vec::new();
     let (mut compared, mut legacy_warm_at_end) = (0, 0);

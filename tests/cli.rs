@@ -408,7 +408,7 @@ fn forget_drops_a_node_from_every_answer_and_never_creates_a_file() -> Result<()
     assert!(String::from_utf8_lossy(&out.stdout).contains("node b of"), "{}", String::from_utf8_lossy(&out.stdout));
     let warm = superfluid_warm::Warm::open(&path)?;
     let hit = warm.warmest("m", &prompt)?;
-    assert_eq!(hit, Some(superfluid_warm::Hit { node: "a".into(), tokens: 320 }), "b forgotten, a still warm");
+    assert_eq!(hit, Some(superfluid_warm::Hit::new("a", 320)), "b forgotten, a still warm");
     drop(warm);
     let missing = dir.path().join("missing.redb");
     let out = run(&["forget", missing.to_str().expect("utf-8 path"), "a"]);

@@ -41,7 +41,7 @@ fn answers_as_the_model<'a>(
     let warm = Warm::open(path)?;
     let mut compared = 0;
     for tokens in prompts {
-        let want = model.warmest("torture", tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+        let want = model.warmest("torture", tokens).map(|(node, tokens)| Hit::new(node, tokens));
         assert_eq!(warm.warmest("torture", tokens)?, want, "round {round}");
         compared += 1;
     }
@@ -249,7 +249,7 @@ fn power_loss_leaves_a_prefix_of_the_history(capacity: Option<u64>) -> Result<()
             }
             let warm = Warm::open(&path)?;
             for (m, prompt, _) in &history {
-                let want = model.warmest(m, prompt).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+                let want = model.warmest(m, prompt).map(|(node, tokens)| Hit::new(node, tokens));
                 assert_eq!(warm.warmest(m, prompt)?, want, "crash at op {k} ({which}), clock {clock}");
             }
             drop(warm);

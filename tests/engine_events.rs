@@ -35,25 +35,30 @@ fn deliver(warm: &Warm, node: &str, engine: &Engine, batch: &EngineBatch, replay
     }
 }
 
-/// Tokens each node is answered warm for, by `warm_nodes`.
-fn answers(warm: &Warm, tokens: &[u32]) -> Result<HashMap<String, usize>, Error> {
+/// Tokens each node is answered warm for, by `warm_nodes`: (in any tier, in GPU memory).
+fn answers(warm: &Warm, tokens: &[u32]) -> Result<HashMap<String, (usize, usize)>, Error> {
     let hits: Vec<Hit> = warm.warm_nodes("m", tokens)?;
-    Ok(hits.into_iter().map(|h| (h.node, h.tokens)).collect())
+    Ok(hits.into_iter().map(|h| (h.node, (h.tokens, h.gpu_tokens))).collect())
 }
 
 /// Random conversations on 3 engines of each block size (16, 32, 64; 1, as SGLang pages a token
-/// at a time; 48, which does not divide 64 and so keys nothing): after every batch delivered, every
-/// answer is at most what the engine can serve, and exactly that (in whole blocks of 64, from 2) while no
-/// batch was lost; the same after a reopen.
+/// at a time; 48, which does not divide 64 and so keys nothing), some with an offload tier in CPU
+/// memory: after every batch delivered, every answer is at most what the engine can serve, and
+/// exactly that (in whole blocks of 64, from 2) while no batch was lost, and so is the part in
+/// GPU memory; the same after a reopen.
 #[test]
 fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> Result<(), Error> {
-    for (seed, size) in [(1u64, 16usize), (2, 32), (3, 64), (4, 16), (5, 48), (6, 1)] {
+    for (seed, size, offload) in
+        [(1u64, 16usize, 0), (2, 32, 0), (3, 64, 0), (4, 16, 0), (5, 48, 0), (6, 1, 0), (7, 16, 300), (8, 32, 120)]
+    {
         let dir = common::tempdir();
         let path = dir.path().join("engines.redb");
         let mut warm = Warm::open(&path)?;
         let mut rng = Rng(seed);
-        let mut engines: Vec<Engine> =
-            (0..3).map(|i| Engine::new(size, 4096 / size * 3, "m", Some(seed * 10 + i))).collect::<Result<_, _>>()?;
+        let mut engines: Vec<Engine> = (0..3)
+            .map(|i| Engine::new(size, 4096 / size * 3, "m", Some(seed * 10 + i)).map(|e| e.with_offload(offload)))
+            .collect::<Result<_, _>>()?;
+        let mut offloaded = 0;
         let mut lost = [false; 3];
         // A batch not delivered yet: until the next, the index is behind that engine.
         let mut behind = [false; 3];
@@ -88,14 +93,18 @@ fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> R
                 let got = answers(&warm, c)?;
                 for (i, engine) in engines.iter().enumerate().filter(|&(i, _)| !behind[i]) {
                     let name = format!("engine-{i}");
-                    let serves = engine.holds(c) / 64 * 64;
+                    let (on_gpu, serves) = engine.holds_by_tier(c);
+                    let serves = serves / 64 * 64;
                     // Blocks whose ends are not ends of ours key nothing.
                     let want = if serves >= 128 && 64 % size == 0 { serves } else { 0 };
-                    let answered = got.get(&name).copied().unwrap_or(0);
+                    let want_gpu = (on_gpu / 64 * 64).min(want);
+                    let (answered, gpu) = got.get(&name).copied().unwrap_or((0, 0));
                     assert!(answered <= want, "seed {seed} step {step}: {name} answered {answered}, holds {want}");
                     if !lost[i] {
                         assert_eq!(answered, want, "seed {seed} step {step}: {name} lost nothing");
+                        assert_eq!(gpu, want_gpu, "seed {seed} step {step}: {name}'s part in GPU memory");
                     }
+                    offloaded += usize::from(want > want_gpu);
                     checked += 1;
                     warm_answers += usize::from(answered > 0);
                 }
@@ -112,7 +121,12 @@ fn answers_are_what_the_engines_hold_through_duplicates_restarts_and_gaps() -> R
             assert!(stats.iter().all(|s| s.counts.unaligned > 0 && s.blocks == 0), "counted, and nothing keyed");
         }
         assert!(restarts > 0 && gaps > 0 && dups > 0, "restarts {restarts}, gaps {gaps}, duplicates {dups}");
-        println!("block size {size}: {checked} answers checked, {warm_answers} warm; {restarts} restarts, {gaps} gaps");
+        if offload > 0 {
+            assert!(offloaded > checked / 50, "answers warm partly in CPU memory to check ({offloaded} of {checked})");
+        }
+        println!(
+            "block size {size}, offload {offload}: {checked} answers checked, {warm_answers} warm ({offloaded} partly offloaded); {restarts} restarts, {gaps} gaps"
+        );
         warm.close()?;
     }
     Ok(())
@@ -130,14 +144,14 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
     let warm = Warm::builder().engine_grace(Duration::from_secs(3600)).open(dir.path().join("a.redb"))?;
     warm.engine_batch("gpu-0", &engine.run(&other))?;
     warm.ran("m", &prompt, "gpu-0")?;
-    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "gpu-0".into(), tokens: 256 }), "a claim");
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit::new("gpu-0", 256)), "a claim");
     let removal = engine
         .publish(vec![EngineEvent::Removed { hashes: vec![engine_hash(None, &other[..16])], medium: Medium::Gpu }]);
     warm.engine_batch("gpu-0", &removal)?;
     assert_eq!(warm.warmest("m", &prompt)?, None, "a removal ends the claims before it");
     // A node without a stream is answered as before.
     warm.ran("m", &prompt, "plain")?;
-    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "plain".into(), tokens: 256 }));
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit::new("plain", 256)));
     drop(warm);
     // A short grace: the claim ends by itself; what the engine stored stays.
     let grace = Duration::from_millis(50);
@@ -147,8 +161,10 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
     warm.ran("m", &prompt, "gpu-0")?;
     std::thread::sleep(grace * 3);
     assert_eq!(warm.warmest("m", &prompt)?, None, "the grace window passed");
-    assert_eq!(warm.warmest("m", &other)?, Some(Hit { node: "gpu-0".into(), tokens: 256 }), "the engine's own");
-    // Stores of another medium, or under no namespace of the index, are not answered.
+    assert_eq!(warm.warmest("m", &other)?, Some(Hit::new("gpu-0", 256)), "the engine's own");
+    // Stores in CPU memory (an offloading connector's, with tokens) are warm in that tier;
+    // stores of a medium this build does not know, or under no namespace of the index, are not
+    // answered.
     let stores = |batch: &mut EngineBatch, change: &dyn Fn(&mut EngineStored)| {
         let mut n = 0;
         for event in &mut batch.events {
@@ -160,16 +176,22 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
         n
     };
     let mut offload = engine.run(&prompt);
-    let cpu = stores(&mut offload, &|s| s.medium = Medium::Cpu);
+    stores(&mut offload, &|s| s.medium = Medium::Cpu);
     warm.engine_batch("gpu-0", &offload)?;
-    assert_eq!(warm.warmest("m", &prompt)?, None, "CPU blocks are not GPU-warm");
+    let hit = warm.warmest("m", &prompt)?.expect("warm on CPU");
+    assert_eq!((hit.tokens, hit.tier, hit.gpu_tokens), (256, Medium::Cpu, 0), "warm in CPU memory only");
+    let fourth: Vec<u32> = (7000..7000 + 64 * 4).collect();
+    let mut foreign = engine.run(&fourth);
+    let other = stores(&mut foreign, &|s| s.medium = Medium::Other);
+    warm.engine_batch("gpu-0", &foreign)?;
+    assert_eq!(warm.warmest("m", &fourth)?, None, "an unknown medium is not answered");
     let third: Vec<u32> = (5000..5000 + 64 * 4).collect();
     let mut unkeyed = engine.run(&third);
     let none = stores(&mut unkeyed, &|s| s.namespace = None);
     warm.engine_batch("gpu-0", &unkeyed)?;
     assert_eq!(warm.warmest("m", &third)?, None, "an unkeyed store keys nothing");
     let counts = &warm.engine_stats()?[0].counts;
-    assert_eq!((counts.other_medium, counts.unkeyed), (cpu, none));
+    assert_eq!((counts.other_medium, counts.unkeyed), (other, none));
     Ok(())
 }
 
@@ -192,7 +214,7 @@ fn malformed_events_are_counted_and_a_forget_drops_the_stream() -> Result<(), Er
     let zero = EngineStored { block_size: 0, tokens: vec![], ..bad.clone() };
     warm.engine_batch("gpu-0", &engine.publish(vec![EngineEvent::Stored(bad), EngineEvent::Stored(zero)]))?;
     assert_eq!(warm.engine_stats()?[0].counts.malformed, 2);
-    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit { node: "gpu-0".into(), tokens: 192 }));
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit::new("gpu-0", 192)));
     warm.forget_node("gpu-0")?;
     assert_eq!(warm.warmest("m", &prompt)?, None);
     assert!(warm.engine_stats()?.is_empty(), "the stream went with the node");

@@ -42,15 +42,11 @@ fn a_failing_write_or_sync_is_a_typed_error_and_loses_nothing_committed() -> Res
         assert!(err.to_string().contains("committed before is intact"), "{err}");
         // The head keeps routing on what was committed.
         for i in 0..10 {
-            assert_eq!(
-                warm.warmest("m", &prompt(i))?,
-                Some(Hit { node: "a".into(), tokens: 256 }),
-                "fail_syncs {fail_syncs}"
-            );
+            assert_eq!(warm.warmest("m", &prompt(i))?, Some(Hit::new("a", 256)), "fail_syncs {fail_syncs}");
         }
         assert_eq!(
             warm.warmest("m", &prompt(100))?,
-            Some(Hit { node: "b".into(), tokens: 256 }),
+            Some(Hit::new("b", 256)),
             "the ran of the failed commit is kept (answered, retried), not lost"
         );
         assert!(warm.sync().is_err(), "while the disk fails, every sync says so");
@@ -58,7 +54,7 @@ fn a_failing_write_or_sync_is_a_typed_error_and_loses_nothing_committed() -> Res
         let durable = disk.state().durable.clone();
         let reopened = Warm::open_image(durable)?;
         for i in 0..10 {
-            assert_eq!(reopened.warmest("m", &prompt(i))?, Some(Hit { node: "a".into(), tokens: 256 }));
+            assert_eq!(reopened.warmest("m", &prompt(i))?, Some(Hit::new("a", 256)));
         }
         assert_eq!(reopened.warmest("m", &prompt(100))?, None, "never durable, and not half there");
     }
@@ -186,7 +182,7 @@ fn a_failed_import_keeps_the_rans_before_it() -> Result<(), Error> {
     let err = warm.import_json(&json).expect_err("the disk fails");
     assert!(matches!(err, Error::Storage { .. }), "{err}");
     for i in 0..5 {
-        assert_eq!(warm.warmest("m", &prompt(i))?, Some(Hit { node: "a".into(), tokens: 256 }), "ran {i} kept");
+        assert_eq!(warm.warmest("m", &prompt(i))?, Some(Hit::new("a", 256)), "ran {i} kept");
     }
     Ok(())
 }
@@ -205,13 +201,13 @@ fn a_forget_whose_commit_fails_is_a_typed_error_and_answers_leave_the_node_out()
         disk.state().fail_syncs = true;
         let err = warm.forget_node("b").expect_err("the commit cannot succeed");
         assert!(matches!(err, Error::Storage { .. }), "{err}");
-        assert_eq!(warm.warmest("m", &prompt(1))?, Some(Hit { node: "a".into(), tokens: 128 }), "window {window:?}");
+        assert_eq!(warm.warmest("m", &prompt(1))?, Some(Hit::new("a", 128)), "window {window:?}");
         drop(warm);
         disk.state().fail_syncs = false;
         let reopened = Warm::open_image(disk.state().durable.clone())?;
         assert_eq!(reopened.warmest("m", &prompt(1))?.map(|h| h.node), Some("b".into()), "never acknowledged");
         reopened.forget_node("b")?;
-        assert_eq!(reopened.warmest("m", &prompt(1))?, Some(Hit { node: "a".into(), tokens: 128 }));
+        assert_eq!(reopened.warmest("m", &prompt(1))?, Some(Hit::new("a", 128)));
     }
     Ok(())
 }

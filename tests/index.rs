@@ -11,7 +11,7 @@ use superfluid_warm::tools::baseline::Baseline;
 use superfluid_warm::{Error, Hit, Snapshot, Warm};
 
 fn as_hit(answer: Option<(&str, usize)>) -> Option<Hit> {
-    answer.map(|(node, tokens)| Hit { node: node.to_string(), tokens })
+    answer.map(|(node, tokens)| Hit::new(node, tokens))
 }
 
 const NODES: [&str; 4] = ["node-a", "node-b", "node-c", "node-d"];

@@ -42,7 +42,7 @@ fn run_ops(ops: Vec<Op>, open: impl Fn() -> Warm, model: &mut Baseline) -> Resul
             Op::Ask { conversation, cut } => {
                 let p = &prompts[conversation];
                 let p = &p[..cut.min(p.len())];
-                let want = model.warmest("m", p).map(|(node, tokens)| Hit { node: node.into(), tokens });
+                let want = model.warmest("m", p).map(|(node, tokens)| Hit::new(node, tokens));
                 prop_assert_eq!(warm.warmest("m", p).expect("warmest"), want);
             }
             Op::Sync => warm.sync().expect("sync"),

@@ -136,7 +136,7 @@ impl Model {
             }
         }
         deepest.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.cmp(&a.2)));
-        deepest.into_iter().filter(|d| d.1 >= 128).map(|(node, tokens, _)| Hit { node, tokens }).collect()
+        deepest.into_iter().filter(|d| d.1 >= 128).map(|(node, tokens, _)| Hit::new(node, tokens)).collect()
     }
 }
 
@@ -341,7 +341,7 @@ fn a_moved_conversation_stays_warm_on_both_nodes_until_one_is_forgotten() -> Res
         let warm = Warm::open(&path)?;
         warm.ran("m", &first, "a")?;
         warm.ran("m", &second, "b")?;
-        let hit = |node: &str, tokens| Hit { node: node.into(), tokens };
+        let hit = |node: &str, tokens| Hit::new(node, tokens);
         assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 960), hit("a", 640)]);
         warm.forget_node("b")?;
         assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("a", 640)]);
@@ -355,7 +355,7 @@ fn a_moved_conversation_stays_warm_on_both_nodes_until_one_is_forgotten() -> Res
         assert_eq!(warm.stats()?.nodes.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), vec!["a", "b", "b"]);
     }
     let warm = Warm::open(&path)?;
-    let hit = |node: &str, tokens| Hit { node: node.into(), tokens };
+    let hit = |node: &str, tokens| Hit::new(node, tokens);
     assert_eq!(warm.warm_nodes("m", &second)?, vec![hit("b", 640), hit("a", 640)], "the same after a reopen");
     Ok(())
 }
@@ -495,7 +495,7 @@ fn blocks_that_dropped_a_node_are_counted_again_not_taken_from_another_branch() 
     warm.ran("m", &shared, "b")?;
     warm.ran("m", &shared, "c")?;
     warm.ran("m", &y, "a")?;
-    assert_eq!(warm.warmest("m", &x)?, Some(Hit { node: "a".into(), tokens: x.len() }), "a still holds the x branch");
+    assert_eq!(warm.warmest("m", &x)?, Some(Hit::new("a", x.len())), "a still holds the x branch");
     warm.close()?;
     let check = superfluid_warm::Snapshot::open(&path)?.check()?;
     assert!(check.problems.is_empty(), "{:?}", check.problems);

@@ -4,7 +4,7 @@ use superfluid_warm::ReadIndex;
 use superfluid_warm::{Error, Hit, Namespace, Warm};
 
 fn hit(node: &str, tokens: usize) -> Option<Hit> {
-    Some(Hit { node: node.to_string(), tokens })
+    Some(Hit::new(node, tokens))
 }
 
 #[test]
@@ -77,7 +77,7 @@ fn back_to_back_over_the_whole_trace_every_answer_is_0_1_7s() -> Result<(), Erro
     let (mut warm_answers, mut last) = (0, None);
     for (i, request) in requests.iter().enumerate() {
         let tokens = request.tokens();
-        let want = model.warmest("m", &tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+        let want = model.warmest("m", &tokens).map(|(node, tokens)| Hit::new(node, tokens));
         let got = warm.warmest("m", &tokens)?;
         assert_eq!(got, want, "request {i} of {}", requests.len());
         // The naive rule: the warm node, else round robin over 8.
@@ -98,7 +98,7 @@ fn back_to_back_over_the_whole_trace_every_answer_is_0_1_7s() -> Result<(), Erro
     warm.close()?;
     let warm = Warm::open(dir.path().join("warm.redb"))?;
     for tokens in requests.iter().rev().take(200).map(|r| r.tokens()).chain(last) {
-        let want = model.warmest("m", &tokens).map(|(node, tokens)| Hit { node: node.to_string(), tokens });
+        let want = model.warmest("m", &tokens).map(|(node, tokens)| Hit::new(node, tokens));
         assert_eq!(warm.warmest("m", &tokens)?, want, "after a reopen");
     }
     Ok(())

@@ -62,7 +62,7 @@ fn a_schema_3_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
     next.extend(0..128);
     warm.ran_prefix(&warm.prefix(ns, &next), "node-new")?;
     let listed = warm.warm_nodes_prefix(&warm.prefix(ns, &next))?;
-    assert_eq!(listed[..2], [Hit { node: "node-new".into(), tokens: next.len() }, old]);
+    assert_eq!(listed[..2], [Hit::new("node-new", next.len()), old]);
     // Deeper in, the nodes the schema 3 file named on the prompt's shorter prefixes.
     assert!(listed[2..].iter().all(|h| h.tokens < 1280 && h.node.starts_with("node-")), "{listed:?}");
     Ok(())

@@ -7,7 +7,7 @@ use super::lookup::{self, NodeDepth};
 use super::pending::{PENDING_NODES, Pending};
 use super::warm::Hit;
 use crate::error::{Error, Result};
-use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, Scheme, legacy_chain};
+use crate::keys::{BLOCK_TOKENS, BlockKey, MIN_BLOCKS, Namespace, Prefix, Scheme, legacy_chain};
 
 /// The prefix of `tokens` in `namespace` for a file of `scheme`, with the 0.1.7 chain while the
 /// file holds 0.1.7's entries (`legacy`).
@@ -55,7 +55,13 @@ pub(crate) fn warmest(front: &mut Front, own: Option<&dyn Pending>, prefix: &Pre
     };
     Ok(found
         .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-        .map(|((node, _), blocks)| Hit { node: node_name(front, own, node), tokens: blocks * BLOCK_TOKENS }))
+        .map(|((node, _), blocks)| hit(front, own, node, &prefix.blocks, blocks)))
+}
+
+/// Node `node`'s hit of `blocks` blocks of `keys`, with the tiers its engine keeps them in.
+fn hit(front: &Front, own: Option<&dyn Pending>, node: u32, keys: &[BlockKey], blocks: usize) -> Hit {
+    let (tier, gpu) = lookup::engine_tiers(front, keys, node, blocks);
+    Hit { node: node_name(front, own, node), tokens: blocks * BLOCK_TOKENS, tier, gpu_tokens: gpu * BLOCK_TOKENS }
 }
 
 /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
@@ -88,9 +94,9 @@ pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, prefix: &
     // write of the same name) is listed once, where it comes first.
     let mut hits: Vec<Hit> = Vec::with_capacity(found.len());
     for d in found.into_iter().filter(|d| d.blocks >= MIN_BLOCKS) {
-        let node = node_name(front, own, d.node);
-        if !hits.iter().any(|h| h.node == node) {
-            hits.push(Hit { node, tokens: d.blocks * BLOCK_TOKENS });
+        let hit = hit(front, own, d.node, &prefix.blocks, d.blocks);
+        if !hits.iter().any(|h| h.node == hit.node) {
+            hits.push(hit);
         }
     }
     Ok(hits)

@@ -16,6 +16,7 @@ use super::front::{Front, Searched};
 use super::pending::{PENDING_NODES, Pending};
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
+use crate::store::engines::Medium;
 use crate::store::tables::{Entry, newest_members, table_key};
 
 /// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
@@ -39,6 +40,22 @@ pub(crate) fn engine_depths(front: &Front, keys: &[BlockKey]) -> Vec<NodeDepth> 
             found.map(|(clock, blocks)| NodeDepth { node, blocks, clock })
         })
         .collect()
+}
+
+/// The tier node `node` keeps the first `blocks` blocks of `keys` in, by its engine's events,
+/// and how many of them from the start are in GPU memory: ([`Medium::Gpu`], `blocks`) for a node
+/// without a stream, or a depth its engine does not hold (a claim: a `ran` just placed there).
+pub(crate) fn engine_tiers(front: &Front, keys: &[BlockKey], node: u32, blocks: usize) -> (Medium, usize) {
+    let engines = &front.decided.engines;
+    let Some(tier) = keys.get(..blocks).and_then(<[BlockKey]>::last).and_then(|k| engines.tier(k, node)) else {
+        return (Medium::Gpu, blocks);
+    };
+    if tier == 0 {
+        return (Medium::Gpu, blocks);
+    }
+    let on_gpu = keys.get(..blocks).unwrap_or_default();
+    let gpu = search(on_gpu, |k| Ok::<_, std::convert::Infallible>(engines.held_on_gpu(k, node))).unwrap_or(None);
+    (Medium::of_tier(tier), gpu.map_or(0, |(_, n)| n))
 }
 
 /// The better of two answers: the longer, and at equal length the newer.

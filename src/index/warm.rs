@@ -29,17 +29,33 @@ use crate::file::lock::HeadLock;
 use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, Prefix, Scheme, check_len, legacy_key};
 use crate::store::caches::{NodeCacheStats, named_pairs};
 use crate::store::effect::Effect;
+use crate::store::engines::Medium;
 use crate::store::import::{ImportReport, LegacyJson, read_json};
 use crate::store::records::MAX_CAPACITY;
 use crate::store::writer::Writer;
 
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Hit {
     /// The node's name.
     pub node: String,
     /// How many tokens of the prompt that prefix is (a multiple of 64, at least 128).
     pub tokens: usize,
+    /// The slowest tier the node keeps that prefix in, by its engine's events: [`Medium::Gpu`]
+    /// when all of it is in GPU memory, [`Medium::Cpu`] or [`Medium::Storage`] when an
+    /// offloading connector keeps part of it there. `Gpu` for a node known by its `ran`s.
+    pub tier: Medium,
+    /// Of `tokens`, how many from the prompt's start are in GPU memory (all of them when
+    /// `tier` is `Gpu`).
+    pub gpu_tokens: usize,
+}
+
+impl Hit {
+    /// A hit of `tokens` tokens on `node`, all of them in GPU memory.
+    pub fn new(node: impl Into<String>, tokens: usize) -> Hit {
+        Hit { node: node.into(), tokens, tier: Medium::Gpu, gpu_tokens: tokens }
+    }
 }
 
 /// What the index holds, as of the last `ran` (committed or not).

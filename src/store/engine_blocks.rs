@@ -35,8 +35,13 @@ pub(crate) struct Slot {
     /// Derived once it was first attached: what it keys (the same at every later attachment:
     /// an engine hash names its whole prefix).
     pub completed: Option<Box<Completed>>,
-    /// Copies stored and not yet removed (0: a free slot).
+    /// Copies stored and not yet removed, in any medium (0: a free slot).
     pub refs: u32,
+    /// Of those, the copies an offloading connector keeps in CPU memory, and on storage.
+    pub offload: [u32; 2],
+    /// Derived while attached: the slowest tier along its chain, from the prompt's first block
+    /// (0 GPU, 1 CPU, 2 storage): where the engine can load the whole prefix from.
+    pub tier: u8,
     first_child: u32,
     next_sibling: u32,
     /// For a first block: its namespace's index in the stream's list (`None`: unkeyed).
@@ -66,6 +71,20 @@ pub(crate) struct Blocks {
     odd: HashMap<u32, Box<[u32]>>,
     /// First waiting child (by slot), by the hash of its parent that is not held.
     orphans: HashMap<u64, u32>,
+}
+
+impl Slot {
+    /// The fastest tier holding a copy: 0 GPU, 1 CPU, 2 storage.
+    pub(crate) fn own_tier(&self) -> u8 {
+        let [cpu, storage] = self.offload;
+        if self.refs > cpu.saturating_add(storage) {
+            0
+        } else if cpu > 0 {
+            1
+        } else {
+            2
+        }
+    }
 }
 
 impl Blocks {
@@ -136,6 +155,8 @@ impl Blocks {
             end: 0,
             completed: None,
             refs: 1,
+            offload: [0; 2],
+            tier: 0,
             first_child: self.orphans.remove(&hash).unwrap_or(NIL),
             next_sibling: NIL,
             root,

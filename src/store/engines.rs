@@ -47,6 +47,26 @@ pub enum Medium {
 }
 
 impl Medium {
+    /// Its tier, fastest first (0 GPU, 1 CPU, 2 storage); `None` for a medium this build does
+    /// not know.
+    pub(crate) fn tier(self) -> Option<u8> {
+        match self {
+            Medium::Gpu => Some(0),
+            Medium::Cpu => Some(1),
+            Medium::Storage => Some(2),
+            Medium::Other => None,
+        }
+    }
+
+    /// The medium of a tier (see [`Medium::tier`]).
+    pub(crate) fn of_tier(tier: u8) -> Medium {
+        match tier {
+            0 => Medium::Gpu,
+            1 => Medium::Cpu,
+            _ => Medium::Storage,
+        }
+    }
+
     /// The medium an event names (`None`: the GPU, as vLLM before offloading sent).
     pub fn named(name: Option<&str>) -> Medium {
         match name {
@@ -221,6 +241,9 @@ struct Holder {
     count: u32,
     /// The newest clock of those.
     clock: u64,
+    /// The tier the node can load it from (0 GPU, 1 CPU, 2 storage): the slowest along its
+    /// chain.
+    tier: u8,
 }
 
 /// Every engine stream, and the blocks of ours each holds.
@@ -269,6 +292,17 @@ impl Engines {
     /// Whether `node` holds block `key`, and from which clock.
     pub(crate) fn held_by(&self, key: &BlockKey, node: u32) -> Option<u64> {
         self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(|h| h.clock)
+    }
+
+    /// Whether `node` holds block `key` in GPU memory (its whole chain there), and from which
+    /// clock.
+    pub(crate) fn held_on_gpu(&self, key: &BlockKey, node: u32) -> Option<u64> {
+        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node && h.tier == 0)).map(|h| h.clock)
+    }
+
+    /// The tier `node` can load block `key` from (0 GPU, 1 CPU, 2 storage), if it holds it.
+    pub(crate) fn tier(&self, key: &BlockKey, node: u32) -> Option<u8> {
+        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(|h| h.tier)
     }
 
     /// Engine blocks and blocks of ours `node` holds.
@@ -358,16 +392,18 @@ impl Engines {
     fn apply(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) {
         for event in &batch.events {
             match event {
-                EngineEvent::Stored(s) if Medium::Gpu != s.medium => self.count_only(node, |c| c.other_medium += 1),
-                EngineEvent::Stored(s) => self.store(scheme, node, s, clock),
-                EngineEvent::Removed { medium, .. } if Medium::Gpu != *medium => {
-                    self.count_only(node, |c| c.other_medium += 1);
-                }
-                EngineEvent::Removed { hashes, .. } => {
-                    for &h in hashes {
-                        self.remove(node, h, clock);
+                EngineEvent::Stored(s) => match s.medium.tier() {
+                    Some(tier) => self.store(scheme, node, s, clock, tier),
+                    None => self.count_only(node, |c| c.other_medium += 1),
+                },
+                EngineEvent::Removed { hashes, medium } => match medium.tier() {
+                    Some(tier) => {
+                        for &h in hashes {
+                            self.remove(node, h, clock, tier);
+                        }
                     }
-                }
+                    None => self.count_only(node, |c| c.other_medium += 1),
+                },
                 EngineEvent::Cleared => self.clear(node, clock),
             }
         }
@@ -414,9 +450,24 @@ impl Engines {
         }
     }
 
-    fn store(&mut self, scheme: Scheme, node: u32, stored: &EngineStored, clock: u64) {
+    fn store(&mut self, scheme: Scheme, node: u32, stored: &EngineStored, clock: u64, tier: u8) {
         let size = stored.block_size as usize;
         let Some(stream) = self.streams.get_mut(&node) else { return };
+        if tier > 0 && stored.tokens.is_empty() {
+            // An offloading connector's store names blocks first stored on the GPU, without their
+            // tokens: a copy of a block this index holds, or nothing it can key.
+            for &hash in &stored.hashes {
+                let Some(i) = stream.blocks.find(hash) else {
+                    stream.record.counts.other_medium += 1;
+                    continue;
+                };
+                stream.record.counts.stored += 1;
+                add_copy(stream, &mut self.held, node, i, tier);
+                let row = encode_row(&stream.blocks, i, &stream.namespaces);
+                self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
+            }
+            return;
+        }
         // A block its own parent (no engine sends one) would make a cycle of the chain.
         let loops =
             stored.hashes.iter().zip(std::iter::once(stored.parent).chain(stored.hashes.iter().map(|&h| Some(h))));
@@ -441,10 +492,10 @@ impl Engines {
         for (&hash, tokens) in stored.hashes.iter().zip(stored.tokens.chunks_exact(size)) {
             stream.record.counts.stored += 1;
             if let Some(i) = stream.blocks.find(hash) {
-                if let Some(b) = stream.blocks.get_mut(i) {
-                    b.refs = b.refs.saturating_add(1);
+                if stream.blocks.get(i).is_some_and(|b| copies(b, tier) > 0) {
+                    stream.record.counts.duplicate_blocks += 1;
                 }
-                stream.record.counts.duplicate_blocks += 1;
+                add_copy(stream, &mut self.held, node, i, tier);
                 let row = encode_row(&stream.blocks, i, &stream.namespaces);
                 self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
                 parent = Some(hash);
@@ -459,6 +510,9 @@ impl Engines {
             // ours, key nothing, nor does anything below them.
             if let Some(b) = stream.blocks.get_mut(i) {
                 b.opaque = stored.namespace.is_none() || !aligned;
+                if let Some(c) = b.offload.get_mut(usize::from(tier).wrapping_sub(1)) {
+                    *c = 1;
+                }
             }
             self.effects.push(Effect::EngineBlock {
                 node,
@@ -476,9 +530,11 @@ impl Engines {
         }
     }
 
-    fn remove(&mut self, node: u32, hash: u64, clock: u64) {
+    fn remove(&mut self, node: u32, hash: u64, clock: u64, tier: u8) {
         let Some(stream) = self.streams.get_mut(&node) else { return };
-        let Some(i) = stream.blocks.find(hash) else {
+        // A block, or a copy in a medium, this index never had.
+        let Some(i) = stream.blocks.find(hash).filter(|&i| stream.blocks.get(i).is_some_and(|b| copies(b, tier) > 0))
+        else {
             stream.record.counts.unknown_removals += 1;
             return;
         };
@@ -486,8 +542,15 @@ impl Engines {
         if let Some(b) = stream.blocks.get_mut(i)
             && b.refs > 1
         {
-            // One copy of several: the engine still holds the block.
+            // One copy of several: the engine still holds the block, maybe in a slower tier.
+            let before = b.own_tier();
             b.refs -= 1;
+            if let Some(c) = b.offload.get_mut(usize::from(tier).wrapping_sub(1)) {
+                *c -= 1;
+            }
+            if b.own_tier() != before {
+                retier(stream, &mut self.held, node, i);
+            }
             let row = encode_row(&stream.blocks, i, &stream.namespaces);
             self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
             return;
@@ -522,6 +585,7 @@ impl Engines {
             let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, row.root);
             if let Some(b) = stream.blocks.get_mut(i) {
                 b.refs = row.refs.max(1);
+                b.offload = row.offload;
                 b.opaque = row.opaque;
             }
         }
@@ -576,14 +640,70 @@ fn namespace_index(list: &mut Vec<Namespace>, ns: &Namespace) -> Option<u16> {
     }
 }
 
-fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clock: u64) {
+fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clock: u64, tier: u8) {
     let holders = held.entry(key).or_default();
     match holders.iter_mut().find(|h| h.node == node) {
         Some(h) => {
             h.count = h.count.saturating_add(1);
             h.clock = h.clock.max(clock);
+            h.tier = h.tier.min(tier);
         }
-        None => holders.push(Holder { node, count: 1, clock }),
+        None => holders.push(Holder { node, count: 1, clock, tier }),
+    }
+}
+
+/// Node `node` can now load block `key` from `tier`.
+fn set_tier(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32, tier: u8) {
+    if let Some(h) = held.get_mut(key).and_then(|h| h.iter_mut().find(|h| h.node == node)) {
+        h.tier = tier;
+    }
+}
+
+/// Copies of block `b` in `tier`.
+fn copies(b: &Slot, tier: u8) -> u32 {
+    let [cpu, storage] = b.offload;
+    match tier {
+        0 => b.refs.saturating_sub(cpu.saturating_add(storage)),
+        1 => cpu,
+        _ => storage,
+    }
+}
+
+/// One more copy of the block in slot `i`, in `tier`; its chain's tiers follow if its own
+/// (the fastest of its copies) changed.
+fn add_copy(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32, tier: u8) {
+    let Some(b) = stream.blocks.get_mut(i) else { return };
+    let before = b.own_tier();
+    b.refs = b.refs.saturating_add(1);
+    if let Some(c) = b.offload.get_mut(usize::from(tier).wrapping_sub(1)) {
+        *c = c.saturating_add(1);
+    }
+    if b.own_tier() != before {
+        retier(stream, held, node, i);
+    }
+}
+
+/// The chain tier of an attached block whose parent is `parent` (0 for a first block).
+fn parent_tier(stream: &Stream, parent: Option<u64>) -> u8 {
+    parent.and_then(|p| stream.blocks.find(p)).and_then(|p| stream.blocks.get(p)).map_or(0, |p| p.tier)
+}
+
+/// The block in slot `i` changed its own tier: it and the attached blocks below it take their
+/// chain's (the slowest along it), down to where nothing changes.
+fn retier(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32) {
+    let Some(b) = stream.blocks.get(i).filter(|b| b.attached) else { return };
+    let mut todo = vec![(i, parent_tier(stream, b.parent), true)];
+    while let Some((i, above, first)) = todo.pop() {
+        let Some(b) = stream.blocks.get_mut(i).filter(|b| b.attached) else { continue };
+        let tier = above.max(b.own_tier());
+        if tier == b.tier && !first {
+            continue;
+        }
+        b.tier = tier;
+        for key in keys_of(b) {
+            set_tier(held, key, node, tier);
+        }
+        todo.extend(stream.blocks.children(i).into_iter().map(|c| (c, tier, false)));
     }
 }
 
@@ -619,10 +739,12 @@ fn attach(scheme: Scheme, stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<
                 (b.ns, b.end, b.completed, b.derived) = (ns, end, completed, true);
             }
         }
+        let above = stream.blocks.get(i).map_or(0, |b| parent_tier(stream, b.parent));
         let Some(b) = stream.blocks.get_mut(i) else { continue };
         b.attached = true;
+        b.tier = above.max(b.own_tier());
         for &key in keys_of(b) {
-            hold(held, key, node, b.clock);
+            hold(held, key, node, b.clock, b.tier);
         }
         let n = keys_of(b).len();
         stream.ours += n;
@@ -715,6 +837,7 @@ fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: 
 const HAS_PARENT: u8 = 1;
 const KEYED: u8 = 2;
 const OPAQUE: u8 = 4;
+const OFFLOADED: u8 = 8;
 
 /// A block's row (see the module docs).
 fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
@@ -725,12 +848,18 @@ fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
     out.push(
         (u8::from(block.parent.is_some()) * HAS_PARENT)
             | (u8::from(ns.is_some()) * KEYED)
-            | (u8::from(block.opaque) * OPAQUE),
+            | (u8::from(block.opaque) * OPAQUE)
+            | (u8::from(block.offload != [0; 2]) * OFFLOADED),
     );
     if let Some(p) = block.parent {
         out.extend_from_slice(&p.to_le_bytes());
     }
     out.extend_from_slice(&block.refs.to_le_bytes());
+    if block.offload != [0; 2] {
+        for c in block.offload {
+            out.extend_from_slice(&c.to_le_bytes());
+        }
+    }
     out.extend_from_slice(&block.clock.to_le_bytes());
     out.extend_from_slice(&u32::try_from(tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
     for t in tokens {
@@ -750,6 +879,7 @@ struct Row {
     opaque: bool,
     parent: Option<u64>,
     refs: u32,
+    offload: [u32; 2],
     clock: u64,
     tokens: Vec<u32>,
     root: Option<Option<u16>>,
@@ -765,6 +895,13 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
         _ => Some(u64::from_le_bytes(r.take().ok_or_else(corrupt)?)),
     };
     let refs = u32::from_le_bytes(r.take().ok_or_else(corrupt)?);
+    let offload = match flags & OFFLOADED {
+        0 => [0; 2],
+        _ => [u32::from_le_bytes(r.take().ok_or_else(corrupt)?), u32::from_le_bytes(r.take().ok_or_else(corrupt)?)],
+    };
+    if u64::from(offload[0]) + u64::from(offload[1]) > u64::from(refs) {
+        return Err(corrupt());
+    }
     let clock = u64::from_le_bytes(r.take().ok_or_else(corrupt)?);
     let n = u32::from_le_bytes(r.take().ok_or_else(corrupt)?) as usize;
     let raw = r.bytes(n.checked_mul(4).ok_or_else(corrupt)?).ok_or_else(corrupt)?;
@@ -788,7 +925,7 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
     if !r.0.is_empty() {
         return Err(corrupt());
     }
-    Ok(Row { opaque: flags & OPAQUE != 0, parent, refs, clock, tokens, root })
+    Ok(Row { opaque: flags & OPAQUE != 0, parent, refs, offload, clock, tokens, root })
 }
 
 /// Reads fixed-width fields off the front of a row.

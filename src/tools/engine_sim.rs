@@ -56,6 +56,11 @@ pub struct SimEngine {
     pub published: VecDeque<EngineBatch>,
     /// Every block this process stored (evicted since or not).
     stored: std::collections::HashSet<u64>,
+    /// The offload tier (CPU memory) a block evicted from the GPU moves to: its capacity in
+    /// blocks (0: none), its blocks (hash → tick) and their LRU order.
+    offload_capacity: usize,
+    offloaded: HashMap<u64, u64>,
+    offload_by_tick: BTreeMap<u64, u64>,
 }
 
 impl SimEngine {
@@ -77,7 +82,34 @@ impl SimEngine {
             restarts: 0,
             published: VecDeque::new(),
             stored: std::collections::HashSet::new(),
+            offload_capacity: 0,
+            offloaded: HashMap::new(),
+            offload_by_tick: BTreeMap::new(),
         })
+    }
+
+    /// The same engine with an offload tier of `blocks` blocks in CPU memory, as vLLM's
+    /// offloading connector keeps: a block evicted from the GPU is copied there first (a
+    /// `BlockStored` with medium CPU, its hash only, as vLLM's connectors publish it), a
+    /// prompt that reaches it loads it back to the GPU (stored there again), and the tier
+    /// evicts least recent first (`BlockRemoved`, medium CPU).
+    pub fn with_offload(mut self, blocks: usize) -> SimEngine {
+        self.offload_capacity = blocks;
+        self
+    }
+
+    /// Puts (or touches) `hash` in the offload tier; returns whether it was not there.
+    fn offload(&mut self, hash: u64) -> bool {
+        self.tick += 1;
+        let fresh = match self.offloaded.insert(hash, self.tick) {
+            Some(old) => {
+                self.offload_by_tick.remove(&old);
+                false
+            }
+            None => true,
+        };
+        self.offload_by_tick.insert(self.tick, hash);
+        fresh
     }
 
     fn coin(&mut self, one_in: u64) -> bool {
@@ -143,14 +175,34 @@ impl SimEngine {
                 h.tick = self.tick;
                 self.by_tick.insert(self.tick, hash);
             }
+            // A copy in the offload tier was used (loaded back): it is recent there too.
+            if self.offloaded.contains_key(&hash) {
+                self.offload(hash);
+            }
         }
         while self.by_tick.len() > self.capacity {
             let Some((_, victim)) = self.by_tick.pop_first() else { break };
+            // Copied to the offload tier before the GPU block is freed.
+            if self.offload_capacity > 0 && self.offload(victim) {
+                events.push(EngineEvent::Stored(EngineStored {
+                    parent: None,
+                    hashes: vec![victim],
+                    tokens: Vec::new(),
+                    block_size: 0,
+                    medium: Medium::Cpu,
+                    namespace: None,
+                }));
+            }
             // One removal a copy.
             let copies = self.held.remove(&victim).map_or(1, |h| h.refs);
             for _ in 0..copies {
                 events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Gpu });
             }
+        }
+        while self.offload_by_tick.len() > self.offload_capacity {
+            let Some((_, victim)) = self.offload_by_tick.pop_first() else { break };
+            self.offloaded.remove(&victim);
+            events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Cpu });
         }
         self.publish(events)
     }
@@ -175,6 +227,8 @@ impl SimEngine {
         self.seq = 0;
         self.published.clear();
         self.stored.clear();
+        self.offloaded.clear();
+        self.offload_by_tick.clear();
         self.restarts += 1;
     }
 
@@ -190,19 +244,31 @@ impl SimEngine {
         })
     }
 
-    /// Tokens of `tokens` the engine can serve from its cache: its held blocks from the first.
+    /// Tokens of `tokens` the engine can serve from its cache: its blocks from the first, held
+    /// on the GPU or in the offload tier.
     pub fn holds(&self, tokens: &[u32]) -> usize {
+        self.holds_by_tier(tokens).1
+    }
+
+    /// Tokens of `tokens` the engine holds from the first: (on the GPU, on the GPU or in the
+    /// offload tier).
+    pub fn holds_by_tier(&self, tokens: &[u32]) -> (usize, usize) {
         let mut parent = None;
-        let mut n = 0;
+        let (mut gpu, mut n, mut all_gpu) = (0, 0, true);
         for block in tokens.chunks_exact(self.block) {
             let hash = engine_hash(parent, block);
-            if !self.held.contains_key(&hash) {
+            let on_gpu = self.held.contains_key(&hash);
+            if !on_gpu && !self.offloaded.contains_key(&hash) {
                 break;
             }
+            all_gpu &= on_gpu;
             n += self.block;
+            if all_gpu {
+                gpu = n;
+            }
             parent = Some(hash);
         }
-        n
+        (gpu, n)
     }
 
     /// Blocks held.

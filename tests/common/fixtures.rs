@@ -46,7 +46,7 @@ pub struct Query {
 }
 
 fn hit(a: Answer) -> Hit {
-    Hit { node: a.node, tokens: a.tokens }
+    Hit::new(a.node, a.tokens)
 }
 
 /// Every query recorded in `dir`'s `answers.jsonl` and `legacy-answers.jsonl`.

@@ -15,7 +15,7 @@ use superfluid_warm::{
     DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, IndexFile, LegacyJson, MAX_CAPACITY,
     Snapshot, Stats, Warm,
 };
-use superfluid_warm::{EngineEndpoint, ListenStats, Listener, Namespace, ReadIndex, Reader};
+use superfluid_warm::{EngineEndpoint, Hit, ListenStats, Listener, Medium, Namespace, ReadIndex, Reader};
 
 /// What every command does with a file a crashed head left, said once.
 const CRASH_RULE: &str = "A file left open by a head that crashed: `dump` and `stats` refuse it and `check` reports \
@@ -222,6 +222,15 @@ struct ReplayArgs {
     /// With --engine-events: tokens per engine block (vLLM's default 16; any size works).
     #[arg(long, requires = "engine_events", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
     engine_block: u32,
+    /// With --engine-events: give each engine an offload tier of this many engine blocks in CPU
+    /// memory (vLLM's offloading connector): blocks evicted from the GPU move there and are
+    /// published as CPU stores. Reports the warm share by tier.
+    #[arg(long, requires = "engine_events", default_value_t = 0)]
+    offload_blocks: u64,
+    /// With --offload-blocks: how much a token warm only in the offload tier counts against one
+    /// in GPU memory when balanced weighs a node's warm prefix (1: tiers ignored).
+    #[arg(long, requires = "engine_events", default_value_t = 0.5, value_parser = share)]
+    offload_weight: f64,
     /// Skip the second, back-to-back pass (a fresh index fed one request after another with
     /// nothing between its calls, then 0.1.7 alone on the same choices; not run with --threads
     /// or --restart-every).
@@ -425,7 +434,9 @@ fn ask(
         let line = match json {
             true => json!({
                 "line": i + 1, "tokens": tokens.len(),
-                "warm_nodes": hits.iter().map(|h| json!({"node": h.node, "tokens": h.tokens})).collect::<Vec<_>>(),
+                "warm_nodes": hits.iter().map(|h| json!({
+                    "node": h.node, "tokens": h.tokens, "tier": tier_name(h.tier), "gpu_tokens": h.gpu_tokens,
+                })).collect::<Vec<_>>(),
             })
             .to_string(),
             false if hits.is_empty() => format!("{}: {} tokens, warm nowhere", i + 1, tokens.len()),
@@ -433,7 +444,7 @@ fn ask(
                 "{}: {} tokens, warm on {}",
                 i + 1,
                 tokens.len(),
-                hits.iter().map(|h| format!("{} ({} tokens)", h.node, h.tokens)).collect::<Vec<_>>().join(", ")
+                hits.iter().map(hit_text).collect::<Vec<_>>().join(", ")
             ),
         };
         writeln!(out, "{line}").map_err(CliError::Output)?;
@@ -504,6 +515,30 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
             drop(still_shared);
             emit(out, &format!("stopped; {} closed", args.path.display()))
         }
+    }
+}
+
+/// A medium's name, as vLLM's events spell it.
+fn tier_name(m: Medium) -> &'static str {
+    match m {
+        Medium::Gpu => "GPU",
+        Medium::Cpu => "CPU",
+        Medium::Storage => "STORAGE",
+        _ => "other",
+    }
+}
+
+/// A warm node as `ask` prints it: its tokens, and where they are when not all in GPU memory.
+fn hit_text(h: &Hit) -> String {
+    match h.tier {
+        Medium::Gpu => format!("{} ({} tokens)", h.node, h.tokens),
+        tier => format!(
+            "{} ({} tokens, {} in GPU memory, the rest up to {})",
+            h.node,
+            h.tokens,
+            h.gpu_tokens,
+            tier_name(tier)
+        ),
     }
 }
 
@@ -844,6 +879,7 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             "engines": s.engines.iter().map(|e| json!({
                 "node": e.node, "last_seq": e.last_seq, "last_ts": e.last_ts,
                 "engine_blocks": e.engine_blocks, "blocks": e.blocks, "counts": e.counts,
+                "engine_blocks_by_tier": {"GPU": e.by_tier[0], "CPU": e.by_tier[1], "STORAGE": e.by_tier[2]},
                 "listener": live(&e.node),
             })).collect::<Vec<_>>(),
             "listener_running": listener_down.is_none() && !listening.is_empty(),
@@ -914,9 +950,12 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             let c = &e.counts;
             let seq = e.last_seq.map_or_else(|| "none".to_string(), |q| q.to_string());
             text += &format!(
-                "\n  {:<20} last seq {seq}, {} engine blocks ({} of 64 tokens); {} batches, {} stored, {} removed, {} clears, {} restarts, {} gaps ({} lost), {} duplicate batches, {} duplicate blocks, {} unknown parents, {} unknown removals, {} other medium, {} unkeyed, {} malformed",
+                "\n  {:<20} last seq {seq}, {} engine blocks ({} on the GPU, {} only in CPU memory, {} only on storage; {} of 64 tokens); {} batches, {} stored, {} removed, {} clears, {} restarts, {} gaps ({} lost), {} duplicate batches, {} duplicate blocks, {} unknown parents, {} unknown removals, {} other medium, {} unkeyed, {} malformed",
                 e.node,
                 thousands(e.engine_blocks as u64),
+                thousands(e.by_tier[0] as u64),
+                thousands(e.by_tier[1] as u64),
+                thousands(e.by_tier[2] as u64),
                 thousands(e.blocks as u64),
                 c.batches,
                 c.stored,
@@ -1096,6 +1135,19 @@ fn engines_text(r: &EngineReport, e: &Engines, source: &str) -> String {
         thousands(r.warm_not_cached as u64),
         r.imbalance()
     );
+    if e.offload_blocks > 0 {
+        text += &format!(
+            "by tier (offload tier of {} blocks, weighed {}): in GPU memory claimed {}, cached {} ({:+.3} points); only offloaded claimed {}, cached {} ({:+.3} points)\n",
+            thousands(e.offload_blocks as u64),
+            e.offload_weight,
+            pct(r.claimed_gpu_share()),
+            pct(r.cached_gpu_share()),
+            100.0 * (r.claimed_gpu_share() - r.cached_gpu_share()),
+            pct(r.claimed_offload_share()),
+            pct(r.cached_offload_share()),
+            100.0 * (r.claimed_offload_share() - r.cached_offload_share()),
+        );
+    }
     if r.restarts > 0 {
         text += &format!(
             "engine restarts                   {} (tokens routed warm that only a restarted engine's old process held: {} once the restart was seen, {} before)\n",
@@ -1127,6 +1179,9 @@ fn engines_json(r: &EngineReport, e: &Engines, source: &str) -> String {
         "source": source, "requests": r.requests, "engines": r.load.len(), "engine_block": e.block,
         "engine_cache_blocks": e.cache_blocks, "claimed_share": r.claimed_share(), "cached_share": r.cached_share(),
         "cached_engine_share": r.cached_engine_share(), "warm_not_cached": r.warm_not_cached,
+        "offload_blocks": e.offload_blocks, "offload_weight": e.offload_weight,
+        "claimed_gpu_share": r.claimed_gpu_share(), "cached_gpu_share": r.cached_gpu_share(),
+        "claimed_offload_share": r.claimed_offload_share(), "cached_offload_share": r.cached_offload_share(),
         "load_max_over_min": r.imbalance(), "restarts": r.restarts,
         "warm_to_restarted_seen": r.warm_to_restarted_seen, "warm_to_restarted_unseen": r.warm_to_restarted_unseen,
         "lag_p50_s": r.listen.iter().filter_map(|l| l.lag_p50).fold(0.0, f64::max),
@@ -1187,6 +1242,8 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
             block: args.engine_block as usize,
             cache_blocks: usize::try_from(args.engine_cache_blocks).unwrap_or(usize::MAX),
             restart_every: config.restart_every,
+            offload_blocks: usize::try_from(args.offload_blocks).unwrap_or(usize::MAX),
+            offload_weight: args.offload_weight,
         };
         let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
         let bar = progress(workload.len(), "replaying over engines that publish their KV events");

@@ -160,17 +160,17 @@ fn a_newer_or_unknown_format_is_refused_with_a_typed_error() -> Result<(), Error
     let warm = Warm::open(&path)?;
     warm.ran("m", &[3; 256], "a")?;
     warm.close()?;
-    set_schema(&path, 6, 7);
+    set_schema(&path, 7, 8);
     let err = Warm::open(&path).expect_err("a newer schema");
-    assert!(matches!(err, Error::NewerSchema { found: 7, supported: 6 }), "{err}");
+    assert!(matches!(err, Error::NewerSchema { found: 8, supported: 7 }), "{err}");
     assert!(err.to_string().contains("upgrade superfluid-warm"), "{err}");
     let err = superfluid_warm::Snapshot::open(&path).expect_err("readers refuse it too");
     assert!(matches!(err, Error::NewerSchema { .. }), "{err}");
     // Schema 2 names the 0.2.0 chain: a schema 2 record naming another is not a file we wrote.
-    set_schema(&path, 7, 2);
+    set_schema(&path, 8, 2);
     let err = Warm::open(&path).expect_err("schema 2 with the v3 chain");
     assert!(matches!(err, Error::UnknownFormat { .. }), "{err}");
-    set_schema(&path, 2, 6);
+    set_schema(&path, 2, 7);
     assert_eq!(Warm::open(&path)?.warmest("m", &[3; 256])?.map(|h| h.tokens), Some(256), "refusing changed nothing");
 
     // A redb file of another program, and a file that is not redb at all.

@@ -48,7 +48,7 @@ fn a_schema_3_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
         warm.close()?;
     }
     let snapshot = Snapshot::open(&path)?;
-    assert_eq!(snapshot.stats()?.schema, 6, "upgraded through schemas 4 and 5 to 6");
+    assert_eq!(snapshot.stats()?.schema, 7, "upgraded through schemas 4, 5 and 6 to 7");
     let check = snapshot.check()?;
     assert!(check.problems.is_empty(), "{:?}", check.problems);
     drop(snapshot);

@@ -15,10 +15,18 @@
 //! One copy, the callers' (`index/decided.rs`). A change's rows leave as effects; attachment,
 //! chain states, children and the held map are derived, at load, from the rows.
 //!
+//! Tiers: an engine block's copies are counted by medium (GPU, and an offloading connector's CPU
+//! memory and storage). A block is held while any copy is; its tier is the fastest medium
+//! holding one, and a block of ours is warm in the slowest tier along its chain (where the
+//! engine loads the whole prefix from). An offload store without tokens adds a copy to a block
+//! this index holds, and names nothing otherwise.
+//!
 //! Row layouts (`engine_blocks/v6`, key `(node id, engine hash)`), all integers little-endian:
 //! `flags: u8` (bit 0: has a parent; bit 1: keyed, a namespace follows; bit 2: opaque, it hashes
-//! more than its tokens and keys nothing), `parent: u64` (if bit 0), `refs: u32`, `clock: u64`, `tokens: u32` count then each token as `u32`, and for a keyed
-//! first block (no parent): `model: u16` length and bytes, `tenant: u16` length and bytes.
+//! more than its tokens and keys nothing; bit 3, schema 7: copies offloaded), `parent: u64` (if
+//! bit 0), `refs: u32` (copies in any medium), with bit 3 `cpu: u32` and `storage: u32` (of
+//! those), `clock: u64`, `tokens: u32` count then each token as `u32`, and for a keyed first
+//! block (no parent): `model: u16` length and bytes, `tenant: u16` length and bytes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -91,7 +99,9 @@ pub struct EngineStored {
     pub tokens: Vec<u32>,
     /// Tokens per engine block.
     pub block_size: u32,
-    /// Where the engine keeps them; only GPU blocks are indexed.
+    /// Where the engine keeps them: GPU memory, or an offloading connector's CPU memory or
+    /// storage (such a store may carry no tokens: it then names blocks stored on the GPU
+    /// before).
     pub medium: Medium,
     /// The namespace the blocks are keyed in (the model the endpoint serves, or its LoRA, and a
     /// cache salt as the tenant). Read for a first block (`parent` `None`): the others continue
@@ -175,7 +185,8 @@ pub struct EngineCounts {
     pub unknown_parents: u64,
     /// Removals of blocks the index does not hold.
     pub unknown_removals: u64,
-    /// Events of a medium other than the GPU, not indexed.
+    /// Events not indexed for their medium: a medium this build does not know, or an offload
+    /// store without tokens naming a block the index does not hold.
     pub other_medium: u64,
     /// Stores under no namespace of this index (a LoRA or salt it does not route).
     pub unkeyed: u64,
@@ -203,6 +214,9 @@ pub struct EngineStats {
     pub engine_blocks: usize,
     /// Blocks of 64 tokens (the index's) those cover whole from a prompt's start.
     pub blocks: usize,
+    /// Of `engine_blocks`, those held in GPU memory, those only in CPU memory, and those only
+    /// on storage (an offloading connector's tiers).
+    pub by_tier: [usize; 3],
     /// The stream's counts.
     pub counts: EngineCounts,
 }
@@ -316,12 +330,19 @@ impl Engines {
             .iter()
             .map(|(&id, s)| {
                 let (engine_blocks, blocks) = self.sizes(id);
+                let mut by_tier = [0; 3];
+                for b in s.blocks.slots().filter_map(|i| s.blocks.get(i)) {
+                    if let Some(n) = by_tier.get_mut(usize::from(b.own_tier())) {
+                        *n += 1;
+                    }
+                }
                 EngineStats {
                     node: name(id),
                     last_seq: s.record.last,
                     last_ts: s.record.last_ts,
                     engine_blocks,
                     blocks,
+                    by_tier,
                     counts: s.record.counts.clone(),
                 }
             })

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use redb::ReadableTable;
 
 use super::records::{
-    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_V6, SCHEMA_VERSION,
-    read_meta,
+    DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_V6, SCHEMA_V7,
+    SCHEMA_VERSION, read_meta,
 };
 use super::tables::{
     ENGINE_BLOCKS, ENGINE_STREAMS, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY,
@@ -64,7 +64,7 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     let scheme = match (meta.schema, Scheme::named(&meta.hash_scheme)) {
         (SCHEMA_V2, Some(Scheme::KeyedChain)) => Scheme::KeyedChain,
         (SCHEMA_V3, Some(Scheme::TreeChain)) => Scheme::TreeChain,
-        (SCHEMA_V4 | SCHEMA_V5 | SCHEMA_V6, Some(scheme)) => scheme,
+        (SCHEMA_V4 | SCHEMA_V5 | SCHEMA_V6 | SCHEMA_V7, Some(scheme)) => scheme,
         (schema, _) => {
             return Err(Error::unknown_format(format!("schema {schema} with hash scheme {:?}", meta.hash_scheme)));
         }
@@ -87,7 +87,7 @@ pub(crate) struct Prepared {
 }
 
 /// Prepares a file opened for writing: creates a new one (with `capacity`, or the default), or
-/// checks an old one, upgrades it to schema 5 if it is older, and records `capacity` if one was
+/// checks an old one, upgrades it to the current schema if it is older, and records `capacity` if one was
 /// given and differs, all in one transaction. Otherwise an old file is only read (no commit:
 /// opening is cheap).
 ///
@@ -99,7 +99,7 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
         Some(mut meta) => {
             let scheme = check(&meta)?;
             let resized = capacity.is_some_and(|c| c != meta.capacity);
-            let upgraded_from = (meta.schema < SCHEMA_V6).then_some(meta.schema);
+            let upgraded_from = (meta.schema < SCHEMA_V7).then_some(meta.schema);
             if !resized && upgraded_from.is_none() {
                 txn.abort().map_err(redb_err("ending the open"))?;
                 return Ok(Prepared { scheme, resized, upgraded_from });
@@ -112,6 +112,12 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
             }
             if meta.schema < SCHEMA_V6 {
                 upgrade_v6(&txn, &mut meta)?;
+            }
+            if meta.schema < SCHEMA_V7 {
+                // Schema 6's engine rows are schema 7 rows with no copy off the GPU: nothing
+                // to rewrite; the new number keeps schema 6 builds from misreading the rows
+                // this build writes.
+                meta.schema = SCHEMA_V7;
             }
             (meta, Prepared { scheme, resized, upgraded_from })
         }
@@ -217,6 +223,7 @@ mod tests {
         assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME_V2, 64)).ok(), Some(Scheme::KeyedChain));
         assert_eq!(check(&meta(SCHEMA_V6, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
+        assert_eq!(check(&meta(SCHEMA_V7, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(
             check(&meta(SCHEMA_V4, HASH_SCHEME_V2, 64)).ok(),
             Some(Scheme::KeyedChain),

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::engine_sim::{Publisher, SimEngine};
-use super::replay::{Config, Load, Timing, ask, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
+use super::replay::{Config, Load, Policy, Timing, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::{Request, splitmix64};
 use crate::{
-    BLOCK_TOKENS, EngineBatch, EngineEndpoint, EngineEvent, ListenStats, Listener, MIN_BLOCKS, Namespace, Result, Warm,
-    decode_engine_batch,
+    BLOCK_TOKENS, EngineBatch, EngineEndpoint, EngineEvent, ListenStats, Listener, MIN_BLOCKS, Namespace, ReadIndex,
+    Result, Warm, decode_engine_batch,
 };
 
 /// The engines of a replay.
@@ -25,11 +25,17 @@ pub struct Engines {
     /// numbers from 0, nothing to replay). Nobody tells the index: it sees the restart in the
     /// engine's next batch.
     pub restart_every: Option<usize>,
+    /// Engine blocks of each engine's offload tier in CPU memory (0: none): blocks evicted from
+    /// the GPU move there, as vLLM's offloading connector keeps them.
+    pub offload_blocks: usize,
+    /// How much a token warm only in the offload tier counts against one warm in GPU memory when
+    /// `balanced` weighs a node's warm prefix (1: tiers ignored).
+    pub offload_weight: f64,
 }
 
 impl Default for Engines {
     fn default() -> Self {
-        Engines { block: 16, cache_blocks: 65_536, restart_every: None }
+        Engines { block: 16, cache_blocks: 65_536, restart_every: None, offload_blocks: 0, offload_weight: 0.5 }
     }
 }
 
@@ -47,6 +53,10 @@ pub struct EngineReport {
     pub cached_tokens: u64,
     /// The same at the engine's own block size (a partial block of 64 included).
     pub cached_engine_tokens: u64,
+    /// Of `claimed_tokens`, those the index named warm in GPU memory.
+    pub claimed_gpu_tokens: u64,
+    /// Of `cached_tokens`, those the engine held in GPU memory (the rest, in its offload tier).
+    pub cached_gpu_tokens: u64,
     /// Requests sent as warm to a node whose engine held less than the index named.
     pub warm_not_cached: usize,
     /// Prompt tokens given to each node.
@@ -83,6 +93,26 @@ impl EngineReport {
         self.share(self.cached_tokens)
     }
 
+    /// Share of prompt tokens the index named warm in GPU memory on the chosen node.
+    pub fn claimed_gpu_share(&self) -> f64 {
+        self.share(self.claimed_gpu_tokens)
+    }
+
+    /// Share of prompt tokens the chosen engine held in GPU memory (the index's unit).
+    pub fn cached_gpu_share(&self) -> f64 {
+        self.share(self.cached_gpu_tokens)
+    }
+
+    /// Share of prompt tokens the index named warm only in the offload tier.
+    pub fn claimed_offload_share(&self) -> f64 {
+        self.share(self.claimed_tokens.saturating_sub(self.claimed_gpu_tokens))
+    }
+
+    /// Share of prompt tokens the chosen engine held only in its offload tier.
+    pub fn cached_offload_share(&self) -> f64 {
+        self.share(self.cached_tokens.saturating_sub(self.cached_gpu_tokens))
+    }
+
     /// Share of prompt tokens the chosen engine held (its own unit).
     pub fn cached_engine_share(&self) -> f64 {
         self.share(self.cached_engine_tokens)
@@ -101,6 +131,30 @@ impl EngineReport {
     pub fn ingest_rate(&self) -> f64 {
         self.block_events as f64 / self.ingest.as_secs_f64().max(1e-9)
     }
+}
+
+/// A warm node by index into the replay's names: (node, tokens warm, of those in GPU memory).
+type TieredHit = (usize, usize, usize);
+
+/// The prompt's prefix and its warm nodes by index into `names`, each with the tokens it has
+/// warm and, of those, the tokens in GPU memory (longest first): balanced weighs every warm
+/// node, warmest needs only the first.
+fn ask(
+    warm: &Warm,
+    namespace: &Namespace,
+    names: &[String],
+    policy: Policy,
+    tokens: &[u32],
+) -> Result<(crate::Prefix, Vec<TieredHit>)> {
+    let prefix = warm.prefix(namespace, tokens);
+    let found = match policy {
+        Policy::Balanced => warm.warm_nodes_prefix(&prefix)?,
+        Policy::Warmest => warm.warmest_prefix(&prefix)?.into_iter().collect(),
+    }
+    .into_iter()
+    .filter_map(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens, h.gpu_tokens)))
+    .collect();
+    Ok((prefix, found))
 }
 
 /// Block events of a batch: the hashes it stores and removes.
@@ -136,7 +190,10 @@ pub fn run(
     let namespace = Namespace::new(&config.model)?;
     let warm = Arc::new(Warm::open(path)?);
     let mut sims: Vec<SimEngine> = (0..nodes)
-        .map(|_| SimEngine::new(engines.block, engines.cache_blocks, &config.model, None))
+        .map(|_| {
+            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None)
+                .map(|e| e.with_offload(engines.offload_blocks))
+        })
         .collect::<Result<_>>()?;
     let publishers: Vec<Publisher> = (0..nodes).map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
     let endpoints: Vec<EngineEndpoint> = names
@@ -174,13 +231,22 @@ pub fn run(
         let t0 = Instant::now();
         let (prefix, found) = ask(&warm, &namespace, &names, config.policy, &tokens)?;
         let mut spent = t0.elapsed();
-        let (chosen, claimed) = choose_among(config, &load, &found, tokens.len());
+        // The policy weighs each warm prefix: its part in GPU memory whole, the rest at the
+        // offload weight.
+        let weighed: Vec<(usize, usize)> = found
+            .iter()
+            .map(|&(node, len, gpu)| (node, gpu + ((len - gpu) as f64 * engines.offload_weight) as usize))
+            .collect();
+        let (chosen, _) = choose_among(config, &load, &weighed, tokens.len());
+        let (claimed, claimed_gpu) = found.iter().find(|f| f.0 == chosen).map_or((0, 0), |f| (f.1, f.2));
         let sim = nth_mut(&mut sims, chosen)?;
-        let held = sim.holds(&tokens);
+        let (held_gpu, held) = sim.holds_by_tier(&tokens);
         let whole = held / BLOCK_TOKENS * BLOCK_TOKENS;
         let cached = if whole >= MIN_BLOCKS * BLOCK_TOKENS { whole } else { 0 };
         report.claimed_tokens += claimed as u64;
+        report.claimed_gpu_tokens += claimed_gpu as u64;
         report.cached_tokens += cached as u64;
+        report.cached_gpu_tokens += (held_gpu / BLOCK_TOKENS * BLOCK_TOKENS).min(cached) as u64;
         report.cached_engine_tokens += held as u64;
         if claimed > held {
             report.warm_not_cached += 1;

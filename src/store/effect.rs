@@ -34,8 +34,9 @@ pub(crate) enum Effect {
     Capacity { name: Arc<str>, blocks: Option<u64> },
     /// The default cache size (`None`: caches are not kept).
     CacheDefault { blocks: Option<u64> },
-    /// Node `node`'s engine block `hash` is `row` (`store/engines.rs`'s layout; `None`: gone).
-    EngineBlock { node: u32, hash: u64, row: Option<Arc<[u8]>> },
+    /// Node `node`'s engine block `hash`, stored at `clock`, is `row` (`store/engines.rs`'s
+    /// layout; `None`: gone).
+    EngineBlock { node: u32, clock: u64, hash: u64, row: Option<Arc<[u8]>> },
     /// Node `node`'s engine stream is at `row` (its position and counts), decided at `clock`.
     EngineStream { node: u32, row: Arc<StreamRecord>, clock: u64 },
     /// Every engine block of node `node` is gone; its stream row is `stream` (`None`: gone too,

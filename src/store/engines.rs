@@ -36,9 +36,14 @@ use serde::{Deserialize, Serialize};
 use super::codec;
 use super::effect::Effect;
 use super::engine_blocks::{Blocks, Completed, Slot};
-use super::tables::{ENGINE_BLOCKS, ENGINE_STREAMS};
+use super::tables::{ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, Namespace, Scheme};
+
+/// The key of an `engine_blocks/v7` row: (node id, the clock of the block's store, its engine
+/// hash). Ordered by store, so that a batch's new rows sit together at the end of a node's
+/// range and the LRU's evictions take rows from its start.
+pub(crate) type BlockRowKey = (u32, u64, u64);
 
 /// Where the engine keeps a block ("medium" in vLLM's events).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -485,7 +490,8 @@ impl Engines {
                 stream.record.counts.stored += 1;
                 add_copy(stream, &mut self.held, node, i, tier);
                 let row = encode_row(&stream.blocks, i, &stream.namespaces);
-                self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
+                let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
+                self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
             }
             return;
         }
@@ -518,7 +524,8 @@ impl Engines {
                 }
                 add_copy(stream, &mut self.held, node, i, tier);
                 let row = encode_row(&stream.blocks, i, &stream.namespaces);
-                self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
+                let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
+                self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
                 parent = Some(hash);
                 continue;
             }
@@ -537,6 +544,7 @@ impl Engines {
             }
             self.effects.push(Effect::EngineBlock {
                 node,
+                clock,
                 hash,
                 row: Some(encode_row(&stream.blocks, i, &stream.namespaces)),
             });
@@ -573,14 +581,15 @@ impl Engines {
                 retier(stream, &mut self.held, node, i);
             }
             let row = encode_row(&stream.blocks, i, &stream.namespaces);
-            self.effects.push(Effect::EngineBlock { node, hash, row: Some(row) });
+            let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
+            self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
             return;
         }
         // Removals win over claims: the node's `ran`s before this are no longer answered.
         stream.claim_floor = stream.claim_floor.max(clock);
         detach(stream, &mut self.held, node, i);
-        stream.blocks.remove(i);
-        self.effects.push(Effect::EngineBlock { node, hash, row: None });
+        let stored = stream.blocks.remove(i).map_or(clock, |b| b.clock);
+        self.effects.push(Effect::EngineBlock { node, clock: stored, hash, row: None });
     }
 
     /// The streams of a file: its stream rows and block rows, attached and keyed in `scheme`.
@@ -590,7 +599,7 @@ impl Engines {
     pub(crate) fn load(
         scheme: Scheme,
         streams: impl Iterator<Item = Result<(u32, StreamRecord)>>,
-        blocks: impl Iterator<Item = Result<((u32, u64), Vec<u8>)>>,
+        blocks: impl Iterator<Item = Result<(u32, u64, Row)>>,
         clock: u64,
     ) -> Result<Engines> {
         let mut engines = Engines::default();
@@ -600,10 +609,10 @@ impl Engines {
             engines.streams.insert(node, Stream { record, claim_floor: clock, ..Stream::default() });
         }
         for item in blocks {
-            let ((node, hash), bytes) = item?;
+            let (node, hash, row) = item?;
             let stream = engines.streams.entry(node).or_default();
-            let row = decode_row(&bytes, &mut stream.namespaces)?;
-            let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, row.root);
+            let root = row.root.map(|r| r.and_then(|ns| namespace_index(&mut stream.namespaces, &ns)));
+            let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, root);
             if let Some(b) = stream.blocks.get_mut(i) {
                 b.refs = row.refs.max(1);
                 b.offload = row.offload;
@@ -630,22 +639,41 @@ impl Engines {
 pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: u64) -> Result<Engines> {
     use redb::ReadableTable;
     let what = "reading the engine streams";
-    let (streams, blocks) = match (read.open_table(ENGINE_STREAMS), read.open_table(ENGINE_BLOCKS)) {
-        (Ok(s), Ok(b)) => (s, b),
-        (Err(redb::TableError::TableDoesNotExist(_)), _) | (_, Err(redb::TableError::TableDoesNotExist(_))) => {
-            return Ok(Engines::default());
-        }
-        (Err(e), _) | (_, Err(e)) => return Err(redb_err(what)(e)),
+    let missing = |e: &redb::TableError| matches!(e, redb::TableError::TableDoesNotExist(_));
+    let streams = match read.open_table(ENGINE_STREAMS) {
+        Ok(s) => s,
+        Err(e) if missing(&e) => return Ok(Engines::default()),
+        Err(e) => return Err(redb_err(what)(e)),
     };
     let streams = streams.iter().map_err(redb_err(what))?.map(|item| {
         let (k, v) = item.map_err(redb_err(what))?;
         Ok((k.value(), codec::decode::<StreamRecord>("engine stream", v.value())?))
     });
-    let blocks = blocks.iter().map_err(redb_err(what))?.map(|item| {
-        let (k, v) = item.map_err(redb_err(what))?;
-        Ok((k.value(), v.value().to_vec()))
-    });
-    Engines::load(scheme, streams, blocks, clock)
+    match read.open_table(ENGINE_BLOCKS) {
+        Ok(blocks) => {
+            let rows = blocks.iter().map_err(redb_err(what))?.map(|item| {
+                let (k, v) = item.map_err(redb_err(what))?;
+                let (node, clock, hash) = k.value();
+                Ok((node, hash, decode_row(v.value(), Layout::V7, clock)?))
+            });
+            Engines::load(scheme, streams, rows, clock)
+        }
+        // A schema 6 file, read as it is (a reader does not upgrade it).
+        Err(e) if missing(&e) => {
+            let blocks = match read.open_table(ENGINE_BLOCKS_V6) {
+                Ok(b) => b,
+                Err(e) if missing(&e) => return Ok(Engines::default()),
+                Err(e) => return Err(redb_err(what)(e)),
+            };
+            let rows = blocks.iter().map_err(redb_err(what))?.map(|item| {
+                let (k, v) = item.map_err(redb_err(what))?;
+                let (node, hash) = k.value();
+                Ok((node, hash, decode_row(v.value(), Layout::V6, 0)?))
+            });
+            Engines::load(scheme, streams, rows, clock)
+        }
+        Err(e) => Err(redb_err(what)(e)),
+    }
 }
 
 /// The index of `ns` in a stream's namespaces, added if new; `None` past 65,535 namespaces in
@@ -860,30 +888,43 @@ const KEYED: u8 = 2;
 const OPAQUE: u8 = 4;
 const OFFLOADED: u8 = 8;
 
-/// A block's row (see the module docs).
+/// A block's row (see the module docs), from its slot.
 fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
     let Some(block) = blocks.get(i) else { return Arc::from(&[][..]) };
-    let tokens = blocks.tokens(i);
-    let ns = block.root.flatten().and_then(|n| namespaces.get(usize::from(n)));
-    let mut out = Vec::with_capacity(32 + 4 * tokens.len());
+    let root = block.root.map(|r| r.and_then(|n| namespaces.get(usize::from(n))).cloned());
+    let row = Row {
+        opaque: block.opaque,
+        parent: block.parent,
+        refs: block.refs,
+        offload: block.offload,
+        clock: block.clock,
+        tokens: blocks.tokens(i).to_vec(),
+        root,
+    };
+    encode(&row)
+}
+
+/// A row in the layout of `engine_blocks/v7` (the clock is in its key).
+fn encode(row: &Row) -> Arc<[u8]> {
+    let ns = row.root.as_ref().and_then(Option::as_ref);
+    let mut out = Vec::with_capacity(32 + 4 * row.tokens.len());
     out.push(
-        (u8::from(block.parent.is_some()) * HAS_PARENT)
+        (u8::from(row.parent.is_some()) * HAS_PARENT)
             | (u8::from(ns.is_some()) * KEYED)
-            | (u8::from(block.opaque) * OPAQUE)
-            | (u8::from(block.offload != [0; 2]) * OFFLOADED),
+            | (u8::from(row.opaque) * OPAQUE)
+            | (u8::from(row.offload != [0; 2]) * OFFLOADED),
     );
-    if let Some(p) = block.parent {
+    if let Some(p) = row.parent {
         out.extend_from_slice(&p.to_le_bytes());
     }
-    out.extend_from_slice(&block.refs.to_le_bytes());
-    if block.offload != [0; 2] {
-        for c in block.offload {
+    out.extend_from_slice(&row.refs.to_le_bytes());
+    if row.offload != [0; 2] {
+        for c in row.offload {
             out.extend_from_slice(&c.to_le_bytes());
         }
     }
-    out.extend_from_slice(&block.clock.to_le_bytes());
-    out.extend_from_slice(&u32::try_from(tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
-    for t in tokens {
+    out.extend_from_slice(&u32::try_from(row.tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
+    for t in &row.tokens {
         out.extend_from_slice(&t.to_le_bytes());
     }
     if let Some(ns) = ns {
@@ -896,21 +937,40 @@ fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
 }
 
 /// A block's row, read.
-struct Row {
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Row {
     opaque: bool,
     parent: Option<u64>,
     refs: u32,
     offload: [u32; 2],
+    /// The clock of its store (in `engine_blocks/v7`'s key, in `engine_blocks/v6`'s row).
     clock: u64,
     tokens: Vec<u32>,
-    root: Option<Option<u16>>,
+    /// For a first block: its namespace (`None`: unkeyed).
+    root: Option<Option<Namespace>>,
 }
 
-/// Reads a block's row, adding its namespace (if a keyed first block) to `namespaces`.
-fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
+/// The two layouts of a block's row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// Schema 6: the clock after the copies, no offloaded copies.
+    V6,
+    /// Schema 7: offloaded copies with flag bit 3, the clock in the key.
+    V7,
+}
+
+/// Reads a block's row of `layout`; `clock` is its key's (ignored for [`Layout::V6`], whose row
+/// holds it).
+///
+/// # Errors
+/// [`Error::Corrupted`] for bytes that are not such a row.
+pub(crate) fn decode_row(bytes: &[u8], layout: Layout, clock: u64) -> Result<Row> {
     let corrupt = || Error::Corrupted { detail: "an engine block row does not decode".into() };
     let mut r = Reader(bytes);
     let flags = r.take::<1>().ok_or_else(corrupt)?[0];
+    if layout == Layout::V6 && flags & OFFLOADED != 0 {
+        return Err(corrupt());
+    }
     let parent = match flags & HAS_PARENT {
         0 => None,
         _ => Some(u64::from_le_bytes(r.take().ok_or_else(corrupt)?)),
@@ -923,7 +983,10 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
     if u64::from(offload[0]) + u64::from(offload[1]) > u64::from(refs) {
         return Err(corrupt());
     }
-    let clock = u64::from_le_bytes(r.take().ok_or_else(corrupt)?);
+    let clock = match layout {
+        Layout::V6 => u64::from_le_bytes(r.take().ok_or_else(corrupt)?),
+        Layout::V7 => clock,
+    };
     let n = u32::from_le_bytes(r.take().ok_or_else(corrupt)?) as usize;
     let raw = r.bytes(n.checked_mul(4).ok_or_else(corrupt)?).ok_or_else(corrupt)?;
     let tokens: Vec<u32> =
@@ -939,14 +1002,22 @@ fn decode_row(bytes: &[u8], namespaces: &mut Vec<Namespace>) -> Result<Row> {
             let model = part().ok_or_else(corrupt)?;
             let model = std::str::from_utf8(model).map_err(|_| corrupt())?.to_string();
             let tenant = part().ok_or_else(corrupt)?;
-            let ns = Namespace::of(&model, Some(tenant).filter(|t| !t.is_empty())).map_err(|_| corrupt())?;
-            Some(namespace_index(namespaces, &ns))
+            Some(Some(Namespace::of(&model, Some(tenant).filter(|t| !t.is_empty())).map_err(|_| corrupt())?))
         }
     };
     if !r.0.is_empty() {
         return Err(corrupt());
     }
     Ok(Row { opaque: flags & OPAQUE != 0, parent, refs, offload, clock, tokens, root })
+}
+
+/// A schema 6 row as schema 7 keys and lays it out: `((node, clock, hash), row)`.
+///
+/// # Errors
+/// As [`decode_row`].
+pub(crate) fn upgrade_row(node: u32, hash: u64, bytes: &[u8]) -> Result<(BlockRowKey, Arc<[u8]>)> {
+    let row = decode_row(bytes, Layout::V6, 0)?;
+    Ok(((node, row.clock, hash), encode(&row)))
 }
 
 /// Reads fixed-width fields off the front of a row.
@@ -1062,7 +1133,9 @@ mod tests {
         let mut stream = None;
         for effect in e.take_effects() {
             match effect {
-                Effect::EngineBlock { node, hash, row: Some(row) } => rows.push(((node, hash), row.to_vec())),
+                Effect::EngineBlock { node, clock, hash, row: Some(row) } => {
+                    rows.push((node, hash, decode_row(&row, Layout::V7, clock).expect("a row")));
+                }
                 Effect::EngineStream { row, .. } => stream = Some(row),
                 _ => {}
             }
@@ -1100,23 +1173,42 @@ mod tests {
         let mut e = Engines::default();
         e.batch(Scheme::TreeChain, 7, &batch(0, vec![stored(None, &[1, 2, 3], &tokens[..96], 32)]), 1);
         e.batch(Scheme::TreeChain, 7, &batch(1, vec![stored(Some(3), &[4, 5, 6, 7, 8], &tokens[96..], 32)]), 2);
-        let mut rows: BTreeMap<(u32, u64), Option<Arc<[u8]>>> = BTreeMap::new();
+        let mut rows: BTreeMap<BlockRowKey, Option<Arc<[u8]>>> = BTreeMap::new();
         let mut stream = None;
         for effect in e.take_effects() {
             match effect {
-                Effect::EngineBlock { node, hash, row } => {
-                    rows.insert((node, hash), row);
+                Effect::EngineBlock { node, clock, hash, row } => {
+                    rows.insert((node, clock, hash), row);
                 }
                 Effect::EngineStream { row, .. } => stream = Some(row),
                 _ => {}
             }
         }
         let stream = stream.expect("a stream row");
-        let blocks = rows.into_iter().filter_map(|(k, v)| v.map(|v| Ok((k, v.to_vec()))));
+        let blocks = rows.into_iter().filter_map(|((node, clock, hash), v)| {
+            v.map(|v| decode_row(&v, Layout::V7, clock).map(|r| (node, hash, r)))
+        });
         let loaded = Engines::load(Scheme::TreeChain, std::iter::once(Ok((7, (*stream).clone()))), blocks, 2)
             .expect("the rows load");
         assert_eq!(loaded.held, e.held);
         assert_eq!(loaded.sizes(7), (8, 4));
-        assert!(decode_row(&[1, 2, 3], &mut Vec::new()).is_err(), "a short row is an error, not a panic");
+        assert!(decode_row(&[1, 2, 3], Layout::V7, 0).is_err(), "a short row is an error, not a panic");
+        // A row with offloaded copies comes back whole; schema 6 had none, and its layout
+        // refuses one; copies offloaded past the copies held are corrupt.
+        let row = Row {
+            opaque: false,
+            parent: None,
+            refs: 3,
+            offload: [1, 1],
+            clock: 9,
+            tokens: tokens[..32].to_vec(),
+            root: Some(Some(Namespace::new("m").expect("namespace"))),
+        };
+        let bytes = encode(&row);
+        assert_eq!(decode_row(&bytes, Layout::V7, 9).expect("a row"), row);
+        assert!(decode_row(&bytes, Layout::V6, 9).is_err());
+        let mut over = bytes.to_vec();
+        over[1] = 1;
+        assert!(decode_row(&over, Layout::V7, 9).is_err(), "2 offloaded of 1 copy");
     }
 }

@@ -4,6 +4,7 @@
 use redb::{Database, ReadableTableMetadata, TableHandle, WriteTransaction};
 
 use super::codec;
+use super::engines::upgrade_row;
 use std::collections::BTreeMap;
 
 use redb::ReadableTable;
@@ -13,8 +14,8 @@ use super::records::{
     SCHEMA_VERSION, read_meta,
 };
 use super::tables::{
-    ENGINE_BLOCKS, ENGINE_STREAMS, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY,
-    NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED, STATE,
+    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES,
+    NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED, STATE,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
@@ -114,10 +115,7 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
                 upgrade_v6(&txn, &mut meta)?;
             }
             if meta.schema < SCHEMA_V7 {
-                // Schema 6's engine rows are schema 7 rows with no copy off the GPU: nothing
-                // to rewrite; the new number keeps schema 6 builds from misreading the rows
-                // this build writes.
-                meta.schema = SCHEMA_V7;
+                upgrade_v7(&txn, &mut meta)?;
             }
             (meta, Prepared { scheme, resized, upgraded_from })
         }
@@ -176,9 +174,31 @@ fn upgrade_v5(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
 /// the commit leaves the old file untouched.
 fn upgrade_v6(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
     let err = redb_err::<redb::TableError>("upgrading to schema 6");
-    txn.open_table(ENGINE_BLOCKS).map_err(&err)?;
+    txn.open_table(ENGINE_BLOCKS_V6).map_err(&err)?;
     txn.open_table(ENGINE_STREAMS).map_err(&err)?;
     meta.schema = SCHEMA_V6;
+    Ok(())
+}
+
+/// Upgrades a schema 6 file to schema 7 in the open transaction: every engine block row is
+/// rewritten from `engine_blocks/v6` into `engine_blocks/v7`, keyed by its store's clock (taken
+/// out of the row), every copy on the GPU as schema 6 held it; the old table is deleted. Every
+/// answer stays as it is; a crash before the commit leaves the old file untouched.
+fn upgrade_v7(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
+    const WHAT: &str = "upgrading to schema 7";
+    let err = redb_err::<redb::TableError>(WHAT);
+    {
+        let old = txn.open_table(ENGINE_BLOCKS_V6).map_err(&err)?;
+        let mut new = txn.open_table(ENGINE_BLOCKS).map_err(&err)?;
+        for item in old.iter().map_err(redb_err(WHAT))? {
+            let (k, v) = item.map_err(redb_err(WHAT))?;
+            let (node, hash) = k.value();
+            let (key, row) = upgrade_row(node, hash, v.value())?;
+            new.insert(key, row.as_ref()).map_err(redb_err(WHAT))?;
+        }
+    }
+    txn.delete_table(ENGINE_BLOCKS_V6).map_err(&err)?;
+    meta.schema = SCHEMA_V7;
     Ok(())
 }
 

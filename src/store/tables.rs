@@ -45,10 +45,15 @@ pub(crate) const NODE_FLOORS: TableDefinition<u32, u64> = TableDefinition::new("
 /// Node name → the capacity of its cache in blocks, where set for it (`Warm::set_node_capacity`;
 /// every incarnation of the name). Schema 5.
 pub(crate) const NODE_CAPACITY: TableDefinition<&str, u64> = TableDefinition::new("node_capacity/v5");
-/// (node id, engine hash) → one block the node's engine holds, as its KV events said (layout in
-/// `super::engines`): its parent's hash, how often it was stored and not yet removed, the clock
-/// of its store, its tokens, and for a prompt's first block its namespace. Schema 6.
-pub(crate) const ENGINE_BLOCKS: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("engine_blocks/v6");
+/// (node id, clock of its store, engine hash) → one block the node's engine holds, as its KV
+/// events said (layout in `super::engines`): its parent's hash, its copies stored and not yet
+/// removed (and of those, the offloaded ones), its tokens, and for a prompt's first block its
+/// namespace. Schema 7.
+pub(crate) const ENGINE_BLOCKS: TableDefinition<(u32, u64, u64), &[u8]> = TableDefinition::new("engine_blocks/v7");
+/// Schema 6's engine blocks: (node id, engine hash) → the same, with the clock in the row and
+/// every copy on the GPU. Read from schema 6 files, and rewritten into [`ENGINE_BLOCKS`] by the
+/// upgrade to schema 7.
+pub(crate) const ENGINE_BLOCKS_V6: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("engine_blocks/v6");
 /// Node id → bincode [`super::engines::StreamRecord`]: where its engine's event stream stands
 /// (the last batch applied, its publish time) and its counts. Schema 6.
 pub(crate) const ENGINE_STREAMS: TableDefinition<u32, &[u8]> = TableDefinition::new("engine_streams/v6");

@@ -11,7 +11,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, Wri
 
 use super::codec;
 use super::effect::Effect;
-use super::engines::StreamRecord;
+use super::engines::{BlockRowKey, StreamRecord};
 use super::records::{
     DEFAULT_CAPACITY, Import, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta,
 };
@@ -81,8 +81,8 @@ impl CacheRows {
 struct EngineRows {
     /// Nodes whose engine blocks all went (before the rows below, which came after).
     clears: BTreeSet<u32>,
-    /// (node, engine hash) → the row (`None`: removed).
-    blocks: BTreeMap<(u32, u64), Option<Arc<[u8]>>>,
+    /// (node, store clock, engine hash) → the row (`None`: removed).
+    blocks: BTreeMap<BlockRowKey, Option<Arc<[u8]>>>,
     /// Node → its stream row (`None`: removed).
     streams: BTreeMap<u32, Option<Arc<StreamRecord>>>,
 }
@@ -275,15 +275,15 @@ impl Writer {
                     self.rows.capacity.insert(Arc::clone(name), *blocks);
                 }
                 Effect::CacheDefault { blocks } => self.rows.default = Some(*blocks),
-                Effect::EngineBlock { node, hash, row } => {
-                    self.engines.blocks.insert((*node, *hash), row.clone());
+                Effect::EngineBlock { node, clock, hash, row } => {
+                    self.engines.blocks.insert((*node, *clock, *hash), row.clone());
                 }
                 Effect::EngineStream { node, row, clock } => {
                     self.meta.clock = self.meta.clock.max(*clock);
                     self.engines.streams.insert(*node, Some(Arc::clone(row)));
                 }
                 Effect::EngineClear { node, stream } => {
-                    self.engines.blocks.retain(|&(n, _), _| n != *node);
+                    self.engines.blocks.retain(|&(n, _, _), _| n != *node);
                     self.engines.clears.insert(*node);
                     self.engines.streams.insert(*node, stream.clone());
                 }
@@ -586,12 +586,12 @@ fn write_engine_rows(txn: &WriteTransaction, rows: EngineRows) -> Result<()> {
     const WRITE: &str = "writing the engine rows";
     let mut blocks = txn.open_table(ENGINE_BLOCKS).map_err(redb_err(WRITE))?;
     for node in rows.clears {
-        blocks.retain_in((node, 0)..=(node, u64::MAX), |_, _| false).map_err(redb_err(WRITE))?;
+        blocks.retain_in((node, 0, 0)..=(node, u64::MAX, u64::MAX), |_, _| false).map_err(redb_err(WRITE))?;
     }
-    for ((node, hash), row) in rows.blocks {
+    for (key, row) in rows.blocks {
         match row {
-            Some(bytes) => blocks.insert((node, hash), bytes.as_ref()).map(drop),
-            None => blocks.remove((node, hash)).map(drop),
+            Some(bytes) => blocks.insert(key, bytes.as_ref()).map(drop),
+            None => blocks.remove(key).map(drop),
         }
         .map_err(redb_err(WRITE))?;
     }

@@ -13,7 +13,7 @@ use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, T
 use superfluid_warm::tools::trace::{self, TraceError};
 use superfluid_warm::{
     DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, IndexFile, LegacyJson, MAX_CAPACITY,
-    Snapshot, Stats, Warm,
+    SharedWarm, Sharing, Snapshot, Stats, Warm,
 };
 use superfluid_warm::{EngineEndpoint, Hit, ListenStats, Listener, Medium, Namespace, ReadIndex, Reader};
 
@@ -123,6 +123,10 @@ struct DumpArgs {
     /// Oldest first.
     #[arg(long)]
     oldest_first: bool,
+    /// The blocks each engine holds, as its KV events said (engine hash, store clock, parent,
+    /// copies in GPU memory, CPU memory and on storage), instead of the prefix table.
+    #[arg(long, conflicts_with = "oldest_first")]
+    engines: bool,
 }
 
 /// Most head threads a replay starts.
@@ -378,6 +382,18 @@ struct ListenArgs {
     /// following 8 full engines of 65,536 blocks under 256 MiB resident.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=65536))]
     cache_mb: u64,
+    /// Share through this NATS JetStream server (e.g. nats://127.0.0.1:4222): the engines'
+    /// batches are published to the stream, which every head sharing it applies in order (this
+    /// one too, into PATH), instead of into PATH alone. Several heads may publish the same
+    /// engine's batches: the stream stores each once.
+    #[arg(long)]
+    nats: Option<String>,
+    /// With --nats: the stream's name.
+    #[arg(long, requires = "nats", default_value = "warm")]
+    stream: String,
+    /// With --nats: this head's name in the stream (unique among the heads).
+    #[arg(long, requires = "nats", default_value = "listen")]
+    head: String,
 }
 
 fn run(command: Command) -> Result<ExitCode, CliError> {
@@ -467,11 +483,24 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
     let (timeout, every) =
         (seconds("replay-timeout", args.replay_timeout)?, seconds("status-every", args.status_every)?);
     let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
-    let warm =
-        Warm::builder().cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX)).open(&args.path)?;
-    say_how_opened(&args.path, &warm.stats()?);
-    let warm = std::sync::Arc::new(warm);
-    let listener = Listener::start(std::sync::Arc::clone(&warm), &engines, timeout)?;
+    let mut builder = Warm::builder();
+    builder.cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX));
+    let sink = match &args.nats {
+        Some(url) => {
+            let shared = SharedWarm::open(&builder, &args.path, Sharing::nats(url, &args.stream, &args.head))?;
+            say_how_opened(&args.path, &shared.stats()?.0);
+            Sink::Shared(std::sync::Arc::new(shared))
+        }
+        None => {
+            let warm = builder.open(&args.path)?;
+            say_how_opened(&args.path, &warm.stats()?);
+            Sink::Own(std::sync::Arc::new(warm))
+        }
+    };
+    let listener = match &sink {
+        Sink::Own(warm) => Listener::start(std::sync::Arc::clone(warm), &engines, timeout)?,
+        Sink::Shared(shared) => Listener::start(std::sync::Arc::clone(shared), &engines, timeout)?,
+    };
     let status = listen_status_path(&args.path);
     // The status file is refreshed every --status-every seconds, or every 10 s without lines.
     let refresh = if every.is_zero() { Duration::from_secs(10) } else { every };
@@ -505,17 +534,24 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
     write_listen_status(&status, &stats, false, refresh);
     print(&stats);
     // Every listening thread has ended, and with it its handle on the index.
-    match std::sync::Arc::try_unwrap(warm) {
-        Ok(warm) => {
-            warm.close()?;
+    let closed = match sink {
+        Sink::Own(warm) => std::sync::Arc::try_unwrap(warm).ok().map(Warm::close),
+        Sink::Shared(shared) => std::sync::Arc::try_unwrap(shared).ok().map(SharedWarm::close),
+    };
+    match closed {
+        Some(done) => {
+            done?;
             emit(out, &format!("stopped; {} closed cleanly", args.path.display()))
         }
-        // Not reached (every thread has ended): dropping it closes it, best effort.
-        Err(still_shared) => {
-            drop(still_shared);
-            emit(out, &format!("stopped; {} closed", args.path.display()))
-        }
+        // Not reached (every thread has ended): dropped, it closes best effort.
+        None => emit(out, &format!("stopped; {} closed", args.path.display())),
     }
+}
+
+/// Where `listen` applies the engines' batches: its own file, or the stream it shares.
+enum Sink {
+    Own(std::sync::Arc<Warm>),
+    Shared(std::sync::Arc<SharedWarm>),
 }
 
 /// A medium's name, as vLLM's events spell it.
@@ -787,7 +823,7 @@ fn shown_node(name: &str, forgotten: bool) -> String {
 }
 
 fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
-    let DumpArgs { path, json, node, limit, oldest_first } = args;
+    let DumpArgs { path, json, node, limit, oldest_first, engines } = args;
     let (json, oldest_first) = (*json, *oldest_first);
     let snapshot = Snapshot::open(path)?;
     if let Some(wanted) = node
@@ -800,6 +836,9 @@ fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
             if names.is_empty() { "none".to_string() } else { names.join(", ") }
         )));
     }
+    if *engines {
+        return dump_engines(out, &snapshot, json, node.as_deref(), limit.unwrap_or(usize::MAX));
+    }
     // Rows stream out as they are read; the table's node column is as wide as the widest name
     // the file holds.
     let node_w = snapshot.nodes().map(|(n, forgotten)| shown_node(n, forgotten).len()).max().unwrap_or(0).max(4);
@@ -808,30 +847,111 @@ fn dump(out: &mut impl Write, args: &DumpArgs) -> Result<ExitCode, CliError> {
             .map_err(CliError::Output)?;
     }
     let limit = limit.unwrap_or(usize::MAX);
-    let mut shown = 0usize;
-    let mut failed = None;
+    let mut rows = Rows::new(limit);
     if limit > 0 {
         snapshot.visit(!oldest_first, |e| {
             if node.as_ref().is_some_and(|n| *n != e.node) {
                 return true;
             }
-            let written =
-                if json { writeln!(out, "{}", dump_json(&e)) } else { writeln!(out, "{}", dump_row(&e, node_w)) };
-            if let Err(err) = written {
-                failed = Some(err);
-                return false;
-            }
-            shown += 1;
-            shown < limit
+            rows.wrote(if json {
+                writeln!(out, "{}", dump_json(&e))
+            } else {
+                writeln!(out, "{}", dump_row(&e, node_w))
+            })
         })?;
     }
-    if let Some(err) = failed {
-        return Err(CliError::Output(err));
-    }
+    let shown = rows.end()?;
     if json {
         return Ok(ExitCode::SUCCESS);
     }
     emit(out, &format!("{} {} shown", thousands(shown as u64), if shown == 1 { "entry" } else { "entries" }))
+}
+
+/// `dump --engines`: each engine block, node by node, as it is read.
+fn dump_engines(
+    out: &mut impl Write,
+    snapshot: &Snapshot,
+    json: bool,
+    node: Option<&str>,
+    limit: usize,
+) -> Result<ExitCode, CliError> {
+    if !json {
+        writeln!(
+            out,
+            "{:<20}  {:<16}  {:>10}  {:<16}  {:>3}  {:>3}  {:>7}  {:>6}  model",
+            "node", "engine hash", "stored at", "parent", "GPU", "CPU", "STORAGE", "tokens"
+        )
+        .map_err(CliError::Output)?;
+    }
+    let mut rows = Rows::new(limit);
+    if limit > 0 {
+        snapshot.visit_engine_blocks(|b| {
+            if node.is_some_and(|n| n != b.node) {
+                return true;
+            }
+            let written = if json {
+                let line = json!({
+                    "node": b.node, "engine_hash": format!("{:016x}", b.hash), "stored_at": b.stored_at,
+                    "parent": b.parent.map(|p| format!("{p:016x}")),
+                    "copies": {"GPU": b.copies[0], "CPU": b.copies[1], "STORAGE": b.copies[2]},
+                    "tokens": b.tokens, "model": b.model,
+                });
+                writeln!(out, "{line}")
+            } else {
+                let parent = b.parent.map_or_else(|| "-".to_string(), |p| format!("{p:016x}"));
+                writeln!(
+                    out,
+                    "{:<20}  {:016x}  {:>10}  {parent:<16}  {:>3}  {:>3}  {:>7}  {:>6}  {}",
+                    b.node,
+                    b.hash,
+                    b.stored_at,
+                    b.copies[0],
+                    b.copies[1],
+                    b.copies[2],
+                    b.tokens,
+                    b.model.as_deref().unwrap_or("")
+                )
+            };
+            rows.wrote(written)
+        })?;
+    }
+    rows.end()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The rows a dump writes as it reads them: up to a limit, stopping at the first failed write.
+struct Rows {
+    shown: usize,
+    limit: usize,
+    failed: Option<std::io::Error>,
+}
+
+impl Rows {
+    fn new(limit: usize) -> Rows {
+        Rows { shown: 0, limit, failed: None }
+    }
+
+    /// Counts a row written; whether to go on.
+    fn wrote(&mut self, written: std::io::Result<()>) -> bool {
+        match written {
+            Ok(()) => {
+                self.shown += 1;
+                self.shown < self.limit
+            }
+            Err(err) => {
+                self.failed = Some(err);
+                false
+            }
+        }
+    }
+
+    /// The rows written, or the write that failed.
+    fn end(self) -> Result<usize, CliError> {
+        match self.failed {
+            Some(err) => Err(CliError::Output(err)),
+            None => Ok(self.shown),
+        }
+    }
 }
 
 fn dump_json(e: &DumpEntry) -> serde_json::Value {

@@ -286,7 +286,7 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
     let snapshot = superfluid_warm::Snapshot::open(&path)?;
     let stats = snapshot.stats()?;
     // Upgraded to the newest schema in place, keeping its own chain.
-    assert_eq!((stats.schema, stats.hash_scheme.as_str()), (6, "blake3-keyed-chain-seg16/v2"));
+    assert_eq!((stats.schema, stats.hash_scheme.as_str()), (7, "blake3-keyed-chain-seg16/v2"));
     drop(snapshot);
     let warm = Warm::open(&path)?;
     assert_eq!(answers(&warm, &model)?, prompts.len());

@@ -108,6 +108,28 @@ fn a_schema_6_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
     let stream = warm.engine_stats()?.into_iter().find(|s| s.node == "gpu-0").expect("gpu-0's stream");
     assert_eq!(stream.by_tier[1], 1, "one block only in CPU memory");
     warm.close()?;
+    // The CLI shows it: `dump --engines` the block's copies, `ask` the tier, `stats` the count.
+    let cli = |args: &[&str]| -> serde_json::Value {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_superfluid-warm")).args(args).output().expect("run");
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).expect("UTF-8");
+        serde_json::Value::Array(text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect())
+    };
+    let file = path.to_str().expect("a UTF-8 path");
+    let blocks = cli(&["dump", file, "--engines", "--json", "--node", "gpu-0"]);
+    let root_hex = format!("{root:016x}");
+    let row =
+        blocks.as_array().and_then(|b| b.iter().find(|b| b["engine_hash"] == root_hex.as_str())).expect("the block");
+    assert_eq!((row["copies"]["GPU"].as_u64(), row["copies"]["CPU"].as_u64()), (Some(0), Some(1)), "{row}");
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(&prompts, serde_json::to_string(&prompt).expect("JSON") + "\n").expect("write prompts");
+    let asked = cli(&["ask", file, "--model", ns.model(), "--prompts", prompts.to_str().expect("UTF-8"), "--json"]);
+    let hit = asked[0]["warm_nodes"].as_array().and_then(|h| h.iter().find(|h| h["node"] == "gpu-0")).cloned();
+    let hit = hit.expect("ask names gpu-0");
+    assert_eq!((hit["tier"].as_str(), hit["gpu_tokens"].as_u64()), (Some("CPU"), Some(0)), "{hit}");
+    let stats = cli(&["stats", file, "--json"]);
+    let gpu_0 = stats[0]["engines"].as_array().and_then(|e| e.iter().find(|e| e["node"] == "gpu-0")).cloned();
+    assert_eq!(gpu_0.expect("gpu-0")["engine_blocks_by_tier"]["CPU"].as_u64(), Some(1));
     let check = Snapshot::open(&path)?.check()?;
     assert!(check.problems.is_empty(), "{:?}", check.problems);
     Ok(())

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::subscriber::{Endpoint, Message, Subscriber};
 use super::vllm::decode_engine_batch;
 use crate::error::{Error, Result};
-use crate::index::warm::Warm;
+use crate::index::engine_events::EngineSink;
 use crate::keys::Namespace;
 use crate::store::engines::{EngineBatch, EngineOutcome};
 
@@ -135,12 +135,18 @@ pub struct Listener {
 }
 
 impl Listener {
-    /// Opens a subscriber per engine and starts its thread.
+    /// Opens a subscriber per engine and starts its thread, applying to `sink`: a head's
+    /// [`crate::Warm`], or a sharing head's stream (`SharedWarm`).
     ///
     /// # Errors
     /// [`Error::Engine`] for an endpoint ZMQ refuses (malformed, or it cannot be bound);
     /// [`Error::Thread`] if a thread cannot be started.
-    pub fn start(warm: Arc<Warm>, engines: &[EngineEndpoint], replay_timeout: Duration) -> Result<Listener> {
+    pub fn start<S: EngineSink + 'static>(
+        sink: Arc<S>,
+        engines: &[EngineEndpoint],
+        replay_timeout: Duration,
+    ) -> Result<Listener> {
+        let sink: Arc<dyn EngineSink> = sink;
         let stop = Arc::new(AtomicBool::new(false));
         let mut listener = Listener { stop: Arc::clone(&stop), threads: Vec::new(), stats: Vec::new() };
         for engine in engines {
@@ -160,7 +166,7 @@ impl Listener {
             }));
             listener.stats.push(Arc::clone(&stats));
             let mut one = One {
-                warm: Arc::clone(&warm),
+                sink: Arc::clone(&sink),
                 engine: engine.clone(),
                 subscriber,
                 stats,
@@ -194,6 +200,12 @@ impl Listener {
             .collect()
     }
 
+    /// Batches each engine's thread has received so far (live and replayed), in the order the
+    /// engines were given: cheaper than [`Listener::stats`], for a caller that paces itself.
+    pub fn received(&self) -> Vec<u64> {
+        self.stats.iter().map(|s| s.lock().map_or(0, |seen| seen.stats.received)).collect()
+    }
+
     /// Stops every thread and waits for them (each within one poll of its socket).
     pub fn stop(mut self) -> Vec<ListenStats> {
         self.stop.store(true, Ordering::Release);
@@ -215,7 +227,7 @@ impl Drop for Listener {
 
 /// One engine's thread.
 struct One {
-    warm: Arc<Warm>,
+    sink: Arc<dyn EngineSink>,
     engine: EngineEndpoint,
     subscriber: Subscriber,
     stats: Shared,
@@ -262,9 +274,9 @@ impl One {
         }
         let Some(batch) = self.batch(&message) else { return Ok(()) };
         if std::mem::take(&mut self.resync) {
-            return self.warm.engine_resync(&self.engine.node, &batch);
+            return self.sink.engine_resync(&self.engine.node, &batch);
         }
-        if let EngineOutcome::Gap { from } = self.warm.engine_batch(&self.engine.node, &batch)? {
+        if let EngineOutcome::Gap { from } = self.sink.engine_batch(&self.engine.node, &batch)? {
             self.cover(from, &batch)?;
         }
         // The live batch is applied (after its gap's replay, if it had one).
@@ -287,25 +299,25 @@ impl One {
         };
         let Some(replayed) = replayed.filter(|r| !r.messages.is_empty()) else {
             self.note(|s| s.replays_short += 1);
-            return self.warm.engine_resync(&self.engine.node, live);
+            return self.sink.engine_resync(&self.engine.node, live);
         };
         let decoded: Vec<EngineBatch> = replayed.messages.iter().filter_map(|m| self.batch(m)).collect();
         let mut batches = decoded.iter();
         if !replayed.starts_at_requested {
             self.note(|s| s.replays_short += 1);
             if let Some(first) = batches.next() {
-                self.warm.engine_resync(&self.engine.node, first)?;
+                self.sink.engine_resync(&self.engine.node, first)?;
             }
         }
         for batch in batches {
-            if let EngineOutcome::Gap { .. } = self.warm.engine_batch(&self.engine.node, batch)? {
+            if let EngineOutcome::Gap { .. } = self.sink.engine_batch(&self.engine.node, batch)? {
                 // The replay itself has a hole (a batch that did not decode): start again here.
-                self.warm.engine_resync(&self.engine.node, batch)?;
+                self.sink.engine_resync(&self.engine.node, batch)?;
             }
         }
         // The live batch, if the replay did not reach it.
-        if let EngineOutcome::Gap { .. } = self.warm.engine_batch(&self.engine.node, live)? {
-            self.warm.engine_resync(&self.engine.node, live)?;
+        if let EngineOutcome::Gap { .. } = self.sink.engine_batch(&self.engine.node, live)? {
+            self.sink.engine_resync(&self.engine.node, live)?;
         }
         // A replayed batch that did not decode was a hole of the replay, handled above.
         self.resync = false;

@@ -22,6 +22,27 @@ use crate::store::tables::{
 };
 use crate::store::writer::{count, read_floor, read_position};
 
+/// One block an engine holds, as its KV events said ([`Snapshot::visit_engine_blocks`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineBlockEntry {
+    /// The node whose engine holds it.
+    pub node: String,
+    /// The engine's hash of the block.
+    pub hash: u64,
+    /// The clock of the batch that stored it.
+    pub stored_at: u64,
+    /// Its parent's engine hash (`None`: a prompt's first block).
+    pub parent: Option<u64>,
+    /// Its copies in GPU memory, in CPU memory and on storage (an offloading connector's).
+    pub copies: [u32; 3],
+    /// Its tokens.
+    pub tokens: usize,
+    /// For a prompt's first block, the model it is keyed in (`None`: another block, or one
+    /// that keys nothing).
+    pub model: Option<String>,
+}
+
 /// One entry of the index, as `dump` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DumpEntry {
@@ -383,6 +404,25 @@ impl Snapshot {
             }
         }
         Ok(())
+    }
+
+    /// Calls `visit` with each block an engine holds, as its events said, node by node, until
+    /// it returns false.
+    ///
+    /// # Errors
+    /// [`Error::Corrupted`] for a row that does not decode; [`Error::Storage`].
+    pub fn visit_engine_blocks(&self, mut visit: impl FnMut(EngineBlockEntry) -> bool) -> Result<()> {
+        crate::store::engines::visit_rows(&self.txn, |node, hash, row| {
+            visit(EngineBlockEntry {
+                node: self.node_name(node),
+                hash,
+                stored_at: row.clock(),
+                parent: row.parent(),
+                copies: row.copies(),
+                tokens: row.token_count(),
+                model: row.model().map(str::to_string),
+            })
+        })
     }
 
     /// Counts, per node, and the settings.

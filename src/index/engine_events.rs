@@ -41,6 +41,30 @@ impl Warm {
         self.change(0, |front| Ok(((), front.decided.engine_resync(node, batch)?)))
     }
 
+    #[cfg(feature = "nats")]
+    /// Applies node `node`'s engine batch at stream position `position` (a sharing head, in
+    /// stream order): as [`Warm::engine_batch`], and a batch after a gap starts the stream again
+    /// ([`Warm::engine_resync`]): every head decides the same from the same stream.
+    pub(crate) fn engine_batch_at(&self, node: &str, batch: &EngineBatch, position: u64) -> Result<()> {
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.wait_for_engine_room()?;
+        self.change(position, |front| {
+            let (outcome, mut effects) = front.decided.engine_batch(node, batch)?;
+            if let EngineOutcome::Gap { .. } = outcome {
+                effects.extend(front.decided.engine_resync(node, batch)?);
+            }
+            Ok(((), effects))
+        })
+    }
+
+    /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
+    /// time), if any.
+    pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
+        let front = self.front()?;
+        let id = front.decided.nodes.current(node);
+        Ok(id.and_then(|id| front.decided.engines.position(id)))
+    }
+
     /// The engine streams: where each stands, what each node holds, and the counts, as of the
     /// last batch applied.
     ///
@@ -50,5 +74,32 @@ impl Warm {
         let front = self.front()?;
         let nodes = &front.decided.nodes;
         Ok(front.decided.engines.stats(|id| nodes.name(id)))
+    }
+}
+
+/// Where a [`crate::Listener`] (feature `engines`) applies each engine's batches: a head's own
+/// index ([`Warm`]), or, for heads that share one view, the stream they share
+/// (`SharedWarm`, feature `nats`): every head then applies them in stream order.
+pub trait EngineSink: Send + Sync {
+    /// As [`Warm::engine_batch`].
+    ///
+    /// # Errors
+    /// As [`Warm::engine_batch`].
+    fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome>;
+
+    /// As [`Warm::engine_resync`].
+    ///
+    /// # Errors
+    /// As [`Warm::engine_resync`].
+    fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()>;
+}
+
+impl EngineSink for Warm {
+    fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
+        Warm::engine_batch(self, node, batch)
+    }
+
+    fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
+        Warm::engine_resync(self, node, batch)
     }
 }

@@ -87,6 +87,7 @@ impl Map {
     /// Takes back the write of `blocks` by `node` at `clock` (it is answered elsewhere now): an
     /// earlier writer of a block, if it has one, is its newest again. A write the same node made
     /// before was folded into this one, and goes with it.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))] // a sharing head's own writes only
     pub(crate) fn remove(&mut self, blocks: &[BlockKey], node: u32, clock: u64) {
         for key in blocks {
             let t = tail(key);
@@ -115,6 +116,7 @@ impl Map {
 
     /// Writes `blocks` by `node` at `clock` again, older than some writes it holds: where a
     /// block has a newer write it joins the block's earlier writers instead.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))] // a sharing head's own writes only
     pub(crate) fn restore(&mut self, blocks: &[BlockKey], node: u32, clock: u64) {
         for key in blocks {
             let t = tail(key);

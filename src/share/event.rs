@@ -1,11 +1,13 @@
-//! The events heads share: a `ran`, a forget or a node's cache size, with where it came from. Encoded by the one
-//! codec module (bincode, like the cold records); see `docs/design.md`, "Shared events".
+//! The events heads share: a `ran`, a forget, a node's cache size, or a batch of an engine's KV
+//! cache events, with where it came from. Encoded by the one codec module (bincode, like the cold
+//! records); see `docs/design.md`, "Shared events".
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
-use crate::keys::BlockKey;
+use crate::keys::{BlockKey, Namespace};
 use crate::store::codec;
+use crate::store::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
 
 /// The version of the event encoding; an event of another version is skipped by every head.
 pub(crate) const EVENT_VERSION: u32 = 1;
@@ -43,6 +45,103 @@ pub(crate) enum What {
     /// the head's default). Last, so that a head of an earlier build skips only these (it cannot
     /// decode them) and counts them.
     Capacity { node: String, blocks: Option<u64> },
+    /// A batch of node `node`'s engine's KV cache events, as a head received it from the
+    /// engine. Last, so that a head of an earlier build skips only these.
+    Engine { node: String, batch: WireBatch },
+}
+
+/// An engine batch as heads share it ([`EngineBatch`], its publish time as the bits of the
+/// `f64`, so that events compare exactly).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) struct WireBatch {
+    pub seq: u64,
+    pub ts_bits: u64,
+    pub events: Vec<WireEvent>,
+}
+
+/// One engine event on the wire ([`EngineEvent`]); a medium is its tier (0 GPU, 1 CPU, 2
+/// storage, 3 another).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(crate) enum WireEvent {
+    /// Blocks stored, keyed in (model, cache salt) when a prompt's first block is among them:
+    /// every head hashes the tokens in that namespace (the salt is the engine's, as it
+    /// published it).
+    Stored {
+        parent: Option<u64>,
+        hashes: Vec<u64>,
+        tokens: Vec<u32>,
+        block_size: u32,
+        medium: u8,
+        namespace: Option<(String, Option<Vec<u8>>)>,
+    },
+    Removed {
+        hashes: Vec<u64>,
+        medium: u8,
+    },
+    Cleared,
+}
+
+fn medium_code(m: Medium) -> u8 {
+    m.tier().unwrap_or(3)
+}
+
+fn medium_of(code: u8) -> Medium {
+    match code {
+        0..=2 => Medium::of_tier(code),
+        _ => Medium::Other,
+    }
+}
+
+impl WireBatch {
+    pub(crate) fn of(batch: &EngineBatch) -> WireBatch {
+        let events = batch
+            .events
+            .iter()
+            .map(|e| match e {
+                EngineEvent::Stored(s) => WireEvent::Stored {
+                    parent: s.parent,
+                    hashes: s.hashes.clone(),
+                    tokens: s.tokens.clone(),
+                    block_size: s.block_size,
+                    medium: medium_code(s.medium),
+                    namespace: s.namespace.as_ref().map(|n| (n.model().to_string(), n.tenant().map(<[u8]>::to_vec))),
+                },
+                EngineEvent::Removed { hashes, medium } => {
+                    WireEvent::Removed { hashes: hashes.clone(), medium: medium_code(*medium) }
+                }
+                _ => WireEvent::Cleared,
+            })
+            .collect();
+        WireBatch { seq: batch.seq, ts_bits: batch.ts.to_bits(), events }
+    }
+
+    /// The batch; `None` if a namespace in it is not one this build accepts.
+    pub(crate) fn batch(&self) -> Option<EngineBatch> {
+        let mut events = Vec::with_capacity(self.events.len());
+        for e in &self.events {
+            events.push(match e {
+                WireEvent::Stored { parent, hashes, tokens, block_size, medium, namespace } => {
+                    let namespace = match namespace {
+                        Some((model, tenant)) => Some(Namespace::of(model, tenant.as_deref()).ok()?),
+                        None => None,
+                    };
+                    EngineEvent::Stored(EngineStored {
+                        parent: *parent,
+                        hashes: hashes.clone(),
+                        tokens: tokens.clone(),
+                        block_size: *block_size,
+                        medium: medium_of(*medium),
+                        namespace,
+                    })
+                }
+                WireEvent::Removed { hashes, medium } => {
+                    EngineEvent::Removed { hashes: hashes.clone(), medium: medium_of(*medium) }
+                }
+                WireEvent::Cleared => EngineEvent::Cleared,
+            });
+        }
+        Some(EngineBatch { seq: self.seq, ts: f64::from_bits(self.ts_bits), events })
+    }
 }
 
 impl Event {
@@ -60,9 +159,15 @@ impl Event {
         codec::decode::<Event>("shared event", bytes).ok().filter(|e| e.version == EVENT_VERSION)
     }
 
-    /// The header that makes a retried publish stored once (`Nats-Msg-Id`).
+    /// The header that makes a retried publish stored once (`Nats-Msg-Id`). An engine batch's
+    /// names the batch, not the head: every head that receives it from the engine publishes it,
+    /// and the stream stores it once (an engine process is told from the one before it by the
+    /// publish time: its numbers start again at 0).
     pub(crate) fn message_id(&self) -> String {
-        format!("{}.{:016x}.{}", self.origin.head, self.origin.boot, self.origin.local)
+        match &self.what {
+            What::Engine { node, batch } => format!("engine.{node}.{}.{:016x}", batch.seq, batch.ts_bits),
+            _ => format!("{}.{:016x}.{}", self.origin.head, self.origin.boot, self.origin.local),
+        }
     }
 }
 
@@ -100,6 +205,39 @@ mod tests {
         assert_eq!(Event::decode(&other.encode()?), None, "another version");
         assert_eq!(Event::decode(&vec![0xff; MAX_EVENT_BYTES + 1]), None);
         assert_eq!(ran().message_id(), "a.0000000000000007.3");
+        Ok(())
+    }
+
+    #[test]
+    fn an_engine_batch_comes_back_whole_under_an_id_of_the_batch_not_the_head() -> Result<()> {
+        let ns = Namespace::of("m", Some(b"salt"))?;
+        let batch = EngineBatch {
+            seq: 9,
+            ts: 1_796_000_000.25,
+            events: vec![
+                EngineEvent::Stored(EngineStored {
+                    parent: None,
+                    hashes: vec![1, u64::MAX],
+                    tokens: (0..32).collect(),
+                    block_size: 16,
+                    medium: Medium::Gpu,
+                    namespace: Some(ns),
+                }),
+                EngineEvent::Removed { hashes: vec![1], medium: Medium::Cpu },
+                EngineEvent::Cleared,
+            ],
+        };
+        let mut event = ran();
+        event.what = What::Engine { node: "gpu-0".into(), batch: WireBatch::of(&batch) };
+        let back = Event::decode(&event.encode()?).expect("decodes");
+        let What::Engine { batch: wire, .. } = &back.what else { panic!("an engine event") };
+        assert_eq!(wire.batch(), Some(batch.clone()));
+        let id = event.message_id();
+        event.origin.head = "b".into();
+        assert_eq!(event.message_id(), id, "every head publishes it under one id");
+        assert_eq!(id, format!("engine.gpu-0.9.{:016x}", batch.ts.to_bits()));
+        let earlier = codec::decode::<EarlierEvent>("earlier event", &event.encode()?);
+        assert!(earlier.is_err(), "a head of an earlier build cannot decode it, and skips it");
         Ok(())
     }
 

@@ -1,22 +1,25 @@
 //! `SharedWarm`: a head's index shared with other heads through a NATS JetStream stream.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
 
-use super::event::{EVENT_VERSION, Event, Origin, What};
+use super::event::{EVENT_VERSION, Event, Origin, What, WireBatch};
 use super::link::{self, Shared, Status, unix_ns};
 use super::outbox::{Out, Outbox};
 use super::pending::OwnEvents;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
+use crate::index::engine_events::EngineSink;
 use crate::index::pending::Pending;
 use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
 use crate::keys::{MAX_NODE_BYTES, Namespace, Prefix, check_len};
+use crate::store::engines::{EngineBatch, EngineOutcome, EngineStats, Follows};
 
 /// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers
 /// it ([`SharedWarm::wait_for`]).
@@ -76,7 +79,13 @@ pub struct SharedWarm {
     shared: Arc<Shared>,
     link: Option<JoinHandle<()>>,
     next_local: AtomicU64,
+    /// Per node, the last engine batch this head published (number, publish time), from the
+    /// file's position when it first publishes one: where its listener's replays start.
+    forwarded: Mutex<Forwarded>,
 }
+
+/// Per node, the last engine batch a head published (number, publish time).
+type Forwarded = HashMap<String, Option<(u64, f64)>>;
 
 impl std::fmt::Debug for SharedWarm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -117,7 +126,7 @@ impl SharedWarm {
             ready: AtomicBool::new(false),
         });
         let link = link::spawn(Arc::clone(&shared))?;
-        Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1) })
+        Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1), forwarded: Mutex::default() })
     }
 
     /// As [`Warm::ran`]: answered here at once, published to the stream in the background, and
@@ -380,6 +389,61 @@ impl SharedWarm {
             // A link that panicked has nothing left to do.
             let _ = link.join();
         }
+    }
+}
+
+impl SharedWarm {
+    /// The engine streams as this head's file has applied them ([`Warm::engine_stats`]).
+    ///
+    /// # Errors
+    /// As [`Warm::engine_stats`].
+    pub fn engine_stats(&self) -> Result<Vec<EngineStats>> {
+        self.shared.warm.engine_stats()
+    }
+
+    /// Publishes node `node`'s engine batch to the stream, where every head applies it in order
+    /// (this one too); the stream stores a batch once, whichever heads publish it.
+    fn forward(&self, node: &str, batch: &EngineBatch) -> Result<()> {
+        self.send(What::Engine { node: node.to_string(), batch: WireBatch::of(batch) }, |_, _| {}).map(drop)
+    }
+}
+
+/// A sharing head's listener publishes each engine batch to the stream instead of applying it:
+/// every head applies it from there, in stream order. Gaps are told by what this head has
+/// published (from its file's position), by the one rule every head applies
+/// ([`Warm::engine_batch`]), so that its listener replays them from the engine before it
+/// publishes what follows; a batch after a gap no replay covered starts the node's stream again
+/// on every head.
+impl EngineSink for SharedWarm {
+    fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        let mut forwarded = self.shared_lock_forwarded()?;
+        let last = match forwarded.get(node) {
+            Some(&last) => last,
+            None => self.shared.warm.engine_position(node)?,
+        };
+        let outcome = match Follows::after(last, batch) {
+            Follows::Next | Follows::Restart => EngineOutcome::Applied,
+            Follows::Copy => return Ok(EngineOutcome::Duplicate),
+            Follows::Gap { from } => return Ok(EngineOutcome::Gap { from }),
+        };
+        self.forward(node, batch)?;
+        forwarded.insert(node.to_string(), Some((batch.seq, batch.ts)));
+        Ok(outcome)
+    }
+
+    fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
+        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        let mut forwarded = self.shared_lock_forwarded()?;
+        self.forward(node, batch)?;
+        forwarded.insert(node.to_string(), Some((batch.seq, batch.ts)));
+        Ok(())
+    }
+}
+
+impl SharedWarm {
+    fn shared_lock_forwarded(&self) -> Result<std::sync::MutexGuard<'_, Forwarded>> {
+        self.forwarded.lock().map_err(|_| Error::Poisoned)
     }
 }
 

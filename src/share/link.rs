@@ -580,6 +580,10 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
         }
         What::Forget { node } => warm.forget_at(node, seq),
         What::Capacity { node, blocks } => warm.set_node_capacity_at(node, *blocks, seq),
+        What::Engine { node, batch } => match batch.batch() {
+            Some(batch) => warm.engine_batch_at(node, &batch, seq),
+            None => Err(Error::InvalidConfig { detail: "an engine batch under a namespace this build refuses".into() }),
+        },
     };
     let origin = &event.origin;
     let own = origin.head == shared.sharing.head && origin.boot == shared.boot;

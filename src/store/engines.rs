@@ -163,6 +163,33 @@ pub enum EngineOutcome {
     },
 }
 
+/// How a batch follows the last one applied of its stream (`last`: its number and publish
+/// time): the one rule for a head applying batches and for a sharing head forwarding them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Follows {
+    /// The next one (or the first of a stream, numbered 0).
+    Next,
+    /// A number already applied, published no later than the last: a copy of that batch.
+    Copy,
+    /// A number already applied, published later: a new engine process counting from 0 again.
+    Restart,
+    /// Batches are missing before it: replay from `from` (the last applied, or 0).
+    Gap { from: u64 },
+}
+
+impl Follows {
+    pub(crate) fn after(last: Option<(u64, f64)>, batch: &EngineBatch) -> Follows {
+        match last {
+            None if batch.seq == 0 => Follows::Next,
+            None => Follows::Gap { from: 0 },
+            Some((last, _)) if batch.seq == last.wrapping_add(1) => Follows::Next,
+            Some((last, ts)) if batch.seq <= last && batch.ts <= ts => Follows::Copy,
+            Some((last, _)) if batch.seq <= last => Follows::Restart,
+            Some((last, _)) => Follows::Gap { from: last },
+        }
+    }
+}
+
 /// An engine stream's counts (`Stats::engines`, `SnapshotStats::engines`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -291,6 +318,12 @@ impl Engines {
         self.streams.keys().copied()
     }
 
+    /// Where node `node`'s stream stands: the last batch applied (number, publish time).
+    pub(crate) fn position(&self, node: u32) -> Option<(u64, f64)> {
+        let s = self.streams.get(&node)?;
+        s.record.last.map(|seq| (seq, s.record.last_ts))
+    }
+
     /// A claim (`ran`) by `node` at or below this clock is not answered.
     pub(crate) fn claim_floor(&self, node: u32) -> u64 {
         self.streams.get(&node).map_or(0, |s| s.claim_floor)
@@ -367,19 +400,15 @@ impl Engines {
         // before are no longer answered.
         let record =
             &self.streams.entry(node).or_insert_with(|| Stream { claim_floor: clock, ..Stream::default() }).record;
-        let outcome = match record.last {
-            None if batch.seq == 0 => EngineOutcome::Applied,
-            None => EngineOutcome::Gap { from: 0 },
-            Some(last) if batch.seq == last.wrapping_add(1) => EngineOutcome::Applied,
-            // A number already applied: a copy of that batch (published no later than the last
-            // one applied), or a new engine process counting from 0 again (published later).
-            Some(last) if batch.seq <= last && batch.ts <= record.last_ts => EngineOutcome::Duplicate,
-            Some(last) if batch.seq <= last => {
+        let outcome = match Follows::after(record.last.map(|l| (l, record.last_ts)), batch) {
+            Follows::Next => EngineOutcome::Applied,
+            Follows::Copy => EngineOutcome::Duplicate,
+            Follows::Restart => {
                 self.count_only(node, |c| c.restarts += 1);
                 self.clear(node, clock);
                 return self.batch(scheme, node, batch, clock);
             }
-            Some(last) => EngineOutcome::Gap { from: last },
+            Follows::Gap { from } => EngineOutcome::Gap { from },
         };
         match outcome {
             EngineOutcome::Applied => self.apply(scheme, node, batch, clock),
@@ -592,43 +621,61 @@ impl Engines {
         self.effects.push(Effect::EngineBlock { node, clock: stored, hash, row: None });
     }
 
-    /// The streams of a file: its stream rows and block rows, attached and keyed in `scheme`.
+    /// The streams of a file: its stream rows and block rows, attached and keyed in `scheme`
+    /// (as [`read_engines`] reads them).
     ///
     /// # Errors
-    /// [`Error::Corrupted`] for a row that does not decode.
+    /// The first error of `streams` or `blocks`.
+    #[cfg(test)]
     pub(crate) fn load(
         scheme: Scheme,
         streams: impl Iterator<Item = Result<(u32, StreamRecord)>>,
         blocks: impl Iterator<Item = Result<(u32, u64, Row)>>,
         clock: u64,
     ) -> Result<Engines> {
+        let mut engines = Engines::with_streams(streams, clock)?;
+        for item in blocks {
+            let (node, hash, row) = item?;
+            engines.add_row(node, hash, row);
+        }
+        engines.attach_all(scheme);
+        Ok(engines)
+    }
+
+    /// The streams of stream rows, holding nothing yet.
+    fn with_streams(streams: impl Iterator<Item = Result<(u32, StreamRecord)>>, clock: u64) -> Result<Engines> {
         let mut engines = Engines::default();
         for item in streams {
             let (node, record) = item?;
             // Claims from before the open are past any grace window.
             engines.streams.insert(node, Stream { record, claim_floor: clock, ..Stream::default() });
         }
-        for item in blocks {
-            let (node, hash, row) = item?;
-            let stream = engines.streams.entry(node).or_default();
-            let root = row.root.map(|r| r.and_then(|ns| namespace_index(&mut stream.namespaces, &ns)));
-            let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, root);
-            if let Some(b) = stream.blocks.get_mut(i) {
-                b.refs = row.refs.max(1);
-                b.offload = row.offload;
-                b.opaque = row.opaque;
-            }
+        Ok(engines)
+    }
+
+    /// One block row read (not attached yet: [`Engines::attach_all`]).
+    fn add_row(&mut self, node: u32, hash: u64, row: Row) {
+        let stream = self.streams.entry(node).or_default();
+        let root = row.root.map(|r| r.and_then(|ns| namespace_index(&mut stream.namespaces, &ns)));
+        let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, root);
+        if let Some(b) = stream.blocks.get_mut(i) {
+            b.refs = row.refs.max(1);
+            b.offload = row.offload;
+            b.opaque = row.opaque;
         }
-        let nodes: Vec<u32> = engines.streams.keys().copied().collect();
+    }
+
+    /// Attaches every stream's blocks from the prompts' first blocks down.
+    fn attach_all(&mut self, scheme: Scheme) {
+        let nodes: Vec<u32> = self.streams.keys().copied().collect();
         for node in nodes {
-            let Some(stream) = engines.streams.get_mut(&node) else { continue };
+            let Some(stream) = self.streams.get_mut(&node) else { continue };
             let roots: Vec<u32> =
                 stream.blocks.slots().filter(|&i| stream.blocks.get(i).is_some_and(|b| b.parent.is_none())).collect();
             for root in roots {
-                attach(scheme, stream, &mut engines.held, node, root);
+                attach(scheme, stream, &mut self.held, node, root);
             }
         }
-        Ok(engines)
     }
 }
 
@@ -639,40 +686,83 @@ impl Engines {
 pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: u64) -> Result<Engines> {
     use redb::ReadableTable;
     let what = "reading the engine streams";
-    let missing = |e: &redb::TableError| matches!(e, redb::TableError::TableDoesNotExist(_));
     let streams = match read.open_table(ENGINE_STREAMS) {
         Ok(s) => s,
-        Err(e) if missing(&e) => return Ok(Engines::default()),
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Engines::default()),
         Err(e) => return Err(redb_err(what)(e)),
     };
     let streams = streams.iter().map_err(redb_err(what))?.map(|item| {
         let (k, v) = item.map_err(redb_err(what))?;
         Ok((k.value(), codec::decode::<StreamRecord>("engine stream", v.value())?))
     });
-    match read.open_table(ENGINE_BLOCKS) {
-        Ok(blocks) => {
-            let rows = blocks.iter().map_err(redb_err(what))?.map(|item| {
-                let (k, v) = item.map_err(redb_err(what))?;
-                let (node, clock, hash) = k.value();
-                Ok((node, hash, decode_row(v.value(), Layout::V7, clock)?))
-            });
-            Engines::load(scheme, streams, rows, clock)
-        }
-        // A schema 6 file, read as it is (a reader does not upgrade it).
-        Err(e) if missing(&e) => {
-            let blocks = match read.open_table(ENGINE_BLOCKS_V6) {
-                Ok(b) => b,
-                Err(e) if missing(&e) => return Ok(Engines::default()),
-                Err(e) => return Err(redb_err(what)(e)),
-            };
-            let rows = blocks.iter().map_err(redb_err(what))?.map(|item| {
+    let mut engines = Engines::with_streams(streams, clock)?;
+    visit_rows(read, |node, hash, row| {
+        engines.add_row(node, hash, row);
+        true
+    })?;
+    engines.attach_all(scheme);
+    Ok(engines)
+}
+
+/// Calls `visit` with each engine block row of the file `read` reads (node id, engine hash, the
+/// row), in key order, until it returns false: `engine_blocks/v7`, or a schema 6 file's
+/// `engine_blocks/v6` (none before schema 6).
+///
+/// # Errors
+/// [`Error::Corrupted`] for a row that does not decode; [`Error::Storage`].
+pub(crate) fn visit_rows(read: &redb::ReadTransaction, mut visit: impl FnMut(u32, u64, Row) -> bool) -> Result<()> {
+    let what = "reading the engine blocks";
+    let rows: Box<dyn Iterator<Item = Result<(u32, u64, Row)>>> = match read.open_table(ENGINE_BLOCKS) {
+        Ok(blocks) => Box::new(blocks.range::<BlockRowKey>(..).map_err(redb_err(what))?.map(|item| {
+            let (k, v) = item.map_err(redb_err(what))?;
+            let (node, clock, hash) = k.value();
+            Ok((node, hash, decode_row(v.value(), Layout::V7, clock)?))
+        })),
+        Err(redb::TableError::TableDoesNotExist(_)) => match read.open_table(ENGINE_BLOCKS_V6) {
+            Ok(blocks) => Box::new(blocks.range::<(u32, u64)>(..).map_err(redb_err(what))?.map(|item| {
                 let (k, v) = item.map_err(redb_err(what))?;
                 let (node, hash) = k.value();
                 Ok((node, hash, decode_row(v.value(), Layout::V6, 0)?))
-            });
-            Engines::load(scheme, streams, rows, clock)
+            })),
+            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(()),
+            Err(e) => return Err(redb_err(what)(e)),
+        },
+        Err(e) => return Err(redb_err(what)(e)),
+    };
+    for row in rows {
+        let (node, hash, row) = row?;
+        if !visit(node, hash, row) {
+            break;
         }
-        Err(e) => Err(redb_err(what)(e)),
+    }
+    Ok(())
+}
+
+impl Row {
+    /// The clock of the block's store.
+    pub(crate) fn clock(&self) -> u64 {
+        self.clock
+    }
+
+    /// Its parent's engine hash (`None`: a prompt's first block).
+    pub(crate) fn parent(&self) -> Option<u64> {
+        self.parent
+    }
+
+    /// Its copies in GPU memory, CPU memory and on storage.
+    pub(crate) fn copies(&self) -> [u32; 3] {
+        let [cpu, storage] = self.offload;
+        [self.refs.saturating_sub(cpu.saturating_add(storage)), cpu, storage]
+    }
+
+    /// How many tokens it holds.
+    pub(crate) fn token_count(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// For a first block, its namespace's model (`None`: not a first block, or unkeyed).
+    pub(crate) fn model(&self) -> Option<&str> {
+        self.root.as_ref().and_then(Option::as_ref).map(Namespace::model)
     }
 }
 

@@ -157,6 +157,9 @@ fn ask(
     Ok((prefix, found))
 }
 
+/// Batches a listener may be behind its engine before the replay waits for it.
+const BACKLOG: u64 = 4;
+
 /// Block events of a batch: the hashes it stores and removes.
 fn block_events(batch: &EngineBatch) -> u64 {
     batch
@@ -210,7 +213,19 @@ pub fn run(
     let mut seen = vec![0u64; nodes];
     // Every batch as published: (node, seq, vLLM payload), for the ingest run.
     let mut all: Vec<(usize, u64, Vec<u8>)> = Vec::new();
+    // Batches published to each engine's listener.
+    let mut sent = vec![0u64; nodes];
     for (i, request) in requests.iter().enumerate() {
+        // A real engine takes a request's time to run it; the simulated ones take almost none.
+        // So that what the index claims is compared with what the engines hold at the index's
+        // pace, not at the simulation's, the replay waits while a listener is more than
+        // `BACKLOG` batches behind its engine (at most a second, then goes on).
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(1)
+            && listener.received().iter().zip(&sent).any(|(r, s)| s.saturating_sub(*r) > BACKLOG)
+        {
+            std::thread::sleep(Duration::from_micros(200));
+        }
         if let Some(every) = engines.restart_every.filter(|&n| n > 0)
             && i > 0
             && i % every == 0
@@ -265,6 +280,7 @@ pub fn run(
         let batch = sim.run(&tokens);
         report.block_events += block_events(&batch);
         nth(&publishers, chosen)?.publish(&batch, false)?;
+        *nth_mut(&mut sent, chosen)? += 1;
         all.push((chosen, batch.seq, super::engine_sim::encode(&batch)));
         load.add(chosen, tokens.len() as u64)?;
         *nth_mut(&mut report.load, chosen)? += tokens.len() as u64;

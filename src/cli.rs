@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
+use superfluid_warm::tools::engine_heads::{self, EngineHeadsReport};
 use superfluid_warm::tools::engine_replay::{self, EngineReport, Engines};
 use superfluid_warm::tools::heads::{HeadsReport, run_heads};
 use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
@@ -218,7 +219,7 @@ struct ReplayArgs {
     /// index's listener; report the warm share the index claims against what the engines
     /// really held, the lag from publish to applied, and the rate the same events are applied
     /// at back to back. With --restart-every, engines restart and nobody tells the index.
-    #[arg(long, conflicts_with_all = ["threads", "node_cache_blocks", "heads", "db", "no_forget"])]
+    #[arg(long, conflicts_with_all = ["threads", "node_cache_blocks", "db", "no_forget"])]
     engine_events: bool,
     /// With --engine-events: engine blocks each engine's cache holds.
     #[arg(long, requires = "engine_events", default_value_t = 65_536, value_parser = clap::value_parser!(u64).range(1..))]
@@ -1352,19 +1353,24 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
     if let Some(blocks) = args.node_cache_blocks.filter(|_| !args.no_index_cache) {
         builder.node_cache_blocks(blocks);
     }
+    let engines = Engines {
+        block: args.engine_block as usize,
+        cache_blocks: usize::try_from(args.engine_cache_blocks).unwrap_or(usize::MAX),
+        restart_every: config.restart_every,
+        offload_blocks: usize::try_from(args.offload_blocks).unwrap_or(usize::MAX),
+        offload_weight: args.offload_weight,
+    };
+    if let (Some(heads), Some(url), true) = (args.heads, args.nats.as_deref(), args.engine_events) {
+        let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+        let r = engine_heads::run(&builder, dir.path(), url, &workload, &config, &engines, heads as usize)?;
+        return emit(out, &engine_heads_report(&r, &source, args.json));
+    }
     if let (Some(heads), Some(url)) = (args.heads, args.nats.as_deref()) {
         let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
         let r = run_heads(&builder, dir.path(), url, &workload, &config, heads as usize)?;
         return emit(out, &if args.json { heads_json(&r, &config, &source) } else { heads_text(&r, &config, &source) });
     }
     if args.engine_events {
-        let engines = Engines {
-            block: args.engine_block as usize,
-            cache_blocks: usize::try_from(args.engine_cache_blocks).unwrap_or(usize::MAX),
-            restart_every: config.restart_every,
-            offload_blocks: usize::try_from(args.offload_blocks).unwrap_or(usize::MAX),
-            offload_weight: args.offload_weight,
-        };
         let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
         let bar = progress(workload.len(), "replaying over engines that publish their KV events");
         let report = engine_replay::run(&path, &dir.path().join("ingest.redb"), &workload, &config, &engines, |i| {
@@ -1419,6 +1425,51 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
         replay_text(&report, &config, &source, args.db.as_deref(), threaded.as_ref(), back.as_ref())
     };
     emit(out, &text)
+}
+
+/// `replay --heads H --nats URL --engine-events`: sharing heads against heads alone, each side
+/// over engines of its own.
+fn engine_heads_report(r: &EngineHeadsReport, source: &str, json: bool) -> String {
+    let side = |s: &engine_heads::Side| {
+        json!({
+            "claimed_share": r.share(s.claimed_tokens), "cached_share": r.share(s.cached_tokens),
+            "load_max_over_min": s.imbalance(), "engine_lag_p50_s": s.engine_lag.0, "engine_lag_p99_s": s.engine_lag.1,
+            "stream_lag_p50_ms": s.stream_lag_ms.0, "stream_lag_p99_ms": s.stream_lag_ms.1,
+            "batches_published": s.published, "batches_applied_per_head": s.applied,
+        })
+    };
+    if json {
+        return json!({
+            "source": source, "heads": r.heads, "requests": r.requests,
+            "shared": side(&r.shared), "unshared": side(&r.alone),
+        })
+        .to_string();
+    }
+    let pct = |x: f64| format!("{:.2}%", 100.0 * x);
+    let ms = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
+    let mut text = format!(
+        "{} requests of {source} over {} heads, round-robin; every head subscribed to every engine\n",
+        thousands(r.requests as u64),
+        r.heads
+    );
+    for (what, s) in [("sharing one view", &r.shared), ("each alone", &r.alone)] {
+        text += &format!(
+            "{what:<18} claimed warm {}, cached {} ({:+.3} points), max/min load {:.3}; engine lag {} p50, {} p99{}; {} batches, {} applied by each head\n",
+            pct(r.share(s.claimed_tokens)),
+            pct(r.share(s.cached_tokens)),
+            100.0 * (r.share(s.claimed_tokens) - r.share(s.cached_tokens)),
+            s.imbalance(),
+            ms(s.engine_lag.0.map(|v| v * 1000.0)),
+            ms(s.engine_lag.1.map(|v| v * 1000.0)),
+            match s.stream_lag_ms {
+                (Some(p50), Some(p99)) => format!("; stream lag {p50:.1} ms p50, {p99:.1} ms p99"),
+                _ => String::new(),
+            },
+            thousands(s.published),
+            thousands(s.applied)
+        );
+    }
+    text
 }
 
 fn heads_json(r: &HeadsReport, c: &Config, source: &str) -> String {

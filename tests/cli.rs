@@ -525,6 +525,32 @@ fn replay_over_heads_sharing_through_nats_and_stats_of_a_sharing_heads_file() {
     assert!(text(&run(&["stats", path.to_str().expect("utf-8")]).stdout).contains("up to sequence 40"));
 }
 
+/// `replay --heads 3 --nats URL --engine-events`: heads sharing one view and heads alone, each
+/// side over engines of its own that publish their KV events: each side claims about what its
+/// engines held, every batch reaches every head once, and the lags are reported.
+#[test]
+fn replay_over_heads_and_engines_sharing_through_nats() {
+    let dir = tempdir();
+    let server = common::nats::NatsServer::start(&dir.path().join("js"));
+    let url = server.url();
+    let args = ["replay", "--heads", "3", "--nats", &url, "--engine-events", "--engine-cache-blocks", "4096"];
+    let out = run(&[&args[..], &["--requests", "400", "--json"]].concat());
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let r = &json_lines(&out)[0];
+    assert_eq!((r["heads"].as_u64(), r["requests"].as_u64()), (Some(3), Some(400)));
+    for side in ["shared", "unshared"] {
+        let s = &r[side];
+        let share = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k} in {s}"));
+        assert!(share("claimed_share") > 0.0, "{side}: {s}");
+        // (Over 400 requests a head may be a few batches behind its engines: within a point.)
+        assert!((share("claimed_share") - share("cached_share")).abs() < 0.01, "{side}: claimed as held: {s}");
+        assert_eq!(s["batches_published"], s["batches_applied_per_head"], "{side}: every batch on every head once");
+        assert!(share("engine_lag_p50_s") <= share("engine_lag_p99_s"), "{side}: {s}");
+    }
+    assert!(r["shared"]["stream_lag_p50_ms"].as_f64().is_some(), "{r}");
+    assert!(r["unshared"]["stream_lag_p50_ms"].is_null(), "{r}");
+}
+
 /// A closed index of a few hundred entries made by `replay --db`, and its bytes.
 fn small_index(dir: &tempfile::TempDir, name: &str, capacity: &str) -> std::path::PathBuf {
     let path = dir.path().join(name);

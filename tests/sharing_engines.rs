@@ -1,7 +1,8 @@
 //! Engine KV cache events across heads, through a real NATS JetStream server and loopback vLLM
 //! publishers: 3 heads and 4 engines, with every head subscribed to every engine (llm-d's way)
 //! or one head bridging them, batches lost on the way (replayed from the engines), an engine
-//! restart, and a bridge (`superfluid-warm listen --nats`) killed with SIGKILL and restarted.
+//! restart, and a bridge (`superfluid-warm listen --nats`, itself a head) killed with SIGKILL and
+//! restarted.
 //! Every head ends with the same engine streams, the same blocks and the same answers, what the
 //! engines hold, and no batch is applied twice.
 
@@ -264,7 +265,15 @@ fn a_killed_bridge_and_a_restarted_server_lose_nothing() {
     });
     let applied = check_heads(dir.path(), &names, &heads, &engines, &conversations.prompts);
     assert_eq!(applied, published, "every batch applied once by each head");
-    println!("bridge killed and restarted, server restarted: {published} batches, each applied once by every head");
+    // The bridge is a head too: killed mid-stream, it resumed from its file's position, and its
+    // file converges on the same blocks (read live, beside it).
+    let want = blocks(dir.path(), names[0]);
+    wait_until("the bridge's file to hold what the heads hold", || {
+        Snapshot::open(dir.path().join("bridge.redb")).is_ok() && blocks(dir.path(), "bridge") == want
+    });
+    println!(
+        "bridge killed and restarted, server restarted: {published} batches, each applied once by every head and the bridge"
+    );
     for h in heads {
         Arc::try_unwrap(h).expect("the only handle").close().expect("close");
     }

@@ -401,6 +401,11 @@ impl SharedWarm {
         self.shared.warm.engine_stats()
     }
 
+    /// Where node `node`'s engine stream stands in this head's file: the last batch applied.
+    pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
+        self.shared.warm.engine_position(node)
+    }
+
     /// Publishes node `node`'s engine batch to the stream, where every head applies it in order
     /// (this one too); the stream stores a batch once, whichever heads publish it.
     fn forward(&self, node: &str, batch: &EngineBatch) -> Result<()> {

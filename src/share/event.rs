@@ -109,7 +109,7 @@ impl WireBatch {
                 EngineEvent::Removed { hashes, medium } => {
                     WireEvent::Removed { hashes: hashes.clone(), medium: medium_code(*medium) }
                 }
-                _ => WireEvent::Cleared,
+                EngineEvent::Cleared => WireEvent::Cleared,
             })
             .collect();
         WireBatch { seq: batch.seq, ts_bits: batch.ts.to_bits(), events }

@@ -82,6 +82,10 @@ pub struct SharedWarm {
     /// Per node, the last engine batch this head published (number, publish time), from the
     /// file's position when it first publishes one: where its listener's replays start.
     forwarded: Mutex<Forwarded>,
+    /// The outbox dropped events since the last engine batch was forwarded (the server was away
+    /// too long): an engine batch among them never reaches the stream, so where each engine
+    /// stands is read again from the file, and the listener replays what it lacks.
+    outbox_dropped: AtomicBool,
 }
 
 /// Per node, the last engine batch a head published (number, publish time).
@@ -126,7 +130,13 @@ impl SharedWarm {
             ready: AtomicBool::new(false),
         });
         let link = link::spawn(Arc::clone(&shared))?;
-        Ok(SharedWarm { shared, link: Some(link), next_local: AtomicU64::new(1), forwarded: Mutex::default() })
+        Ok(SharedWarm {
+            shared,
+            link: Some(link),
+            next_local: AtomicU64::new(1),
+            forwarded: Mutex::default(),
+            outbox_dropped: AtomicBool::new(false),
+        })
     }
 
     /// As [`Warm::ran`]: answered here at once, published to the stream in the background, and
@@ -206,6 +216,7 @@ impl SharedWarm {
         answer(&mut pending, local);
         if let Some(dropped) = self.shared.outbox().push(out) {
             pending.settle(dropped);
+            self.outbox_dropped.store(true, Ordering::Release);
         }
         drop(pending);
         self.shared.wake.notify_one();
@@ -423,6 +434,9 @@ impl EngineSink for SharedWarm {
     fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         let mut forwarded = self.shared_lock_forwarded()?;
+        if self.outbox_dropped.swap(false, Ordering::AcqRel) {
+            forwarded.clear();
+        }
         let last = match forwarded.get(node) {
             Some(&last) => last,
             None => self.shared.warm.engine_position(node)?,

@@ -76,10 +76,9 @@ pub(crate) struct Blocks {
 impl Slot {
     /// The fastest tier holding a copy: 0 GPU, 1 CPU, 2 storage.
     pub(crate) fn own_tier(&self) -> u8 {
-        let [cpu, storage] = self.offload;
-        if self.refs > cpu.saturating_add(storage) {
+        if super::engines::gpu_copies(self.refs, self.offload) > 0 {
             0
-        } else if cpu > 0 {
+        } else if self.offload[0] > 0 {
             1
         } else {
             2

@@ -21,12 +21,14 @@
 //! engine loads the whole prefix from). An offload store without tokens adds a copy to a block
 //! this index holds, and names nothing otherwise.
 //!
-//! Row layouts (`engine_blocks/v6`, key `(node id, engine hash)`), all integers little-endian:
-//! `flags: u8` (bit 0: has a parent; bit 1: keyed, a namespace follows; bit 2: opaque, it hashes
-//! more than its tokens and keys nothing; bit 3, schema 7: copies offloaded), `parent: u64` (if
-//! bit 0), `refs: u32` (copies in any medium), with bit 3 `cpu: u32` and `storage: u32` (of
-//! those), `clock: u64`, `tokens: u32` count then each token as `u32`, and for a keyed first
-//! block (no parent): `model: u16` length and bytes, `tenant: u16` length and bytes.
+//! Row layouts, all integers little-endian. `engine_blocks/v7`, key `(node id, store clock,
+//! engine hash)`: `flags: u8` (bit 0: has a parent; bit 1: keyed, a namespace follows; bit 2:
+//! opaque, it hashes more than its tokens and keys nothing; bit 3: copies offloaded), `parent:
+//! u64` (if bit 0), `refs: u32` (copies in any medium), with bit 3 `cpu: u32` and `storage: u32`
+//! (of those), `tokens: u32` count then each token as `u32`, and for a keyed first block (no
+//! parent): `model: u16` length and bytes, `tenant: u16` length and bytes. Schema 6's
+//! `engine_blocks/v6`, key `(node id, engine hash)`: the same without bit 3, with `clock: u64`
+//! after `refs` (read from schema 6 files, and by the upgrade).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -169,7 +171,8 @@ pub enum EngineOutcome {
 pub(crate) enum Follows {
     /// The next one (or the first of a stream, numbered 0).
     Next,
-    /// A number already applied, published no later than the last: a copy of that batch.
+    /// A number already applied, published no later than the last: a copy of that batch; or a
+    /// later number published before the last: a batch of an earlier engine process.
     Copy,
     /// A number already applied, published later: a new engine process counting from 0 again.
     Restart,
@@ -185,6 +188,9 @@ impl Follows {
             Some((last, _)) if batch.seq == last.wrapping_add(1) => Follows::Next,
             Some((last, ts)) if batch.seq <= last && batch.ts <= ts => Follows::Copy,
             Some((last, _)) if batch.seq <= last => Follows::Restart,
+            // A later number published before the last batch applied: from an engine process
+            // before the one applied now (a late copy, another head's), not a gap of this one.
+            Some((_, ts)) if batch.ts < ts => Follows::Copy,
             Some((last, _)) => Follows::Gap { from: last },
         }
     }
@@ -196,9 +202,9 @@ impl Follows {
 pub struct EngineCounts {
     /// Batches applied.
     pub batches: u64,
-    /// Blocks stored (GPU, keyed or not).
+    /// Blocks stored (copies in any medium, keyed or not).
     pub stored: u64,
-    /// Blocks removed.
+    /// Blocks removed (copies in any medium).
     pub removed: u64,
     /// Times everything the node held was dropped: the engine said so, restarted, or a gap
     /// could not be covered.
@@ -283,13 +289,22 @@ struct Stream {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Holder {
     node: u32,
-    /// Engine blocks keying it (almost always 1).
-    count: u32,
+    /// Engine blocks keying it (almost always one), by the tier each can be loaded from (0 GPU,
+    /// 1 CPU, 2 storage: the slowest along its chain).
+    by_tier: [u32; 3],
     /// The newest clock of those.
     clock: u64,
-    /// The tier the node can load it from (0 GPU, 1 CPU, 2 storage): the slowest along its
-    /// chain.
-    tier: u8,
+}
+
+impl Holder {
+    /// The fastest tier the node can load the block from.
+    fn tier(&self) -> u8 {
+        match self.by_tier {
+            [0, 0, _] => 2,
+            [0, _, _] => 1,
+            _ => 0,
+        }
+    }
 }
 
 /// Every engine stream, and the blocks of ours each holds.
@@ -349,12 +364,12 @@ impl Engines {
     /// Whether `node` holds block `key` in GPU memory (its whole chain there), and from which
     /// clock.
     pub(crate) fn held_on_gpu(&self, key: &BlockKey, node: u32) -> Option<u64> {
-        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node && h.tier == 0)).map(|h| h.clock)
+        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node && h.by_tier[0] > 0)).map(|h| h.clock)
     }
 
     /// The tier `node` can load block `key` from (0 GPU, 1 CPU, 2 storage), if it holds it.
     pub(crate) fn tier(&self, key: &BlockKey, node: u32) -> Option<u8> {
-        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(|h| h.tier)
+        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(Holder::tier)
     }
 
     /// Engine blocks and blocks of ours `node` holds.
@@ -493,15 +508,15 @@ impl Engines {
     /// Takes every block of ours node `node` holds out of the held map.
     fn drop_holdings(&mut self, node: u32) {
         let Some(s) = self.streams.get(&node) else { return };
-        let keys: Vec<BlockKey> = s
+        let keys: Vec<(BlockKey, u8)> = s
             .blocks
             .slots()
             .filter_map(|i| s.blocks.get(i))
             .filter(|b| b.attached)
-            .flat_map(|b| keys_of(b).iter().copied())
+            .flat_map(|b| keys_of(b).iter().map(|&k| (k, b.tier)))
             .collect();
-        for key in keys {
-            unhold(&mut self.held, &key, node);
+        for (key, tier) in keys {
+            unhold(&mut self.held, &key, node, tier);
         }
     }
 
@@ -752,7 +767,7 @@ impl Row {
     /// Its copies in GPU memory, CPU memory and on storage.
     pub(crate) fn copies(&self) -> [u32; 3] {
         let [cpu, storage] = self.offload;
-        [self.refs.saturating_sub(cpu.saturating_add(storage)), cpu, storage]
+        [gpu_copies(self.refs, self.offload), cpu, storage]
     }
 
     /// How many tokens it holds.
@@ -781,31 +796,45 @@ fn namespace_index(list: &mut Vec<Namespace>, ns: &Namespace) -> Option<u16> {
 
 fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clock: u64, tier: u8) {
     let holders = held.entry(key).or_default();
-    match holders.iter_mut().find(|h| h.node == node) {
-        Some(h) => {
-            h.count = h.count.saturating_add(1);
-            h.clock = h.clock.max(clock);
-            h.tier = h.tier.min(tier);
+    let h = match holders.iter().position(|h| h.node == node) {
+        Some(i) => holders.get_mut(i),
+        None => {
+            holders.push(Holder { node, by_tier: [0; 3], clock });
+            holders.last_mut()
         }
-        None => holders.push(Holder { node, count: 1, clock, tier }),
+    };
+    if let Some(h) = h {
+        h.clock = h.clock.max(clock);
+        if let Some(n) = h.by_tier.get_mut(usize::from(tier)) {
+            *n = n.saturating_add(1);
+        }
     }
 }
 
-/// Node `node` can now load block `key` from `tier`.
-fn set_tier(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32, tier: u8) {
+/// One engine block keying `key` for `node` can now be loaded from `to`, not `from`.
+fn set_tier(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32, from: u8, to: u8) {
     if let Some(h) = held.get_mut(key).and_then(|h| h.iter_mut().find(|h| h.node == node)) {
-        h.tier = tier;
+        if let Some(n) = h.by_tier.get_mut(usize::from(from)) {
+            *n = n.saturating_sub(1);
+        }
+        if let Some(n) = h.by_tier.get_mut(usize::from(to)) {
+            *n = n.saturating_add(1);
+        }
     }
 }
 
 /// Copies of block `b` in `tier`.
 fn copies(b: &Slot, tier: u8) -> u32 {
-    let [cpu, storage] = b.offload;
     match tier {
-        0 => b.refs.saturating_sub(cpu.saturating_add(storage)),
-        1 => cpu,
-        _ => storage,
+        0 => gpu_copies(b.refs, b.offload),
+        1 => b.offload[0],
+        _ => b.offload[1],
     }
+}
+
+/// Of `refs` copies, those on the GPU: the ones not offloaded.
+pub(crate) fn gpu_copies(refs: u32, [cpu, storage]: [u32; 2]) -> u32 {
+    refs.saturating_sub(cpu.saturating_add(storage))
 }
 
 /// One more copy of the block in slot `i`, in `tier`; its chain's tiers follow if its own
@@ -813,9 +842,13 @@ fn copies(b: &Slot, tier: u8) -> u32 {
 fn add_copy(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32, tier: u8) {
     let Some(b) = stream.blocks.get_mut(i) else { return };
     let before = b.own_tier();
-    b.refs = b.refs.saturating_add(1);
+    if b.refs == u32::MAX {
+        // Past what a row can count: the copy is not counted (its removal then finds one less).
+        return;
+    }
+    b.refs += 1;
     if let Some(c) = b.offload.get_mut(usize::from(tier).wrapping_sub(1)) {
-        *c = c.saturating_add(1);
+        *c += 1;
     }
     if b.own_tier() != before {
         retier(stream, held, node, i);
@@ -838,22 +871,25 @@ fn retier(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: 
         if tier == b.tier && !first {
             continue;
         }
-        b.tier = tier;
+        let was = std::mem::replace(&mut b.tier, tier);
         for key in keys_of(b) {
-            set_tier(held, key, node, tier);
+            set_tier(held, key, node, was, tier);
         }
         todo.extend(stream.blocks.children(i).into_iter().map(|c| (c, tier, false)));
     }
 }
 
-fn unhold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32) {
+/// One engine block keying `key` for `node`, loadable from `tier`, no longer does.
+fn unhold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32, tier: u8) {
     let Some(holders) = held.get_mut(key) else { return };
-    if let Some(i) = holders.iter().position(|h| h.node == node) {
-        match holders.get_mut(i) {
-            Some(h) if h.count > 1 => h.count -= 1,
-            _ => {
-                holders.swap_remove(i);
-            }
+    if let Some(i) = holders.iter().position(|h| h.node == node)
+        && let Some(h) = holders.get_mut(i)
+    {
+        if let Some(n) = h.by_tier.get_mut(usize::from(tier)) {
+            *n = n.saturating_sub(1);
+        }
+        if h.by_tier == [0; 3] {
+            holders.swap_remove(i);
         }
     }
     if holders.is_empty() {
@@ -965,7 +1001,7 @@ fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: 
         let Some(b) = stream.blocks.get_mut(i).filter(|b| b.attached) else { continue };
         b.attached = false;
         for key in keys_of(b) {
-            unhold(held, key, node);
+            unhold(held, key, node, b.tier);
         }
         let n = keys_of(b).len();
         stream.ours = stream.ours.saturating_sub(n);
@@ -1255,6 +1291,42 @@ mod tests {
             7,
         );
         assert_eq!((e.claim_floor(0), held_prefix(&e, &tokens)), (7, 0), "the last copy: claims end");
+    }
+
+    /// Two engine blocks of one node key the same block of ours (two hashes of the same
+    /// tokens): the node loads it from the faster of them, and when that one goes, from the
+    /// other.
+    #[test]
+    fn a_block_of_ours_keyed_twice_is_loaded_from_the_fastest_that_is_left() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let key = ns().chain_in(Scheme::TreeChain, &tokens)[0];
+        let mut e = Engines::default();
+        let gpu = |h: u64| stored(None, &[h], &tokens, 64);
+        let mut cpu = gpu(2);
+        if let EngineEvent::Stored(s) = &mut cpu {
+            s.medium = Medium::Cpu;
+        }
+        e.batch(Scheme::TreeChain, 0, &batch(0, vec![gpu(1), cpu]), 1);
+        assert_eq!((e.tier(&key, 0), e.held_on_gpu(&key, 0).is_some()), (Some(0), true));
+        let remove = |h: u64| EngineEvent::Removed { hashes: vec![h], medium: Medium::Gpu };
+        e.batch(Scheme::TreeChain, 0, &batch(1, vec![remove(1)]), 2);
+        assert_eq!((e.tier(&key, 0), e.held_on_gpu(&key, 0)), (Some(1), None), "the CPU copy is left");
+        let remove_cpu = EngineEvent::Removed { hashes: vec![2], medium: Medium::Cpu };
+        e.batch(Scheme::TreeChain, 0, &batch(2, vec![remove_cpu]), 3);
+        assert_eq!(e.tier(&key, 0), None, "nothing is left");
+    }
+
+    #[test]
+    fn a_later_number_of_an_earlier_process_is_a_copy_not_a_gap() {
+        let b = |seq, ts| EngineBatch { seq, ts, events: Vec::new() };
+        let last = Some((5, 10.0));
+        assert_eq!(Follows::after(last, &b(6, 11.0)), Follows::Next);
+        assert_eq!(Follows::after(last, &b(9, 11.0)), Follows::Gap { from: 5 });
+        assert_eq!(Follows::after(last, &b(9, 9.0)), Follows::Copy, "published before the last applied");
+        assert_eq!(Follows::after(last, &b(3, 10.0)), Follows::Copy);
+        assert_eq!(Follows::after(last, &b(0, 12.0)), Follows::Restart);
+        assert_eq!(Follows::after(None, &b(0, 1.0)), Follows::Next);
+        assert_eq!(Follows::after(None, &b(4, 1.0)), Follows::Gap { from: 0 });
     }
 
     #[test]

@@ -25,8 +25,8 @@ pub(crate) const SCHEMA_V5: u32 = 5;
 /// Schema 6: schema 5's tables plus what each engine holds by its KV events: its blocks and its
 /// stream's position (`migrations/0006-engine-events`).
 pub(crate) const SCHEMA_V6: u32 = 6;
-/// Schema 7: schema 6's tables; an engine block's row may also count its copies in CPU memory
-/// and on storage (flag bit 3), which schema 6 builds cannot read (`migrations/0007-tiers`).
+/// Schema 7: schema 6's tables, with `engine_blocks/v7` (keyed by store, offloaded copies
+/// counted) in place of `engine_blocks/v6` (`migrations/0007-tiers`).
 pub(crate) const SCHEMA_V7: u32 = 7;
 /// Schema version of the files this build creates and upgrades to. 0.1.7's JSON file is
 /// imported, not opened (`migrations/0001-from-0.1.7-json`).

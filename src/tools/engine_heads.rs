@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::engine_replay::Engines;
+use super::engine_replay::{BACKLOG, Engines};
 use super::engine_sim::{Publisher, SimEngine};
 use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::Request;
@@ -18,10 +18,8 @@ use crate::{
     Sharing, Warm,
 };
 
-/// Batches a head may be behind an engine before the replay waits for it.
-const BACKLOG: u64 = 4;
 /// How long the replay waits for a head to catch up before it goes on.
-const CATCH_UP: Duration = Duration::from_secs(2);
+const CATCH_UP: Duration = Duration::from_secs(10);
 
 /// One side of the replay: what its heads claimed and what its engines held.
 #[derive(Clone, Debug, Default)]

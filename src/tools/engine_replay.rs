@@ -157,8 +157,8 @@ fn ask(
     Ok((prefix, found))
 }
 
-/// Batches a listener may be behind its engine before the replay waits for it.
-const BACKLOG: u64 = 4;
+/// Batches a listener (or a head) may be behind its engine before a replay waits for it.
+pub(super) const BACKLOG: u64 = 4;
 
 /// Block events of a batch: the hashes it stores and removes.
 fn block_events(batch: &EngineBatch) -> u64 {
@@ -219,9 +219,9 @@ pub fn run(
         // A real engine takes a request's time to run it; the simulated ones take almost none.
         // So that what the index claims is compared with what the engines hold at the index's
         // pace, not at the simulation's, the replay waits while a listener is more than
-        // `BACKLOG` batches behind its engine (at most a second, then goes on).
+        // `BACKLOG` batches behind its engine (at most ten seconds, then goes on).
         let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(1)
+        while t.elapsed() < Duration::from_secs(10)
             && listener.received().iter().zip(&sent).any(|(r, s)| s.saturating_sub(*r) > BACKLOG)
         {
             std::thread::sleep(Duration::from_micros(200));

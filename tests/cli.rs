@@ -534,15 +534,16 @@ fn replay_over_heads_and_engines_sharing_through_nats() {
     let server = common::nats::NatsServer::start(&dir.path().join("js"));
     let url = server.url();
     let args = ["replay", "--heads", "3", "--nats", &url, "--engine-events", "--engine-cache-blocks", "4096"];
-    let out = run(&[&args[..], &["--requests", "400", "--json"]].concat());
+    let out = run(&[&args[..], &["--requests", "300", "--json"]].concat());
     assert!(out.status.success(), "{}", text(&out.stderr));
     let r = &json_lines(&out)[0];
-    assert_eq!((r["heads"].as_u64(), r["requests"].as_u64()), (Some(3), Some(400)));
+    assert_eq!((r["heads"].as_u64(), r["requests"].as_u64()), (Some(3), Some(300)));
     for side in ["shared", "unshared"] {
         let s = &r[side];
         let share = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k} in {s}"));
         assert!(share("claimed_share") > 0.0, "{side}: {s}");
-        // (Over 400 requests a head may be a few batches behind its engines: within a point.)
+        // (Over 300 requests a head may be a few batches behind its engines, and a claim another
+        // head made may outlive an eviction it has not applied yet: within a point.)
         assert!((share("claimed_share") - share("cached_share")).abs() < 0.01, "{side}: claimed as held: {s}");
         assert_eq!(s["batches_published"], s["batches_applied_per_head"], "{side}: every batch on every head once");
         assert!(share("engine_lag_p50_s") <= share("engine_lag_p99_s"), "{side}: {s}");

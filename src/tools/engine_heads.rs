@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::engine_replay::{BACKLOG, Engines};
+use super::engine_replay::{BACKLOG, Engines, wait_connected};
 use super::engine_sim::{Publisher, SimEngine};
 use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::Request;
@@ -202,6 +202,9 @@ fn side(
             Head::Alone(w) => Listener::start(Arc::clone(w), &endpoints, Duration::from_secs(30)),
         })
         .collect::<Result<_>>()?;
+    // Every listener connected before the engines publish: a batch sent before a subscriber
+    // joined is lost to it until the engine's next one shows the gap.
+    wait_connected(&listeners);
     let mut out = Side { load: vec![0; nodes], ..Side::default() };
     let mut load = Load::new(config);
     let mut sent: Vec<Option<u64>> = vec![None; nodes];

@@ -157,6 +157,16 @@ fn ask(
     Ok((prefix, found))
 }
 
+/// Waits (up to ten seconds) until every listener is connected to every engine, and a moment
+/// for their subscriptions to reach the publishers.
+pub(super) fn wait_connected(listeners: &[Listener]) {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) && !listeners.iter().all(|l| l.stats().iter().all(|s| s.connected)) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+}
+
 /// Batches a listener (or a head) may be behind its engine before a replay waits for it.
 pub(super) const BACKLOG: u64 = 4;
 
@@ -205,6 +215,7 @@ pub fn run(
         .map(|(n, p)| EngineEndpoint::parse(&format!("{n}={},replay={}", p.events, p.replay), Some(&config.model)))
         .collect::<Result<_>>()?;
     let listener = Listener::start(Arc::clone(&warm), &endpoints, Duration::from_secs(30))?;
+    wait_connected(std::slice::from_ref(&listener));
     let mut report = EngineReport { requests: requests.len(), load: vec![0; nodes], ..EngineReport::default() };
     let mut load = Load::new(config);
     let mut times = Vec::with_capacity(requests.len());

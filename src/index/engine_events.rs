@@ -61,6 +61,7 @@ impl Warm {
 
     /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
     /// time), if any.
+    #[cfg(any(feature = "nats", feature = "tools"))]
     pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
         let front = self.front()?;
         let id = front.decided.nodes.current(node);

@@ -413,6 +413,7 @@ impl SharedWarm {
     }
 
     /// Where node `node`'s engine stream stands in this head's file: the last batch applied.
+    #[cfg(feature = "tools")]
     pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
         self.shared.warm.engine_position(node)
     }

@@ -102,6 +102,31 @@ fn run_engines(
     steps as u64
 }
 
+/// Waits until every head has applied every engine's last batch. Until a listener hears a live
+/// batch after a loss it does not know of it: the engines run one more request a second
+/// meanwhile. Returns the batches they published so.
+fn catch_up(
+    heads: &[Arc<SharedWarm>],
+    engines: &mut [Engine],
+    publishers: &[Publisher],
+    rng: &mut Rng,
+    conversations: &mut common::Conversations,
+) -> u64 {
+    let mut published = 0;
+    let mut poked = Instant::now();
+    wait_until("every head to apply every engine's last batch", || {
+        if caught_up(heads, engines) {
+            return true;
+        }
+        if poked.elapsed() > Duration::from_secs(1) {
+            published += run_engines(engines, publishers, 4, u64::MAX, rng, conversations);
+            poked = Instant::now();
+        }
+        false
+    });
+    published
+}
+
 /// Every head holds the same streams and blocks, answers alike, and answers what the engines
 /// hold; no batch was applied twice. Returns the batches applied per head.
 fn check_heads(dir: &Path, names: &[&str], heads: &[Arc<SharedWarm>], engines: &[Engine], prompts: &[Vec<u32>]) -> u64 {
@@ -160,19 +185,7 @@ fn three_heads_and_four_engines_share_one_view_whoever_subscribes() {
         engines[1].restart();
         publishers[1].restart();
         published += run_engines(&mut engines, &publishers, 60, 10, &mut rng, &mut conversations);
-        // Until a listener hears a live batch after a loss it does not know of it: one more
-        // batch a second, until every head has every engine's last.
-        let mut poked = Instant::now();
-        wait_until("every head to apply every engine's last batch", || {
-            if caught_up(&heads, &engines) {
-                return true;
-            }
-            if poked.elapsed() > Duration::from_secs(1) {
-                published += run_engines(&mut engines, &publishers, 4, u64::MAX, &mut rng, &mut conversations);
-                poked = Instant::now();
-            }
-            false
-        });
+        published += catch_up(&heads, &mut engines, &publishers, &mut rng, &mut conversations);
         let seen: Vec<_> = listeners.into_iter().map(Listener::stop).collect();
         let applied = check_heads(dir.path(), &names, &heads, &engines, &conversations.prompts);
         assert_eq!(applied, published, "every batch applied once by each head");
@@ -252,17 +265,7 @@ fn a_killed_bridge_and_a_restarted_server_lose_nothing() {
     server.restart();
     let _child = bridge(dir.path(), &server, &publishers);
     published += run_engines(&mut engines, &publishers, 40, 12, &mut rng, &mut conversations);
-    let mut poked = Instant::now();
-    wait_until("every head to apply every engine's last batch", || {
-        if caught_up(&heads, &engines) {
-            return true;
-        }
-        if poked.elapsed() > Duration::from_secs(1) {
-            published += run_engines(&mut engines, &publishers, 4, u64::MAX, &mut rng, &mut conversations);
-            poked = Instant::now();
-        }
-        false
-    });
+    published += catch_up(&heads, &mut engines, &publishers, &mut rng, &mut conversations);
     let applied = check_heads(dir.path(), &names, &heads, &engines, &conversations.prompts);
     assert_eq!(applied, published, "every batch applied once by each head");
     // The bridge is a head too: killed mid-stream, it resumed from its file's position, and its

@@ -9,13 +9,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::engine_replay::{BACKLOG, Engines, wait_connected};
-use super::engine_sim::{Publisher, SimEngine};
+use super::engine_replay::{BACKLOG, Engines, simulated, wait_connected};
 use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::Request;
 use crate::{
-    BLOCK_TOKENS, Builder, EngineEndpoint, Error, Listener, MIN_BLOCKS, Namespace, ReadIndex, Result, SharedWarm,
-    Sharing, Warm,
+    BLOCK_TOKENS, Builder, Error, Listener, MIN_BLOCKS, Namespace, ReadIndex, Result, SharedWarm, Sharing, Warm,
 };
 
 /// How long the replay waits for a head to catch up before it goes on.
@@ -183,18 +181,7 @@ fn side(
     let nodes = config.nodes;
     let names: Vec<String> = (0..nodes).map(node_name).collect();
     let namespace = Namespace::new(&config.model)?;
-    let mut sims: Vec<SimEngine> = (0..nodes)
-        .map(|_| {
-            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None)
-                .map(|e| e.with_offload(engines.offload_blocks))
-        })
-        .collect::<Result<_>>()?;
-    let publishers: Vec<Publisher> = (0..nodes).map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
-    let endpoints: Vec<EngineEndpoint> = names
-        .iter()
-        .zip(&publishers)
-        .map(|(n, p)| EngineEndpoint::parse(&format!("{n}={},replay={}", p.events, p.replay), Some(&config.model)))
-        .collect::<Result<_>>()?;
+    let (mut sims, publishers, endpoints) = simulated(config, engines, &names)?;
     let listeners: Vec<Listener> = heads
         .iter()
         .map(|h| match h {

@@ -157,6 +157,32 @@ fn ask(
     Ok((prefix, found))
 }
 
+/// The simulated engines of a replay, one a node of `names`: each with its publisher on loopback
+/// and the endpoint a listener subscribes to.
+///
+/// # Errors
+/// As [`SimEngine::new`] and [`Publisher::new`].
+pub(super) fn simulated(
+    config: &Config,
+    engines: &Engines,
+    names: &[String],
+) -> Result<(Vec<SimEngine>, Vec<Publisher>, Vec<EngineEndpoint>)> {
+    let sims = names
+        .iter()
+        .map(|_| {
+            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None)
+                .map(|e| e.with_offload(engines.offload_blocks))
+        })
+        .collect::<Result<_>>()?;
+    let publishers: Vec<Publisher> = names.iter().map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
+    let endpoints = names
+        .iter()
+        .zip(&publishers)
+        .map(|(n, p)| EngineEndpoint::parse(&format!("{n}={},replay={}", p.events, p.replay), Some(&config.model)))
+        .collect::<Result<_>>()?;
+    Ok((sims, publishers, endpoints))
+}
+
 /// Waits (up to ten seconds) until every listener is connected to every engine, and a moment
 /// for their subscriptions to reach the publishers.
 pub(super) fn wait_connected(listeners: &[Listener]) {
@@ -202,18 +228,7 @@ pub fn run(
     let names: Vec<String> = (0..nodes).map(node_name).collect();
     let namespace = Namespace::new(&config.model)?;
     let warm = Arc::new(Warm::open(path)?);
-    let mut sims: Vec<SimEngine> = (0..nodes)
-        .map(|_| {
-            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None)
-                .map(|e| e.with_offload(engines.offload_blocks))
-        })
-        .collect::<Result<_>>()?;
-    let publishers: Vec<Publisher> = (0..nodes).map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
-    let endpoints: Vec<EngineEndpoint> = names
-        .iter()
-        .zip(&publishers)
-        .map(|(n, p)| EngineEndpoint::parse(&format!("{n}={},replay={}", p.events, p.replay), Some(&config.model)))
-        .collect::<Result<_>>()?;
+    let (mut sims, publishers, endpoints) = simulated(config, engines, &names)?;
     let listener = Listener::start(Arc::clone(&warm), &endpoints, Duration::from_secs(30))?;
     wait_connected(std::slice::from_ref(&listener));
     let mut report = EngineReport { requests: requests.len(), load: vec![0; nodes], ..EngineReport::default() };

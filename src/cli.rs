@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::exporter::{LogFormat, init_logs, render_stats, serve_metrics};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 use superfluid_warm::tools::engine_heads::{self, EngineHeadsReport};
@@ -33,6 +34,11 @@ recover it to its last commit and say so.";
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log lines are written to stderr: `plain`, or `json` (one object a line). Which
+    /// events: `RUST_LOG` (e.g. `superfluid_warm=debug`); without it, warnings and errors, and
+    /// for `listen` also what an operator should hear of (connections, replays, restarts).
+    #[arg(long, global = true, value_enum, default_value = "plain")]
+    log_format: LogFormat,
 }
 
 #[derive(Subcommand)]
@@ -46,6 +52,11 @@ enum Command {
         /// As one JSON object.
         #[arg(long)]
         json: bool,
+        /// In Prometheus' text format, under the names `listen --metrics` serves, for a
+        /// textfile collector (write it to a temporary file and rename it into the
+        /// collector's directory, so that it is never read half written).
+        #[arg(long, conflicts_with = "json")]
+        prometheus: bool,
     },
     /// Checks the invariants and, where no head has the file open, redb's integrity (on a copy).
     /// Exit code 0: healthy; 1: the file could not be checked (no index there, not an index,
@@ -232,6 +243,11 @@ struct ReplayArgs {
     /// published as CPU stores. Reports the warm share by tier.
     #[arg(long, requires = "engine_events", default_value_t = 0)]
     offload_blocks: u64,
+    /// With --engine-events: engine i publishes on loopback port PORT+2i and answers replays on
+    /// PORT+2i+1, so that a `listen` can follow the same engines (the specs to give it are
+    /// printed on stderr).
+    #[arg(long, requires = "engine_events", value_name = "PORT")]
+    engine_port: Option<u16>,
     /// With --offload-blocks: how much a token warm only in the offload tier counts against one
     /// in GPU memory when balanced weighs a node's warm prefix (1: tiers ignored).
     #[arg(long, requires = "engine_events", default_value_t = 0.5, value_parser = share)]
@@ -241,6 +257,10 @@ struct ReplayArgs {
     /// or --restart-every).
     #[arg(long)]
     no_back_to_back: bool,
+    /// Serve the metrics at http://ADDR/metrics in Prometheus' text format while the replay
+    /// runs (e.g. 127.0.0.1:9465).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
     /// As one JSON object.
     #[arg(long)]
     json: bool,
@@ -344,6 +364,8 @@ const UNHEALTHY: u8 = 2;
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
+    let level = if matches!(cli.command, Command::Listen(_)) { "info" } else { "warn" };
+    init_logs(cli.log_format, level);
     match run(cli.command) {
         Ok(code) => code,
         // A reader that went away (`dump | head`) ends the command quietly, as it asked.
@@ -365,7 +387,7 @@ struct ListenArgs {
     /// An engine: NAME=ENDPOINT[,replay=ENDPOINT][,model=M][,topic=T][,bind], e.g.
     /// `gpu-0=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558`. NAME is the node the head routes
     /// to; `bind` listens on ENDPOINT (for an engine configured to connect). Once per engine.
-    #[arg(long = "engine", required = true)]
+    #[arg(long = "engine", required_unless_present = "nats")]
     engines: Vec<String>,
     /// The model engines serve, unless their spec names one.
     #[arg(long)]
@@ -395,13 +417,22 @@ struct ListenArgs {
     /// With --nats: this head's name in the stream (unique among the heads).
     #[arg(long, requires = "nats", default_value = "listen")]
     head: String,
+    /// Serve the metrics at http://ADDR/metrics in Prometheus' text format (e.g.
+    /// 0.0.0.0:9464).
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 fn run(command: Command) -> Result<ExitCode, CliError> {
     let out = &mut std::io::stdout().lock();
     match command {
         Command::Dump(args) => dump(out, &args),
-        Command::Stats { path, json } => stats(out, &path, json),
+        Command::Stats { path, json, prometheus: false } => stats(out, &path, json),
+        Command::Stats { path, prometheus: true, .. } => {
+            let text = render_stats(&Snapshot::open(&path)?.stats()?).map_err(CliError::Refused)?;
+            write!(out, "{text}").map_err(CliError::Output)?;
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Check { path, json, repair } => {
             if repair {
                 existing(&path)?;
@@ -476,6 +507,9 @@ fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
 }
 
 fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError> {
+    if let Some(addr) = args.metrics {
+        serve_metrics(addr).map_err(CliError::Refused)?;
+    }
     let engines = args
         .engines
         .iter()
@@ -1315,6 +1349,9 @@ fn engines_json(r: &EngineReport, e: &Engines, source: &str) -> String {
 }
 
 fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliError> {
+    if let Some(addr) = args.metrics {
+        serve_metrics(addr).map_err(CliError::Refused)?;
+    }
     let config = args.config();
     let wanted = args.requests.map(|n| usize::try_from(n).unwrap_or(usize::MAX));
     let (mut workload, source) = match &args.trace {
@@ -1359,7 +1396,33 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
         restart_every: config.restart_every,
         offload_blocks: usize::try_from(args.offload_blocks).unwrap_or(usize::MAX),
         offload_weight: args.offload_weight,
+        port: args.engine_port,
     };
+    if let Some(port) = args.engine_port {
+        let last = u64::from(port) + 2 * u64::from(args.nodes) - 1;
+        if last > u64::from(u16::MAX) {
+            return Err(CliError::Refused(format!(
+                "--engine-port {port}: {} nodes need ports {port} to {last}, past 65535",
+                args.nodes
+            )));
+        }
+        if args.heads.is_some() {
+            return Err(CliError::Refused(
+                "--engine-port: not with --heads (each side drives engines of its own)".into(),
+            ));
+        }
+        let specs: Vec<String> = (0..args.nodes)
+            .map(|i| {
+                let p = u32::from(port) + 2 * i;
+                format!(
+                    "--engine {}=tcp://127.0.0.1:{p},replay=tcp://127.0.0.1:{}",
+                    replay::node_name(i as usize),
+                    p + 1
+                )
+            })
+            .collect();
+        eprintln!("superfluid-warm: the engines publish where `listen` can follow them:\n  {}", specs.join(" "));
+    }
     if let (Some(heads), Some(url), true) = (args.heads, args.nats.as_deref(), args.engine_events) {
         let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
         let r = engine_heads::run(&builder, dir.path(), url, &workload, &config, &engines, heads as usize)?;
@@ -1537,6 +1600,7 @@ fn replay_json(r: &Report, c: &Config, source: &str, threaded: Option<&Threaded>
     let mut value = json!({
         "source": source, "policy": policy_name(c.policy), "nodes": c.nodes, "requests": r.requests,
         "prompt_tokens": r.prompt_tokens, "warm_tokens": r.warm_tokens, "warm_share": r.warm_share(),
+        "answered_warm_tokens": r.answered_warm_tokens,
         "warm_requests": r.warm_requests, "load": r.load, "imbalance": r.imbalance(),
         "index": timing(&r.index), "baseline_0_1_7": r.baseline.as_ref().map(timing),
         "final_sync_ms": r.final_sync.as_secs_f64() * 1e3, "entries": r.entries, "wall_ms": r.wall.as_secs_f64() * 1e3,
@@ -1624,6 +1688,10 @@ fn replay_text(
         pct(r.warm_share()),
         thousands(r.warm_requests as u64),
         thousands(r.requests as u64)
+    );
+    t += &format!(
+        "  answered warm    {} prompt tokens: the longest warm prefix of each request, whichever node it chose\n",
+        thousands(r.answered_warm_tokens)
     );
     if let (Some(cached), Some(any), Some(missed), Some(blocks)) =
         (r.warm_share_cached(), r.chosen_cached_share(), r.warm_not_cached, c.node_cache_blocks)

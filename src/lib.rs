@@ -42,6 +42,7 @@ mod keys;
 #[cfg(feature = "nats")]
 mod share;
 mod store;
+mod telemetry;
 
 #[cfg(feature = "tools")]
 #[doc(hidden)]
@@ -72,3 +73,4 @@ pub use store::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, 
 pub use store::import::{ImportReport, LegacyJson};
 pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, MAX_CLOCK, SCHEMA_VERSION};
 pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};
+pub use telemetry::{METRICS, Metric, MetricKind, describe_metrics};

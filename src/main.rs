@@ -1,6 +1,7 @@
 //! The `superfluid-warm` command: inspect an index, import a 0.1.7 file, replay a workload.
 
 mod cli;
+mod exporter;
 
 fn main() -> std::process::ExitCode {
     cli::main()

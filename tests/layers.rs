@@ -8,10 +8,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("error", &[]),
     ("keys", &["error"]),
     ("store", &["error", "keys"]),
-    ("file", &["error", "keys", "store"]),
-    ("index", &["error", "keys", "store", "file"]),
-    ("share", &["error", "keys", "store", "index"]),
-    ("engine", &["error", "keys", "store", "index"]),
+    ("telemetry", &["error", "store"]),
+    ("file", &["error", "keys", "store", "telemetry"]),
+    ("index", &["error", "keys", "store", "file", "telemetry"]),
+    ("share", &["error", "keys", "store", "index", "telemetry"]),
+    ("engine", &["error", "keys", "store", "index", "telemetry"]),
     ("tools", &["error", "keys", "store", "share", "engine"]),
 ];
 /// Layers that may also use the public API (any root re-export of `lib.rs`).

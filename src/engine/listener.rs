@@ -13,6 +13,7 @@ use crate::error::{Error, Result};
 use crate::index::engine_events::EngineSink;
 use crate::keys::Namespace;
 use crate::store::engines::{EngineBatch, EngineOutcome};
+use crate::telemetry;
 
 /// How long a replay may take before the gap is taken as lost.
 pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -172,8 +173,10 @@ impl Listener {
                 stats,
                 replay_timeout,
                 resync: false,
+                reported: false,
             };
             let stop = Arc::clone(&stop);
+            telemetry::engine_listening(&engine.node);
             let handle = std::thread::Builder::new()
                 .name(format!("superfluid-warm-listen-{}", engine.node))
                 .spawn(move || one.run(&stop))
@@ -234,6 +237,8 @@ struct One {
     replay_timeout: Duration,
     /// A batch was lost (it did not decode): the next one starts the stream again.
     resync: bool,
+    /// Whether the connection's state was reported yet (the first poll reports it either way).
+    reported: bool,
 }
 
 impl One {
@@ -245,6 +250,7 @@ impl One {
                     let fatal = e.needs_reopen();
                     self.note(|s| s.error = Some(e.to_string()));
                     if fatal {
+                        telemetry::engine_listener_stopped(&self.engine.node, &e);
                         return;
                     }
                     std::thread::sleep(POLL);
@@ -266,7 +272,15 @@ impl One {
             .next(POLL)
             .map_err(|e| Error::Engine { detail: e.to_string(), source: Some(Arc::new(e)) })?;
         let (malformed, connected) = (self.subscriber.malformed(), self.subscriber.connected());
-        self.note(|s| (s.malformed, s.connected) = (malformed, connected));
+        let mut was = connected;
+        self.note(|s| {
+            was = s.connected;
+            (s.malformed, s.connected) = (malformed, connected);
+        });
+        if was != connected || !self.reported {
+            self.reported = true;
+            telemetry::engine_connection(&self.engine.node, &self.engine.events, connected, was);
+        }
         let Some(message) = message else { return Ok(()) };
         if let Ok(mut seen) = self.stats.lock() {
             seen.stats.received += 1;
@@ -286,6 +300,7 @@ impl One {
             }
             seen.lags.push_back(now() - batch.ts);
         }
+        telemetry::engine_lag(&self.engine.node, now() - batch.ts);
         Ok(())
     }
 
@@ -299,8 +314,10 @@ impl One {
         };
         let Some(replayed) = replayed.filter(|r| !r.messages.is_empty()) else {
             self.note(|s| s.replays_short += 1);
+            telemetry::engine_replay(&self.engine.node, from, 0, false);
             return self.sink.engine_resync(&self.engine.node, live);
         };
+        telemetry::engine_replay(&self.engine.node, from, replayed.messages.len(), replayed.starts_at_requested);
         let decoded: Vec<EngineBatch> = replayed.messages.iter().filter_map(|m| self.batch(m)).collect();
         let mut batches = decoded.iter();
         if !replayed.starts_at_requested {
@@ -329,7 +346,8 @@ impl One {
     fn batch(&mut self, message: &Message) -> Option<EngineBatch> {
         match decode_engine_batch(message.seq, &message.payload, &self.engine.model) {
             Ok(batch) => Some(batch),
-            Err(_) => {
+            Err(e) => {
+                telemetry::engine_undecodable(&self.engine.node, &e);
                 self.note(|s| s.undecodable += 1);
                 self.resync = true;
                 None

@@ -78,7 +78,10 @@ const SPARSE_MAX_USED: u64 = 128 << 20;
 /// What [`compact_if_sparse`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Compaction {
-    /// Nothing: not sparse, too big, a reader holds a transaction, or it could not be read.
+    /// Nothing to do: not sparse enough, or too big to compact on close.
+    NotSparse,
+    /// Nothing done although it was sparse: a reader holds a transaction, or it could not be
+    /// read.
     Skipped,
     /// Compacted and closed cleanly.
     Compacted,
@@ -95,7 +98,7 @@ pub(crate) enum Compaction {
 pub(crate) fn compact_if_sparse(path: &Path) -> Compaction {
     let Ok(len) = size(path) else { return Compaction::Skipped };
     if !(2 * SPARSE_MIN_FREE..=SPARSE_MAX_BYTES).contains(&len) {
-        return Compaction::Skipped;
+        return Compaction::NotSparse;
     }
     // The head verified this file at open and has just closed it: no check is needed again.
     let Ok(mut db) = redb::Builder::new()
@@ -113,7 +116,7 @@ pub(crate) fn compact_if_sparse(path: &Path) -> Compaction {
     let Some(used) = used else { return Compaction::Failed };
     let free = len.saturating_sub(used);
     if free < SPARSE_MIN_FREE || free < len / 4 || used > SPARSE_MAX_USED {
-        return Compaction::Skipped;
+        return Compaction::NotSparse;
     }
     let mut compacted = false;
     loop {
@@ -128,6 +131,6 @@ pub(crate) fn compact_if_sparse(path: &Path) -> Compaction {
     match (db.close(), compacted) {
         (Err(_), _) => Compaction::Failed,
         (Ok(()), true) => Compaction::Compacted,
-        (Ok(()), false) => Compaction::Skipped,
+        (Ok(()), false) => Compaction::NotSparse,
     }
 }

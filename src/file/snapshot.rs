@@ -21,6 +21,7 @@ use crate::store::tables::{
     generation_keys, members,
 };
 use crate::store::writer::{count, read_floor, read_position};
+use crate::telemetry;
 
 /// One block an engine holds, as its KV events said ([`Snapshot::visit_engine_blocks`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -76,6 +77,8 @@ pub struct SnapshotStats {
     /// Entries per node, by node name, most first (a forgotten incarnation's apart, with
     /// `(forgotten)` after its name).
     pub per_node: Vec<(String, u64)>,
+    /// Blocks naming each current node, as the last writer or among the others, by name.
+    pub named: Vec<(String, u64)>,
     /// Nodes named by blocks besides the one that ran each last (as stored: those a block names
     /// from at or below the eviction floor go when the block is rewritten or evicted).
     pub others: u64,
@@ -107,6 +110,24 @@ pub struct SnapshotStats {
     pub node_cache_default: Option<u64>,
     /// The engine event streams: where each stands, what each node's engine holds, the counts.
     pub engines: Vec<EngineStats>,
+}
+
+impl SnapshotStats {
+    /// Records these figures through the `metrics` facade, under the names a head records
+    /// ([`crate::METRICS`]): the file's entries, capacity and size, each current node's blocks
+    /// and cache, and each engine stream's counts (as absolute counters). For a textfile of a
+    /// file no process exports (`stats --prometheus`): install or scope a recorder first.
+    pub fn record_metrics(&self) {
+        telemetry::figures(self.entries, self.legacy_entries, self.capacity, Some(self.file_bytes));
+        for (node, held) in &self.named {
+            let cache = self.node_caches.iter().find(|c| &c.node == node).map(|c| (c.held, c.capacity));
+            let cache = cache.filter(|&(held, capacity)| held > 0 || capacity.is_some());
+            telemetry::node(&telemetry::NodeFigures { name: node.clone(), held: *held, cache });
+        }
+        for engine in &self.engines {
+            telemetry::engine_totals(&engine.node, &engine.counts, engine.engine_blocks);
+        }
+    }
 }
 
 /// The verdict on the invariants of a file's tables.
@@ -432,12 +453,13 @@ impl Snapshot {
     pub fn stats(&self) -> Result<SnapshotStats> {
         let primary = self.txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
         let live = self.txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-        let mut per_node: HashMap<u32, u64> = HashMap::new();
+        let (mut per_node, mut named): (HashMap<u32, u64>, HashMap<u32, u64>) = Default::default();
         let (mut entries, mut legacy, mut reclaimable, mut others) = (0, 0, 0, 0);
         for item in primary.iter().map_err(redb_err("reading the prefix table"))? {
             let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
             let node = Entry::from_tuple(value.value()).node;
             *per_node.entry(node).or_default() += 1;
+            *named.entry(node).or_default() += 1;
             reclaimable += u64::from(self.is_retired(node));
             entries += 1;
             legacy += u64::from(is_legacy(&key.value().to_be_bytes()));
@@ -446,6 +468,7 @@ impl Snapshot {
             for item in table.iter().map_err(redb_err("reading the others"))? {
                 let (_, row) = item.map_err(redb_err("reading the others"))?;
                 for (node, _) in members(row.value()) {
+                    *named.entry(node).or_default() += 1;
                     reclaimable += u64::from(self.is_retired(node));
                     others += 1;
                 }
@@ -458,12 +481,16 @@ impl Snapshot {
         };
         let mut per_node: Vec<(String, u64)> = per_node.into_iter().map(|(id, n)| (name(id), n)).collect();
         per_node.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        let mut named: Vec<(String, u64)> =
+            named.into_iter().filter(|&(id, _)| !self.is_retired(id)).map(|(id, n)| (self.node_name(id), n)).collect();
+        named.sort();
         let file_bytes = std::fs::metadata(&self.path).map_err(|source| Error::io(self.path.clone(), source))?.len();
         let caches = self.caches()?;
         Ok(SnapshotStats {
             entries,
             legacy_entries: legacy,
             per_node,
+            named,
             others,
             reclaimable,
             forgotten_nodes: self.retired.iter().filter(|&&r| r).count() as u64,

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 
@@ -19,6 +19,7 @@ use crate::file::{compact, seal};
 use crate::keys::{BlockKey, Scheme};
 use crate::store::tables::{OTHERS, PREFIXES};
 use crate::store::writer::{RolledBack, Writer};
+use crate::telemetry;
 
 /// What the writer lock guards: redb's writer, and the changes its open batch holds.
 pub(crate) struct Back {
@@ -66,13 +67,24 @@ pub(crate) struct Sealer {
 
 impl Drop for Sealer {
     fn drop(&mut self) {
-        if let (Some((lock, path)), true, true) = (&self.lock, self.sealable, *self.clean.get_mut()) {
+        let clean = *self.clean.get_mut();
+        if let (Some((_, path)), true, false) = (&self.lock, self.sealable, clean) {
+            telemetry::closed_unclean(path);
+        }
+        if let (Some((lock, path)), true, true) = (&self.lock, self.sealable, clean) {
             // Best effort: an uncompacted file opens as safely, only slower; without a seal the
             // next open verifies every page instead.
-            if self.compact && compact::compact_if_sparse(path) == compact::Compaction::Failed {
-                // A file whose compaction failed is not vouched for.
-                let _ = lock.side_file().set_len(0);
-                return;
+            let compacted =
+                if self.compact { compact::compact_if_sparse(path) } else { compact::Compaction::NotSparse };
+            match compacted {
+                compact::Compaction::Failed => {
+                    telemetry::compaction(path, false);
+                    // A file whose compaction failed is not vouched for.
+                    let _ = lock.side_file().set_len(0);
+                    return;
+                }
+                compact::Compaction::Skipped => telemetry::compaction(path, true),
+                _ => {}
             }
             let _ = seal::write_sealed(lock.side_file(), path);
         }
@@ -133,11 +145,18 @@ pub(crate) fn flush(inner: &Inner, how: Flush) -> Result<()> {
 pub(crate) fn flush_locked(inner: &Inner, back: &mut Back, how: Flush) -> Result<()> {
     let (queue, due) = take_queue(inner)?;
     let written = give_batch(inner, back, queue);
-    let due = due || back.batch.iter().map(Queued::blocks).sum::<usize>() >= MAX_BATCH_BLOCKS;
+    let blocks = back.batch.iter().map(Queued::blocks).sum::<usize>();
+    let due = due || blocks >= MAX_BATCH_BLOCKS;
     let outcome = match written {
         Err(e) => Err(e),
         Ok(()) if matches!(how, Flush::Commit | Flush::Close) || due => {
-            back.writer.commit(&inner.db, how == Flush::Close).map(|()| Some(std::mem::take(&mut back.batch)))
+            let started = Instant::now();
+            let changes = back.batch.len();
+            let committed = back.writer.commit(&inner.db, how == Flush::Close);
+            if committed.is_ok() {
+                telemetry::committed(started.elapsed(), changes, blocks);
+            }
+            committed.map(|()| Some(std::mem::take(&mut back.batch)))
         }
         Ok(()) if how == Flush::Write => match back.writer.write(&inner.db) {
             Ok(()) => Ok(None),
@@ -153,6 +172,7 @@ fn take_queue(inner: &Inner) -> Result<(Vec<Queued>, bool)> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
     let queue = front.take();
+    telemetry::queued(front.queued_blocks, front.uncommitted_bytes());
     inner.drained.notify_all();
     Ok((queue, due))
 }
@@ -183,8 +203,19 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
         Ok(Some(_)) => committed(&inner.db).ok().map(Arc::new),
         _ => None,
     };
+    let file_bytes = match (&outcome, &inner.sealer.lock) {
+        (Ok(Some(_)), Some((_, path))) => std::fs::metadata(path).ok().map(|m| m.len()),
+        _ => None,
+    };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     inner.legacy.store(figures.legacy_entries > 0, Ordering::Relaxed);
+    // The figures a commit changed, recorded once the lock is released.
+    let nodes = match &outcome {
+        Ok(Some(_)) => node_figures(&front, &figures),
+        _ => Vec::new(),
+    };
+    let totals = (figures.entries, figures.legacy_entries, figures.capacity);
+    let committed_now = matches!(outcome, Ok(Some(_)));
     // What is replaced is dropped after the lock is released.
     let (result, _replaced) = match outcome {
         Ok(Some(committed)) => {
@@ -220,6 +251,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
         }
         Err(rolled_back) => {
             let RolledBack { error } = *rolled_back;
+            telemetry::commit_failed(&error);
             front.failed = Some(error.clone());
             front.requeue(std::mem::take(&mut back.batch));
             (Err(error), None)
@@ -227,7 +259,25 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     };
     drop(front);
     inner.drained.notify_all();
+    if committed_now {
+        telemetry::figures(totals.0, totals.1, totals.2, file_bytes);
+        for node in &nodes {
+            telemetry::node(node);
+        }
+    }
     result
+}
+
+/// Each current node's blocks named (as of `figures`) and its cache (held, capacity) if kept.
+fn node_figures(front: &Front, figures: &Published) -> Vec<telemetry::NodeFigures> {
+    let caches = front.decided.caches.stats(front.decided.nodes.all());
+    let current = front.decided.nodes.all().zip(figures.held.iter()).filter(|((_, forgotten), _)| !forgotten);
+    current
+        .map(|((name, _), &held)| {
+            let cache = caches.iter().find(|c| c.node == name).filter(|c| c.capacity.is_some() || c.held > 0);
+            telemetry::NodeFigures { name: name.to_string(), held, cache: cache.map(|c| (c.held, c.capacity)) }
+        })
+        .collect()
 }
 
 /// The filters (a panic while they were held cannot have left them wrong: each insert is one

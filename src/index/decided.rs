@@ -22,6 +22,7 @@ use crate::store::engines::{EngineBatch, EngineOutcome, Engines, read_engines};
 use crate::store::records::{MAX_CLOCK, read_meta, read_nodes};
 use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODES, RETIRED, STATE};
 use crate::store::writer::{by_node, read_floor};
+use crate::telemetry;
 
 /// Every node incarnation by id (nodes are few, so all of them are kept in memory).
 #[derive(Default)]
@@ -177,8 +178,15 @@ impl Decided {
         let mut effects = Vec::new();
         let (id, _) = self.nodes.id(name, &mut effects)?;
         self.clock = clock;
+        let before = self.engines.counts(id);
         let outcome = self.engines.batch(self.scheme, id, batch, clock);
         effects.append(&mut self.engines.take_effects());
+        let gap = match outcome {
+            EngineOutcome::Gap { from } => Some(from),
+            _ => None,
+        };
+        let after = self.engines.counts(id);
+        telemetry::engine_decided(name, batch.seq, gap, (&before, &after), self.engines.sizes(id).0);
         Ok((outcome, effects))
     }
 
@@ -192,8 +200,11 @@ impl Decided {
         let mut effects = Vec::new();
         let (id, _) = self.nodes.id(name, &mut effects)?;
         self.clock = clock;
+        let before = self.engines.counts(id);
         self.engines.resync(self.scheme, id, batch, clock);
         effects.append(&mut self.engines.take_effects());
+        let after = self.engines.counts(id);
+        telemetry::engine_decided(name, batch.seq, None, (&before, &after), self.engines.sizes(id).0);
         Ok(effects)
     }
 

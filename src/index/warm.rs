@@ -33,6 +33,7 @@ use crate::store::engines::Medium;
 use crate::store::import::{ImportReport, LegacyJson, read_json};
 use crate::store::records::MAX_CAPACITY;
 use crate::store::writer::Writer;
+use crate::telemetry;
 
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -280,6 +281,7 @@ impl Warm {
             };
             let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
             let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
+            telemetry::ran();
             // A `ran` on a node whose engine reports what it holds is a claim until its grace
             // window passes.
             if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id)) {
@@ -311,12 +313,17 @@ impl Warm {
             let mut front = self.front()?;
             // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
+            let mut waiting: Option<Instant> = None;
             while front.importing
                 || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
                     && self.flusher.is_some()
                     && front.failed.is_none()
             {
+                waiting.get_or_insert_with(Instant::now);
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+            }
+            if let Some(since) = waiting {
+                telemetry::backpressure(since.elapsed());
             }
             // While commits fail, the queue is not added to (it would only grow): with a commit
             // thread at all, without one past the back-pressure bound (each change retries).
@@ -328,6 +335,7 @@ impl Warm {
             let (out, effects) = decide(&mut front)?;
             let was_idle = front.oldest_pending.is_none();
             front.push(Queued { effects, at: Instant::now(), position });
+            telemetry::queued(front.queued_blocks, front.uncommitted_bytes());
             if self.flusher.is_some() {
                 if was_idle {
                     self.inner.wake.notify_one();
@@ -502,8 +510,13 @@ impl Warm {
             return Ok(());
         }
         let mut front = self.front()?;
+        let mut waiting: Option<Instant> = None;
         while front.engine_rows_full() && front.failed.is_none() {
+            waiting.get_or_insert_with(Instant::now);
             front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
+        }
+        if let Some(since) = waiting {
+            telemetry::backpressure(since.elapsed());
         }
         Ok(())
     }

@@ -22,6 +22,7 @@ use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::warm::Warm;
 use crate::keys::{Namespace, Prefix};
+use crate::telemetry;
 
 /// Events published at once before their acknowledgements are awaited.
 const PUBLISH_WINDOW: usize = 256;
@@ -103,6 +104,7 @@ impl Shared {
     }
 
     fn note_error(&self, what: &str, e: impl std::fmt::Display) {
+        telemetry::share_retry(&self.sharing.head, what, &e);
         let mut status = self.status();
         status.error = Some(format!("{what}: {e}"));
         status.error_at = Some(Instant::now());
@@ -110,6 +112,7 @@ impl Shared {
 
     /// Stops applying, for `why` (the head goes on routing and publishing), and wakes waiters.
     fn halt(&self, why: String) {
+        telemetry::share_halted(&self.sharing.head, &why);
         self.status().halted = Some(why);
         self.progress.notify_all();
     }
@@ -146,6 +149,7 @@ pub(crate) fn unix_ns(t: SystemTime) -> u64 {
 /// # Errors
 /// [`Error::Thread`] if it cannot be started.
 pub(crate) fn spawn(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> {
+    telemetry::share_started(&shared.sharing.head);
     std::thread::Builder::new()
         .name("superfluid-warm-share".into())
         .spawn(move || {
@@ -193,8 +197,20 @@ async fn run(shared: &Arc<Shared>) {
         let shared = Arc::clone(shared);
         let client = client.clone();
         async move {
+            // Also the sampler of the link's figures: the connection and the buffer, 20 times a
+            // second (a transition is logged once).
+            let (mut was, mut dropped) = (false, 0);
+            let head = &shared.sharing.head;
             while !shared.stop.load(Ordering::Acquire) {
-                shared.status().connected = client.connection_state() == async_nats::connection::State::Connected;
+                let connected = client.connection_state() == async_nats::connection::State::Connected;
+                shared.status().connected = connected;
+                telemetry::share_connection(head, &shared.sharing.url, connected, was);
+                let (buffered, now_dropped) = {
+                    let outbox = shared.outbox();
+                    (outbox.len(), outbox.dropped)
+                };
+                telemetry::share_outbox(head, buffered, now_dropped.saturating_sub(dropped));
+                (was, dropped) = (connected, now_dropped);
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -601,11 +617,16 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
     status.applied_events += 1;
     let from = status.from.entry((origin.head.clone(), origin.boot)).or_default();
     *from = (*from).max(origin.local);
+    let mut lag = None;
     if origin.head != shared.sharing.head {
         if status.lags_ns.len() == LAG_SAMPLES {
             status.lags_ns.pop_front();
         }
-        status.lags_ns.push_back(unix_ns(SystemTime::now()).saturating_sub(origin.at_unix_ns));
+        let ns = unix_ns(SystemTime::now()).saturating_sub(origin.at_unix_ns);
+        status.lags_ns.push_back(ns);
+        lag = Some(Duration::from_nanos(ns));
     }
+    drop(status);
+    telemetry::share_applied(&shared.sharing.head, lag);
     Ok(())
 }

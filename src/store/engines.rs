@@ -340,6 +340,11 @@ impl Engines {
         s.record.last.map(|seq| (seq, s.record.last_ts))
     }
 
+    /// Node `node`'s stream's counts (all 0 before its first batch).
+    pub(crate) fn counts(&self, node: u32) -> EngineCounts {
+        self.streams.get(&node).map(|s| s.record.counts.clone()).unwrap_or_default()
+    }
+
     /// A claim (`ran`) by `node` at or below this clock is not answered.
     pub(crate) fn claim_floor(&self, node: u32) -> u64 {
         self.streams.get(&node).map_or(0, |s| s.claim_floor)

@@ -31,11 +31,21 @@ pub struct Engines {
     /// How much a token warm only in the offload tier counts against one warm in GPU memory when
     /// `balanced` weighs a node's warm prefix (1: tiers ignored).
     pub offload_weight: f64,
+    /// Engine `i` publishes on loopback port `port + 2i` and answers replays on `port + 2i + 1`
+    /// (`None`: ports of the system's choice), so that a `listen` can follow the same engines.
+    pub port: Option<u16>,
 }
 
 impl Default for Engines {
     fn default() -> Self {
-        Engines { block: 16, cache_blocks: 65_536, restart_every: None, offload_blocks: 0, offload_weight: 0.5 }
+        Engines {
+            block: 16,
+            cache_blocks: 65_536,
+            restart_every: None,
+            offload_blocks: 0,
+            offload_weight: 0.5,
+            port: None,
+        }
     }
 }
 
@@ -174,7 +184,12 @@ pub(super) fn simulated(
                 .map(|e| e.with_offload(engines.offload_blocks))
         })
         .collect::<Result<_>>()?;
-    let publishers: Vec<Publisher> = names.iter().map(|_| Publisher::new(Duration::ZERO)).collect::<Result<_>>()?;
+    let ports = |i: usize| {
+        let base = u32::from(engines.port?) + 2 * u32::try_from(i).ok()?;
+        Some((u16::try_from(base).ok()?, u16::try_from(base + 1).ok()?))
+    };
+    let publishers: Vec<Publisher> =
+        (0..names.len()).map(|i| Publisher::at(Duration::ZERO, ports(i))).collect::<Result<_>>()?;
     let endpoints = names
         .iter()
         .zip(&publishers)

@@ -382,16 +382,28 @@ impl Publisher {
     /// # Errors
     /// [`Error::InvalidConfig`] if ZMQ cannot bind or start.
     pub fn new(replay_delay: Duration) -> Result<Publisher> {
+        Publisher::at(replay_delay, None)
+    }
+
+    /// Binds both sockets on loopback: events on port `ports.0`, replays on `ports.1` (`None`:
+    /// ports of the system's choice), so that other processes can follow this engine too.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if ZMQ cannot bind (a port taken) or start.
+    pub fn at(replay_delay: Duration, ports: Option<(u16, u16)>) -> Result<Publisher> {
+        let address = |port: Option<u16>| {
+            port.map_or_else(|| "tcp://127.0.0.1:*".to_string(), |p| format!("tcp://127.0.0.1:{p}"))
+        };
         let context = zmq::Context::new();
         let socket = context.socket(zmq::PUB).map_err(zmq_err("PUB"))?;
         socket.set_linger(0).map_err(zmq_err("linger"))?;
         socket.set_sndhwm(1_000_000).map_err(zmq_err("hwm"))?;
-        socket.bind("tcp://127.0.0.1:*").map_err(zmq_err("bind"))?;
+        socket.bind(&address(ports.map(|p| p.0))).map_err(zmq_err("bind"))?;
         let events = socket.get_last_endpoint().map_err(zmq_err("endpoint"))?.unwrap_or_default();
         let router = context.socket(zmq::ROUTER).map_err(zmq_err("ROUTER"))?;
         router.set_linger(0).map_err(zmq_err("linger"))?;
         router.set_rcvtimeo(50).map_err(zmq_err("timeout"))?;
-        router.bind("tcp://127.0.0.1:*").map_err(zmq_err("bind"))?;
+        router.bind(&address(ports.map(|p| p.1))).map_err(zmq_err("bind"))?;
         let replay = router.get_last_endpoint().map_err(zmq_err("endpoint"))?.unwrap_or_default();
         let buffer: Buffer = Arc::default();
         let stop = Arc::new(AtomicBool::new(false));

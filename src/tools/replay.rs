@@ -115,6 +115,9 @@ pub struct Report {
     pub prompt_tokens: u64,
     /// Prompt tokens sent to a node that had them warm.
     pub warm_tokens: u64,
+    /// Tokens of the longest warm prefix the index answered, summed over the requests (what
+    /// `superfluid_warm_warm_tokens_total` counts), whatever node the policy then chose.
+    pub answered_warm_tokens: u64,
     /// Requests sent to their warm node.
     pub warm_requests: usize,
     /// Prompt tokens given to each node over the whole replay.
@@ -343,24 +346,34 @@ fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, token
     }
 }
 
-/// The prompt's prefix and its warm nodes by index into `names` (with the tokens each has warm,
-/// longest first): balanced weighs every warm node, warmest needs only the first.
+/// What the index answered of a prompt.
+pub(super) struct Answered {
+    pub prefix: crate::Prefix,
+    /// Its warm nodes by index into the replay's names, with the tokens each has warm, longest
+    /// first.
+    pub found: Vec<(usize, usize)>,
+    /// The tokens of the longest warm prefix answered (whatever its node).
+    pub longest: usize,
+}
+
+/// The prompt's prefix and its warm nodes: balanced weighs every warm node, warmest needs only
+/// the first.
 pub(super) fn ask(
     warm: &Warm,
     namespace: &Namespace,
     names: &[String],
     policy: Policy,
     tokens: &[u32],
-) -> Result<(crate::Prefix, Vec<(usize, usize)>)> {
+) -> Result<Answered> {
     let prefix = warm.prefix(namespace, tokens);
-    let found = match policy {
+    let hits: Vec<crate::Hit> = match policy {
         Policy::Balanced => warm.warm_nodes_prefix(&prefix)?,
         Policy::Warmest => warm.warmest_prefix(&prefix)?.into_iter().collect(),
-    }
-    .into_iter()
-    .filter_map(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)))
-    .collect();
-    Ok((prefix, found))
+    };
+    let longest = hits.first().map_or(0, |h| h.tokens);
+    let found =
+        hits.into_iter().filter_map(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens))).collect();
+    Ok(Answered { prefix, found, longest })
 }
 
 /// 0.1.7's durability: its whole file saved every sync window of its own time.
@@ -432,8 +445,9 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
         }
         let tokens = prompt(config, request);
         let t0 = Instant::now();
-        let (prefix, found) = ask(warm, &namespace, &names, config.policy, &tokens)?;
+        let Answered { prefix, found, longest } = ask(warm, &namespace, &names, config.policy, &tokens)?;
         let mut elapsed = t0.elapsed();
+        report.answered_warm_tokens += longest as u64;
         let (chosen, warm_len) = choose_among(config, &load, &found, tokens.len());
         let name = nth(&names, chosen)?;
         let warm_node = (warm_len > 0).then_some((chosen, warm_len));
@@ -572,7 +586,7 @@ pub fn back_to_back(
     let written_before = written_bytes();
     let started = Instant::now();
     for tokens in &prompts {
-        let (prefix, found) = ask(warm, &namespace, &names, config.policy, tokens)?;
+        let Answered { prefix, found, .. } = ask(warm, &namespace, &names, config.policy, tokens)?;
         let (node, warm_len) = choose_among(config, &load, &found, tokens.len());
         warm.ran_prefix(&prefix, nth(&names, node)?)?;
         load.add(node, tokens.len() as u64)?;

@@ -1,0 +1,443 @@
+//! What the library tells an operator. Events go through `tracing`, at the level a person
+//! should hear of them and with fields rather than prose; figures go through the `metrics`
+//! facade, under Prometheus names and units. The library only records: the head picks the
+//! subscriber and the recorder (the binary installs `RUST_LOG`'s filter and a Prometheus
+//! exporter). Nothing is logged per request at info or above, and with no recorder installed a
+//! figure costs a thread-local read and an atomic load.
+//!
+//! Every name is in [`METRICS`]; this file is the only one that writes them.
+
+use std::time::Duration;
+
+use metrics::{Unit, counter, gauge, histogram};
+
+use crate::error::Error;
+use crate::store::engines::EngineCounts;
+
+/// A commit that takes longer than this is logged (warn): the durability promise is a sync
+/// window, and a commit this slow means the disk, not the batch, sets the pace.
+pub(crate) const SLOW_COMMIT: Duration = Duration::from_secs(1);
+
+/// What kind of figure a metric is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetricKind {
+    /// Only goes up (`_total`).
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution (Prometheus `_bucket`, `_sum`, `_count`, or quantiles).
+    Histogram,
+}
+
+/// One metric the library records: its name, kind, unit, labels and what it means.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct Metric {
+    /// Its Prometheus name.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: MetricKind,
+    /// Its labels (`node`: a node's name; `head`: a sharing head's name).
+    pub labels: &'static [&'static str],
+    /// Its help text.
+    pub help: &'static str,
+    /// For a histogram, the bucket bounds an exporter that keeps buckets should use (so that
+    /// heads aggregate alike); empty for the others.
+    pub buckets: &'static [f64],
+}
+
+const fn metric(name: &'static str, kind: MetricKind, labels: &'static [&'static str], help: &'static str) -> Metric {
+    Metric { name, kind, labels, help, buckets: &[] }
+}
+
+/// A histogram of seconds.
+const fn timing(name: &'static str, labels: &'static [&'static str], help: &'static str) -> Metric {
+    Metric { name, kind: MetricKind::Histogram, labels, help, buckets: SECONDS }
+}
+
+/// A histogram of sizes (changes, blocks).
+const fn sizes(name: &'static str, help: &'static str) -> Metric {
+    Metric { name, kind: MetricKind::Histogram, labels: &[], help, buckets: SIZES }
+}
+
+/// Buckets of the `_seconds` histograms: 50 µs to 10 s (a commit, a lag, a wait).
+const SECONDS: &[f64] = &[
+    0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Buckets of the batch sizes (changes, blocks): 1 to 2^18.
+const SIZES: &[f64] = &[1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16_384.0, 65_536.0, 262_144.0];
+
+use MetricKind::{Counter, Gauge, Histogram};
+
+const REQUESTS: &str = "superfluid_warm_requests_total";
+const REQUEST_TOKENS: &str = "superfluid_warm_request_tokens_total";
+const WARM_TOKENS: &str = "superfluid_warm_warm_tokens_total";
+const RANS: &str = "superfluid_warm_rans_total";
+const QUEUE_BLOCKS: &str = "superfluid_warm_queue_blocks";
+const UNCOMMITTED_BYTES: &str = "superfluid_warm_uncommitted_bytes";
+const BACKPRESSURE: &str = "superfluid_warm_backpressure_wait_seconds";
+const COMMITS: &str = "superfluid_warm_commits_total";
+const COMMIT_FAILURES: &str = "superfluid_warm_commit_failures_total";
+const COMMIT_SECONDS: &str = "superfluid_warm_commit_duration_seconds";
+const BATCH_CHANGES: &str = "superfluid_warm_commit_batch_changes";
+const BATCH_BLOCKS: &str = "superfluid_warm_commit_batch_blocks";
+const ENTRIES: &str = "superfluid_warm_entries";
+const LEGACY_ENTRIES: &str = "superfluid_warm_legacy_entries";
+const CAPACITY: &str = "superfluid_warm_capacity_entries";
+const FILE_BYTES: &str = "superfluid_warm_file_size_bytes";
+const NODE_HELD: &str = "superfluid_warm_node_held_blocks";
+const NODE_CACHE: &str = "superfluid_warm_node_cache_blocks";
+const NODE_CACHE_CAPACITY: &str = "superfluid_warm_node_cache_capacity_blocks";
+const SHARE_CONNECTED: &str = "superfluid_warm_share_connected";
+const SHARE_DISCONNECTS: &str = "superfluid_warm_share_disconnects_total";
+const SHARE_APPLIED: &str = "superfluid_warm_share_applied_events_total";
+const SHARE_LAG: &str = "superfluid_warm_share_lag_seconds";
+const SHARE_BUFFERED: &str = "superfluid_warm_share_buffered_events";
+const SHARE_DROPPED: &str = "superfluid_warm_share_dropped_events_total";
+const SHARE_HALTED: &str = "superfluid_warm_share_halted";
+const ENGINE_BATCHES: &str = "superfluid_warm_engine_batches_total";
+const ENGINE_STORED: &str = "superfluid_warm_engine_stored_blocks_total";
+const ENGINE_REMOVED: &str = "superfluid_warm_engine_removed_blocks_total";
+const ENGINE_GAPS: &str = "superfluid_warm_engine_gaps_total";
+const ENGINE_LOST: &str = "superfluid_warm_engine_lost_gaps_total";
+const ENGINE_REPLAYS: &str = "superfluid_warm_engine_replays_total";
+const ENGINE_CLEARS: &str = "superfluid_warm_engine_clears_total";
+const ENGINE_RESTARTS: &str = "superfluid_warm_engine_restarts_total";
+const ENGINE_DUPLICATES: &str = "superfluid_warm_engine_duplicate_batches_total";
+const ENGINE_UNKNOWN_PARENTS: &str = "superfluid_warm_engine_unknown_parents_total";
+const ENGINE_UNDECODABLE: &str = "superfluid_warm_engine_undecodable_total";
+const ENGINE_LAG: &str = "superfluid_warm_engine_lag_seconds";
+const ENGINE_CONNECTED: &str = "superfluid_warm_engine_connected";
+const ENGINE_BLOCKS: &str = "superfluid_warm_engine_blocks";
+
+const NODE: &[&str] = &["node"];
+const HEAD: &[&str] = &["head"];
+
+/// Every metric the library records, for a dashboard, an exporter's buckets, or
+/// [`describe_metrics`].
+pub const METRICS: &[Metric] = &[
+    metric(REQUESTS, Counter, &[], "Requests answered (warmest, warm_nodes)"),
+    metric(REQUEST_TOKENS, Counter, &[], "Prompt tokens of those requests, in whole 64-token blocks"),
+    metric(WARM_TOKENS, Counter, &[], "Tokens of the longest warm prefix each request was answered"),
+    metric(RANS, Counter, &[], "ran calls decided"),
+    metric(QUEUE_BLOCKS, Gauge, &[], "Blocks of decided changes waiting for the commit thread"),
+    metric(UNCOMMITTED_BYTES, Gauge, &[], "Bytes the changes not yet committed hold (memtable, queue, batch)"),
+    timing(BACKPRESSURE, &[], "Time a change waited for the commit thread (back-pressure)"),
+    metric(COMMITS, Counter, &[], "Commits (each durable)"),
+    metric(COMMIT_FAILURES, Counter, &[], "Commits that failed and were rolled back"),
+    timing(COMMIT_SECONDS, &[], "Time to write and durably commit a batch"),
+    sizes(BATCH_CHANGES, "Changes (ran, forget, engine batch) in a committed batch"),
+    sizes(BATCH_BLOCKS, "Blocks the changes of a committed batch put"),
+    metric(ENTRIES, Gauge, &[], "Entries (block hashes) in the file, as of the last commit"),
+    metric(LEGACY_ENTRIES, Gauge, &[], "Of those, imported from 0.1.7"),
+    metric(CAPACITY, Gauge, &[], "Most entries kept"),
+    metric(FILE_BYTES, Gauge, &[], "Size of the index file"),
+    metric(NODE_HELD, Gauge, NODE, "Blocks naming the node, as of the last commit"),
+    metric(NODE_CACHE, Gauge, NODE, "Blocks the index counts in the node's KV cache"),
+    metric(NODE_CACHE_CAPACITY, Gauge, NODE, "Most blocks the node's KV cache holds"),
+    metric(SHARE_CONNECTED, Gauge, HEAD, "1 while the head is connected to its NATS server"),
+    metric(SHARE_DISCONNECTS, Counter, HEAD, "Times the head lost its NATS connection"),
+    metric(SHARE_APPLIED, Counter, HEAD, "Stream events applied"),
+    timing(SHARE_LAG, HEAD, "From another head's publish to this head applying the event"),
+    metric(SHARE_BUFFERED, Gauge, HEAD, "Own events not yet acknowledged by the stream"),
+    metric(SHARE_DROPPED, Counter, HEAD, "Own events dropped unpublished (the buffer was full)"),
+    metric(SHARE_HALTED, Gauge, HEAD, "1 once the head stopped applying the stream (see the log)"),
+    metric(ENGINE_BATCHES, Counter, NODE, "Engine event batches applied"),
+    metric(ENGINE_STORED, Counter, NODE, "Engine blocks stored (BlockStored events' blocks)"),
+    metric(ENGINE_REMOVED, Counter, NODE, "Engine blocks removed (BlockRemoved events' blocks)"),
+    metric(ENGINE_GAPS, Counter, NODE, "Gaps in an engine's stream (batches missing)"),
+    metric(ENGINE_LOST, Counter, NODE, "Gaps no replay covered (the node was cleared)"),
+    metric(ENGINE_REPLAYS, Counter, NODE, "Replays asked of an engine"),
+    metric(ENGINE_CLEARS, Counter, NODE, "Times all a node held was dropped (cleared, restart, lost gap)"),
+    metric(ENGINE_RESTARTS, Counter, NODE, "Engine restarts seen"),
+    metric(ENGINE_DUPLICATES, Counter, NODE, "Engine batches that came twice"),
+    metric(ENGINE_UNKNOWN_PARENTS, Counter, NODE, "Blocks stored under a parent the index does not hold"),
+    metric(ENGINE_UNDECODABLE, Counter, NODE, "Engine messages that did not decode"),
+    timing(ENGINE_LAG, NODE, "From an engine's publish to its batch applied"),
+    metric(ENGINE_CONNECTED, Gauge, NODE, "1 while the listener is connected to the engine"),
+    metric(ENGINE_BLOCKS, Gauge, NODE, "Engine blocks the node holds, by its events"),
+];
+
+/// Gives the installed recorder every metric's help text and unit (once, after installing it;
+/// the Prometheus exporter prints them as `# HELP`), and registers the metrics without labels,
+/// so that a counter that has not moved (commit failures) is exported as 0 rather than absent.
+/// Labelled ones start at 0 when their head or engine starts.
+pub fn describe_metrics() {
+    for m in METRICS {
+        let unit = if m.name.ends_with("_seconds") {
+            Unit::Seconds
+        } else if m.name.ends_with("_bytes") {
+            Unit::Bytes
+        } else {
+            Unit::Count
+        };
+        match m.kind {
+            Counter => metrics::describe_counter!(m.name, unit, m.help),
+            Gauge => metrics::describe_gauge!(m.name, unit, m.help),
+            Histogram => metrics::describe_histogram!(m.name, unit, m.help),
+        }
+        if m.labels.is_empty() {
+            match m.kind {
+                Counter => counter!(m.name).increment(0),
+                Gauge => drop(gauge!(m.name)),
+                Histogram => drop(histogram!(m.name)),
+            }
+        }
+    }
+}
+
+/// A `warmest` or `warm_nodes` answered: `tokens` asked (whole blocks), `warm` of them warm on
+/// the answer's first node.
+pub(crate) fn answered(tokens: usize, warm: usize) {
+    counter!(REQUESTS).increment(1);
+    counter!(REQUEST_TOKENS).increment(tokens as u64);
+    counter!(WARM_TOKENS).increment(warm as u64);
+}
+
+/// A `ran` decided.
+pub(crate) fn ran() {
+    counter!(RANS).increment(1);
+}
+
+/// What waits for the commit thread, after a change was queued or the queue taken.
+pub(crate) fn queued(blocks: usize, bytes: usize) {
+    gauge!(QUEUE_BLOCKS).set(blocks as f64);
+    gauge!(UNCOMMITTED_BYTES).set(bytes as f64);
+}
+
+/// A change waited `waited` for the commit thread.
+pub(crate) fn backpressure(waited: Duration) {
+    histogram!(BACKPRESSURE).record(waited.as_secs_f64());
+    tracing::debug!(waited_ms = waited.as_secs_f64() * 1e3, "a change waited for the commit thread");
+}
+
+/// A batch of `changes` putting `blocks` blocks committed in `took`.
+pub(crate) fn committed(took: Duration, changes: usize, blocks: usize) {
+    counter!(COMMITS).increment(1);
+    histogram!(COMMIT_SECONDS).record(took.as_secs_f64());
+    histogram!(BATCH_CHANGES).record(changes as f64);
+    histogram!(BATCH_BLOCKS).record(blocks as f64);
+    if took >= SLOW_COMMIT {
+        tracing::warn!(took_ms = took.as_millis() as u64, changes, blocks, "slow commit");
+    } else {
+        tracing::trace!(took_us = took.as_micros() as u64, changes, blocks, "committed");
+    }
+}
+
+/// A commit failed and its batch was rolled back (its changes are retried).
+pub(crate) fn commit_failed(error: &Error) {
+    counter!(COMMIT_FAILURES).increment(1);
+    if error.needs_reopen() {
+        tracing::error!(
+            error = %error,
+            needs_reopen = true,
+            "I/O error latched: no commit can succeed until the index is reopened"
+        );
+    } else {
+        tracing::error!(error = %error, needs_reopen = false, "commit failed; its changes are kept and retried");
+    }
+}
+
+/// The file's figures as of the last commit.
+pub(crate) fn figures(entries: u64, legacy_entries: u64, capacity: u64, file_bytes: Option<u64>) {
+    gauge!(ENTRIES).set(entries as f64);
+    gauge!(LEGACY_ENTRIES).set(legacy_entries as f64);
+    gauge!(CAPACITY).set(capacity as f64);
+    if let Some(bytes) = file_bytes {
+        gauge!(FILE_BYTES).set(bytes as f64);
+    }
+}
+
+/// One node's figures as of a commit.
+pub(crate) struct NodeFigures {
+    pub name: String,
+    /// Blocks naming it.
+    pub held: u64,
+    /// What its cache holds and its capacity, if the index keeps its cache.
+    pub cache: Option<(u64, Option<u64>)>,
+}
+
+/// A node's figures.
+pub(crate) fn node(node: &NodeFigures) {
+    gauge!(NODE_HELD, "node" => node.name.clone()).set(node.held as f64);
+    if let Some((blocks, capacity)) = node.cache {
+        gauge!(NODE_CACHE, "node" => node.name.clone()).set(blocks as f64);
+        if let Some(capacity) = capacity {
+            gauge!(NODE_CACHE_CAPACITY, "node" => node.name.clone()).set(capacity as f64);
+        }
+    }
+}
+
+/// An engine stream's counts as a file or a head reports them whole (absolute counters): for
+/// a textfile of one file's figures.
+pub(crate) fn engine_totals(node: &str, counts: &EngineCounts, engine_blocks: usize) {
+    let label = || ("node", node.to_string());
+    for (name, value) in engine_counters(counts) {
+        counter!(name, &[label()]).absolute(value);
+    }
+    gauge!(ENGINE_BLOCKS, &[label()]).set(engine_blocks as f64);
+}
+
+/// Each engine counter and its count.
+fn engine_counters(c: &EngineCounts) -> [(&'static str, u64); 8] {
+    [
+        (ENGINE_BATCHES, c.batches),
+        (ENGINE_STORED, c.stored),
+        (ENGINE_REMOVED, c.removed),
+        (ENGINE_GAPS, c.gaps),
+        (ENGINE_LOST, c.lost),
+        (ENGINE_CLEARS, c.clears),
+        (ENGINE_RESTARTS, c.restarts),
+        (ENGINE_DUPLICATES, c.duplicate_batches),
+    ]
+}
+
+/// Node `node`'s engine batch `seq` was decided: counts went from `before` to `after` (the
+/// engine holding `engine_blocks` blocks), and `gap_from` is where a gap before it is replayed
+/// from. Gaps, restarts, lost gaps and clears are logged.
+pub(crate) fn engine_decided(
+    node: &str,
+    seq: u64,
+    gap_from: Option<u64>,
+    (before, after): (&EngineCounts, &EngineCounts),
+    engine_blocks: usize,
+) {
+    let label = || ("node", node.to_string());
+    // Every counter, moved or not: a stream's counters are exported from its first batch on.
+    for ((name, now), (_, was)) in engine_counters(after).into_iter().zip(engine_counters(before)) {
+        counter!(name, &[label()]).increment(now.saturating_sub(was));
+    }
+    let unknown = after.unknown_parents.saturating_sub(before.unknown_parents);
+    if unknown > 0 {
+        counter!(ENGINE_UNKNOWN_PARENTS, &[label()]).increment(unknown);
+        tracing::debug!(node, seq, blocks = unknown, "engine blocks stored under a parent the index does not hold");
+    }
+    gauge!(ENGINE_BLOCKS, &[label()]).set(engine_blocks as f64);
+    let restarted = after.restarts > before.restarts;
+    let lost = after.lost > before.lost;
+    if let Some(from) = gap_from {
+        tracing::warn!(node, seq, from, "engine stream gap: batches missing");
+    }
+    if restarted {
+        tracing::warn!(node, seq, "engine restarted: what the node held is dropped");
+    }
+    if lost {
+        tracing::warn!(node, seq, "engine gap not covered by a replay: what the node held is dropped");
+    }
+    if after.clears > before.clears && !restarted && !lost {
+        tracing::info!(node, seq, "engine cleared everything it held");
+    }
+}
+
+/// The listener asked node `node`'s engine to replay from `from`: `replayed` batches came back;
+/// `covered`: they reached the gap.
+pub(crate) fn engine_replay(node: &str, from: u64, replayed: usize, covered: bool) {
+    counter!(ENGINE_REPLAYS, "node" => node.to_string()).increment(1);
+    if covered {
+        tracing::info!(node, from, replayed, "engine gap replayed");
+    } else {
+        tracing::warn!(node, from, replayed, "engine replay fell short of the gap");
+    }
+}
+
+/// Node `node`'s live batch was applied `lag` after its engine published it.
+pub(crate) fn engine_lag(node: &str, lag: f64) {
+    histogram!(ENGINE_LAG, "node" => node.to_string()).record(lag.max(0.0));
+}
+
+/// A message from node `node`'s engine did not decode (the stream resyncs after it).
+pub(crate) fn engine_undecodable(node: &str, error: &dyn std::fmt::Display) {
+    counter!(ENGINE_UNDECODABLE, "node" => node.to_string()).increment(1);
+    tracing::warn!(node, error = %error, "engine message did not decode");
+}
+
+/// The listener started following node `node`'s engine: its counters start at 0.
+pub(crate) fn engine_listening(node: &str) {
+    counter!(ENGINE_REPLAYS, "node" => node.to_string()).increment(0);
+    counter!(ENGINE_UNDECODABLE, "node" => node.to_string()).increment(0);
+    gauge!(ENGINE_CONNECTED, "node" => node.to_string()).set(0.0);
+    drop(histogram!(ENGINE_LAG, "node" => node.to_string()));
+}
+
+/// Whether the listener is connected to node `node`'s engine; `was` the last state seen.
+pub(crate) fn engine_connection(node: &str, endpoint: &str, connected: bool, was: bool) {
+    gauge!(ENGINE_CONNECTED, "node" => node.to_string()).set(if connected { 1.0 } else { 0.0 });
+    match (was, connected) {
+        (false, true) => tracing::info!(node, endpoint, "engine connected"),
+        (true, false) => tracing::warn!(node, endpoint, "engine connection lost"),
+        _ => {}
+    }
+}
+
+/// The listener's thread for node `node` stopped on `error` (the index must be reopened).
+pub(crate) fn engine_listener_stopped(node: &str, error: &Error) {
+    tracing::error!(node, error = %error, "engine listener stopped: the index must be reopened");
+}
+
+/// Sharing head `head`'s link started: its figures start at 0.
+pub(crate) fn share_started(head: &str) {
+    for name in [SHARE_DISCONNECTS, SHARE_APPLIED, SHARE_DROPPED] {
+        counter!(name, "head" => head.to_string()).increment(0);
+    }
+    for name in [SHARE_CONNECTED, SHARE_BUFFERED, SHARE_HALTED] {
+        gauge!(name, "head" => head.to_string()).set(0.0);
+    }
+    drop(histogram!(SHARE_LAG, "head" => head.to_string()));
+}
+
+/// Whether sharing head `head` is connected to its server at `url`; `was` the last state seen.
+pub(crate) fn share_connection(head: &str, url: &str, connected: bool, was: bool) {
+    gauge!(SHARE_CONNECTED, "head" => head.to_string()).set(if connected { 1.0 } else { 0.0 });
+    match (was, connected) {
+        (false, true) => tracing::info!(head, url, "NATS connection up"),
+        (true, false) => {
+            counter!(SHARE_DISCONNECTS, "head" => head.to_string()).increment(1);
+            tracing::warn!(head, url, "NATS connection lost; reconnecting (events are buffered)");
+        }
+        _ => {}
+    }
+}
+
+/// Sharing head `head` applied a stream event, `lag` after another head published it (`None`:
+/// its own).
+pub(crate) fn share_applied(head: &str, lag: Option<Duration>) {
+    counter!(SHARE_APPLIED, "head" => head.to_string()).increment(1);
+    if let Some(lag) = lag {
+        histogram!(SHARE_LAG, "head" => head.to_string()).record(lag.as_secs_f64());
+    }
+}
+
+/// Sharing head `head`'s own events not yet acknowledged, and how many it dropped just now.
+pub(crate) fn share_outbox(head: &str, buffered: usize, dropped: u64) {
+    gauge!(SHARE_BUFFERED, "head" => head.to_string()).set(buffered as f64);
+    if dropped > 0 {
+        counter!(SHARE_DROPPED, "head" => head.to_string()).increment(dropped);
+        tracing::warn!(head, dropped, buffered, "own events dropped unpublished: the buffer is full");
+    }
+}
+
+/// Sharing head `head` stopped applying the stream, for `why`.
+pub(crate) fn share_halted(head: &str, why: &str) {
+    gauge!(SHARE_HALTED, "head" => head.to_string()).set(1.0);
+    tracing::error!(head, why, "sharing link halted: this head no longer applies the stream");
+}
+
+/// Sharing head `head`'s link hit `error` doing `what` (it retries).
+pub(crate) fn share_retry(head: &str, what: &str, error: &dyn std::fmt::Display) {
+    tracing::debug!(head, what, error = %error, "sharing link error; retrying");
+}
+
+/// A clean close's compaction of `path` was `skipped` (a reader held the file) or failed.
+pub(crate) fn compaction(path: &std::path::Path, skipped: bool) {
+    if skipped {
+        tracing::info!(path = %path.display(), "compaction on close skipped: a read was in progress");
+    } else {
+        tracing::warn!(path = %path.display(), "compaction on close failed: the file is not sealed, its next open verifies every page");
+    }
+}
+
+/// A close left changes uncommitted (a failed last commit): the file is not sealed.
+pub(crate) fn closed_unclean(path: &std::path::Path) {
+    tracing::warn!(path = %path.display(), "closed with changes not committed: the file is not sealed");
+}

@@ -47,25 +47,8 @@ fn per_request(c: &mut Criterion) {
     let ns = Namespace::new(MODEL).expect("namespace");
     let mut base = Baseline::in_memory(MAX_0_1_7);
     let mut group = c.benchmark_group("request (warmest + ran), Mooncake trace");
+    caller(&mut group, "superfluid-warm caller", &reqs);
     let mut i = 0;
-    group.bench_function("superfluid-warm caller", |b| {
-        b.iter_custom(|iters| {
-            let mut timed = Duration::ZERO;
-            for _ in 0..iters {
-                let tokens = &reqs[i % reqs.len()];
-                let t = Instant::now();
-                let prefix = warm.prefix(&ns, tokens);
-                black_box(warm.warmest_prefix(&prefix).expect("warmest"));
-                warm.ran_prefix(&prefix, &node_name(i % 8)).expect("ran");
-                timed += t.elapsed();
-                i += 1;
-                if i % 64 == 0 {
-                    warm.sync().expect("sync");
-                }
-            }
-            timed
-        })
-    });
     group.bench_function("superfluid-warm sustained", |b| {
         b.iter(|| {
             let tokens = &reqs[i % reqs.len()];
@@ -84,6 +67,44 @@ fn per_request(c: &mut Criterion) {
             j += 1;
         })
     });
+    group.finish();
+}
+
+/// The caller's time per request (see [`per_request`]) on a fresh index, as bench `name`.
+fn caller(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>, name: &str, reqs: &[Vec<u32>]) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let warm = Warm::open(dir.path().join("caller.redb")).expect("open");
+    let ns = Namespace::new(MODEL).expect("namespace");
+    let mut i = 0;
+    group.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            let mut timed = Duration::ZERO;
+            for _ in 0..iters {
+                let tokens = &reqs[i % reqs.len()];
+                let t = Instant::now();
+                let prefix = warm.prefix(&ns, tokens);
+                black_box(warm.warmest_prefix(&prefix).expect("warmest"));
+                warm.ran_prefix(&prefix, &node_name(i % 8)).expect("ran");
+                timed += t.elapsed();
+                i += 1;
+                if i % 64 == 0 {
+                    warm.sync().expect("sync");
+                }
+            }
+            timed
+        })
+    });
+}
+
+/// The caller bench again once a Prometheus recorder is installed (the process's, as `listen
+/// --metrics` installs it): what the metrics cost a head that exports them. Runs last: a
+/// global recorder cannot be taken back, and every bench before it ran without one.
+fn with_recorder(c: &mut Criterion) {
+    let reqs = requests();
+    metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().expect("a recorder");
+    superfluid_warm::describe_metrics();
+    let mut group = c.benchmark_group("request (warmest + ran), Mooncake trace");
+    caller(&mut group, "superfluid-warm caller, Prometheus recorder installed", &reqs);
     group.finish();
 }
 
@@ -175,7 +196,7 @@ fn ratio(a: Duration, b: Duration) -> f64 {
     a.as_secs_f64() / b.as_secs_f64().max(1e-12)
 }
 
-criterion_group!(benches, per_request, durable_and_open);
+criterion_group!(benches, per_request, durable_and_open, with_recorder);
 
 fn main() {
     benches();

@@ -309,8 +309,8 @@ pub(crate) fn engine_decided(
         counter!(name, &[label()]).increment(now.saturating_sub(was));
     }
     let unknown = after.unknown_parents.saturating_sub(before.unknown_parents);
+    counter!(ENGINE_UNKNOWN_PARENTS, &[label()]).increment(unknown);
     if unknown > 0 {
-        counter!(ENGINE_UNKNOWN_PARENTS, &[label()]).increment(unknown);
         tracing::debug!(node, seq, blocks = unknown, "engine blocks stored under a parent the index does not hold");
     }
     gauge!(ENGINE_BLOCKS, &[label()]).set(engine_blocks as f64);

@@ -364,7 +364,9 @@ const UNHEALTHY: u8 = 2;
 
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    let level = if matches!(cli.command, Command::Listen(_)) { "info" } else { "warn" };
+    // `listen` runs for days: what an operator should hear of (its own info events, and every
+    // library's warnings); the other commands print their output and only warnings besides.
+    let level = if matches!(cli.command, Command::Listen(_)) { "warn,superfluid_warm=info" } else { "warn" };
     init_logs(cli.log_format, level);
     match run(cli.command) {
         Ok(code) => code,

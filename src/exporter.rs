@@ -57,9 +57,6 @@ pub fn serve_metrics(addr: SocketAddr) -> Result<(), String> {
 pub fn render_stats(stats: &SnapshotStats) -> Result<String, String> {
     let recorder = builder()?.build_recorder();
     let handle = recorder.handle();
-    metrics::with_local_recorder(&recorder, || {
-        describe_metrics();
-        stats.record_metrics();
-    });
+    metrics::with_local_recorder(&recorder, || stats.record_metrics());
     Ok(handle.render())
 }

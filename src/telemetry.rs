@@ -146,7 +146,12 @@ pub const METRICS: &[Metric] = &[
     metric(ENGINE_BATCHES, Counter, NODE, "Engine event batches applied"),
     metric(ENGINE_STORED, Counter, NODE, "Engine blocks stored (BlockStored events' blocks)"),
     metric(ENGINE_REMOVED, Counter, NODE, "Engine blocks removed (BlockRemoved events' blocks)"),
-    metric(ENGINE_GAPS, Counter, NODE, "Gaps in an engine's stream (batches missing)"),
+    metric(
+        ENGINE_GAPS,
+        Counter,
+        NODE,
+        "Gaps seen in an engine's stream (batches missing; a sharing head counts those its listener saw, and a lost one again as the stream applies it)",
+    ),
     metric(ENGINE_LOST, Counter, NODE, "Gaps no replay covered (the node was cleared)"),
     metric(ENGINE_REPLAYS, Counter, NODE, "Replays asked of an engine"),
     metric(ENGINE_CLEARS, Counter, NODE, "Times all a node held was dropped (cleared, restart, lost gap)"),
@@ -164,6 +169,18 @@ pub const METRICS: &[Metric] = &[
 /// so that a counter that has not moved (commit failures) is exported as 0 rather than absent.
 /// Labelled ones start at 0 when their head or engine starts.
 pub fn describe_metrics() {
+    describe();
+    for m in METRICS.iter().filter(|m| m.labels.is_empty()) {
+        match m.kind {
+            Counter => counter!(m.name).increment(0),
+            Gauge => drop(gauge!(m.name)),
+            Histogram => drop(histogram!(m.name)),
+        }
+    }
+}
+
+/// Gives the recorder every metric's help text and unit.
+pub(crate) fn describe() {
     for m in METRICS {
         let unit = if m.name.ends_with("_seconds") {
             Unit::Seconds
@@ -176,13 +193,6 @@ pub fn describe_metrics() {
             Counter => metrics::describe_counter!(m.name, unit, m.help),
             Gauge => metrics::describe_gauge!(m.name, unit, m.help),
             Histogram => metrics::describe_histogram!(m.name, unit, m.help),
-        }
-        if m.labels.is_empty() {
-            match m.kind {
-                Counter => counter!(m.name).increment(0),
-                Gauge => drop(gauge!(m.name)),
-                Histogram => drop(histogram!(m.name)),
-            }
         }
     }
 }
@@ -330,6 +340,15 @@ pub(crate) fn engine_decided(
     }
 }
 
+#[cfg(feature = "nats")]
+/// A gap before node `node`'s batch `seq`, seen by a sharing head before it forwards the batch
+/// to the stream (its listener replays from `from`).
+pub(crate) fn engine_gap(node: &str, seq: u64, from: u64) {
+    counter!(ENGINE_GAPS, "node" => node.to_string()).increment(1);
+    tracing::warn!(node, seq, from, "engine stream gap: batches missing");
+}
+
+#[cfg(feature = "engines")]
 /// The listener asked node `node`'s engine to replay from `from`: `replayed` batches came back;
 /// `covered`: they reached the gap.
 pub(crate) fn engine_replay(node: &str, from: u64, replayed: usize, covered: bool) {
@@ -341,17 +360,20 @@ pub(crate) fn engine_replay(node: &str, from: u64, replayed: usize, covered: boo
     }
 }
 
+#[cfg(feature = "engines")]
 /// Node `node`'s live batch was applied `lag` after its engine published it.
 pub(crate) fn engine_lag(node: &str, lag: f64) {
     histogram!(ENGINE_LAG, "node" => node.to_string()).record(lag.max(0.0));
 }
 
+#[cfg(feature = "engines")]
 /// A message from node `node`'s engine did not decode (the stream resyncs after it).
 pub(crate) fn engine_undecodable(node: &str, error: &dyn std::fmt::Display) {
     counter!(ENGINE_UNDECODABLE, "node" => node.to_string()).increment(1);
     tracing::warn!(node, error = %error, "engine message did not decode");
 }
 
+#[cfg(feature = "engines")]
 /// The listener started following node `node`'s engine: its counters start at 0.
 pub(crate) fn engine_listening(node: &str) {
     counter!(ENGINE_REPLAYS, "node" => node.to_string()).increment(0);
@@ -360,6 +382,7 @@ pub(crate) fn engine_listening(node: &str) {
     drop(histogram!(ENGINE_LAG, "node" => node.to_string()));
 }
 
+#[cfg(feature = "engines")]
 /// Whether the listener is connected to node `node`'s engine; `was` the last state seen.
 pub(crate) fn engine_connection(node: &str, endpoint: &str, connected: bool, was: bool) {
     gauge!(ENGINE_CONNECTED, "node" => node.to_string()).set(if connected { 1.0 } else { 0.0 });
@@ -370,11 +393,13 @@ pub(crate) fn engine_connection(node: &str, endpoint: &str, connected: bool, was
     }
 }
 
+#[cfg(feature = "engines")]
 /// The listener's thread for node `node` stopped on `error` (the index must be reopened).
 pub(crate) fn engine_listener_stopped(node: &str, error: &Error) {
     tracing::error!(node, error = %error, "engine listener stopped: the index must be reopened");
 }
 
+#[cfg(feature = "nats")]
 /// Sharing head `head`'s link started: its figures start at 0.
 pub(crate) fn share_started(head: &str) {
     for name in [SHARE_DISCONNECTS, SHARE_APPLIED, SHARE_DROPPED] {
@@ -386,6 +411,7 @@ pub(crate) fn share_started(head: &str) {
     drop(histogram!(SHARE_LAG, "head" => head.to_string()));
 }
 
+#[cfg(feature = "nats")]
 /// Whether sharing head `head` is connected to its server at `url`; `was` the last state seen.
 pub(crate) fn share_connection(head: &str, url: &str, connected: bool, was: bool) {
     gauge!(SHARE_CONNECTED, "head" => head.to_string()).set(if connected { 1.0 } else { 0.0 });
@@ -399,6 +425,7 @@ pub(crate) fn share_connection(head: &str, url: &str, connected: bool, was: bool
     }
 }
 
+#[cfg(feature = "nats")]
 /// Sharing head `head` applied a stream event, `lag` after another head published it (`None`:
 /// its own).
 pub(crate) fn share_applied(head: &str, lag: Option<Duration>) {
@@ -408,6 +435,7 @@ pub(crate) fn share_applied(head: &str, lag: Option<Duration>) {
     }
 }
 
+#[cfg(feature = "nats")]
 /// Sharing head `head`'s own events not yet acknowledged, and how many it dropped just now.
 pub(crate) fn share_outbox(head: &str, buffered: usize, dropped: u64) {
     gauge!(SHARE_BUFFERED, "head" => head.to_string()).set(buffered as f64);
@@ -417,12 +445,14 @@ pub(crate) fn share_outbox(head: &str, buffered: usize, dropped: u64) {
     }
 }
 
+#[cfg(feature = "nats")]
 /// Sharing head `head` stopped applying the stream, for `why`.
 pub(crate) fn share_halted(head: &str, why: &str) {
     gauge!(SHARE_HALTED, "head" => head.to_string()).set(1.0);
     tracing::error!(head, why, "sharing link halted: this head no longer applies the stream");
 }
 
+#[cfg(feature = "nats")]
 /// Sharing head `head`'s link hit `error` doing `what` (it retries).
 pub(crate) fn share_retry(head: &str, what: &str, error: &dyn std::fmt::Display) {
     tracing::debug!(head, what, error = %error, "sharing link error; retrying");

@@ -9,6 +9,7 @@
 # Prometheus answered at the end of the run, and the replay's report.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+[ $# -gt 0 ] || set -- --trace traces/mooncake-conversation.jsonl
 bin=target/release/superfluid-warm
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
@@ -17,6 +18,7 @@ engine_port=${ENGINE_PORT:-17600}
 listen_metrics=127.0.0.1:${LISTEN_METRICS_PORT:-19464}
 replay_metrics=127.0.0.1:${REPLAY_METRICS_PORT:-19465}
 prometheus_addr=127.0.0.1:${PROMETHEUS_PORT:-19090}
+nats_port=${NATS_PORT:-14222}
 
 cat >"$work/prometheus.yml" <<EOF
 global:
@@ -30,6 +32,15 @@ EOF
 prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/tsdb" \
   --web.listen-address="$prometheus_addr" >"$work/prometheus.log" 2>&1 &
 
+# With a NATS server, `listen` is also a sharing head (a bridge: it publishes the engines'
+# batches to the stream and applies the stream), so the sharing panels have data too.
+share=()
+nats=$(command -v nats-server || ls /usr/sbin/nats-server 2>/dev/null || true)
+if [ -n "$nats" ]; then
+  "$nats" -js -a 127.0.0.1 -p "$nats_port" -sd "$work/js" >"$work/nats.log" 2>&1 &
+  share=(--nats "nats://127.0.0.1:$nats_port" --stream demo --head listen)
+  sleep 0.5
+fi
 specs=()
 for ((i = 0; i < nodes; i++)); do
   p=$((engine_port + 2 * i))
@@ -38,34 +49,35 @@ done
 # `listen` first: it connects to the engines before they bind (ZMQ retries), and so hears them
 # from their first batch.
 "$bin" listen "$work/listen.redb" "${specs[@]}" --model mooncake-conversation --status-every 0 \
-  --metrics "$listen_metrics" >"$work/listen.out" 2>"$work/listen.log" &
+  --metrics "$listen_metrics" "${share[@]}" >"$work/listen.out" 2>"$work/listen.log" &
 listen_pid=$!
 sleep 1
 started=$(date +%s)
 "$bin" replay --nodes $nodes --engine-events --engine-port "$engine_port" --metrics "$replay_metrics" \
-  --no-back-to-back "${@:---trace traces/mooncake-conversation.jsonl}" >"$work/replay.out" 2>"$work/replay.log" &
+  --no-back-to-back "$@" >"$work/replay.out" 2>"$work/replay.log" &
 replay_pid=$!
 # A scrape of listen while the replay runs, linted by Prometheus' own promtool.
 sleep 20
 curl -sf "http://$listen_metrics/metrics" >"$work/listen.prom"
 echo "== promtool check metrics (listen's exposition, mid-replay):"
 promtool check metrics <"$work/listen.prom" && echo "   no problems"
-wait $replay_pid
+wait $replay_pid || { echo "the replay failed:"; cat "$work/replay.log" "$work/replay.out"; exit 1; }
+# The queries are evaluated as of the replay's last second: its head's series end with it.
+ended=$(($(date +%s) - 1))
 sleep 3 # the last scrapes
-ended=$(date +%s)
 
 query() { # an instant query; prints each series as labels=value
-  curl -sfG "http://$prometheus_addr/api/v1/query" --data-urlencode "query=$1" |
+  curl -sfG "http://$prometheus_addr/api/v1/query" --data-urlencode "query=$1" --data-urlencode "time=$ended" |
     python3 -c 'import json,sys
 r=json.load(sys.stdin)["data"]["result"]
 def fmt(v):
     x=float(v)
     return "%.4g"%x
-print("; ".join("%s=%s"%(",".join("%s:%s"%kv for kv in sorted(s["metric"].items()) if kv[0] not in ("__name__","instance")) or "-", fmt(s["value"][1])) for s in r[:8]) or "(no data)")'
+print("; ".join("%s=%s"%(",".join("%s:%s"%kv for kv in sorted(s["metric"].items()) if kv[0] != "__name__") or "-", fmt(s["value"][1])) for s in r[:8]) or "(no data)")'
 }
 # The rate window covers the whole run, as Grafana's $__rate_interval would a zoomed-out panel.
 window="$((ended - started))s"
-echo "== the dashboard's queries at the end of the run (window $window):"
+echo "== the dashboard's queries as of the replay's last second (window $window; instance $listen_metrics is listen, $replay_metrics the replay's head):"
 python3 - docs/grafana/superfluid-warm.json "$window" <<'EOF' >"$work/queries.tsv"
 import json, sys
 d = json.load(open(sys.argv[1]))

@@ -116,8 +116,10 @@ impl SnapshotStats {
     /// Records these figures through the `metrics` facade, under the names a head records
     /// ([`crate::METRICS`]): the file's entries, capacity and size, each current node's blocks
     /// and cache, and each engine stream's counts (as absolute counters). For a textfile of a
-    /// file no process exports (`stats --prometheus`): install or scope a recorder first.
+    /// file no process exports (`stats --prometheus`): install or scope a recorder first. Only
+    /// the file's figures are recorded (no process's counters at 0).
     pub fn record_metrics(&self) {
+        telemetry::describe();
         telemetry::figures(self.entries, self.legacy_entries, self.capacity, Some(self.file_bytes));
         for (node, held) in &self.named {
             let cache = self.node_caches.iter().find(|c| &c.node == node).map(|c| (c.held, c.capacity));

@@ -20,6 +20,7 @@ use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
 use crate::keys::{MAX_NODE_BYTES, Namespace, Prefix, check_len};
 use crate::store::engines::{EngineBatch, EngineOutcome, EngineStats, Follows};
+use crate::telemetry;
 
 /// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers
 /// it ([`SharedWarm::wait_for`]).
@@ -445,7 +446,12 @@ impl EngineSink for SharedWarm {
         let outcome = match Follows::after(last, batch) {
             Follows::Next | Follows::Restart => EngineOutcome::Applied,
             Follows::Copy => return Ok(EngineOutcome::Duplicate),
-            Follows::Gap { from } => return Ok(EngineOutcome::Gap { from }),
+            Follows::Gap { from } => {
+                // Seen here, before the stream: the listener replays it before this batch is
+                // forwarded (the heads applying the stream see no gap unless it is lost).
+                telemetry::engine_gap(node, batch.seq, from);
+                return Ok(EngineOutcome::Gap { from });
+            }
         };
         self.forward(node, batch)?;
         forwarded.insert(node.to_string(), Some((batch.seq, batch.ts)));

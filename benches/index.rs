@@ -101,7 +101,15 @@ fn caller(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::Wall
 /// global recorder cannot be taken back, and every bench before it ran without one.
 fn with_recorder(c: &mut Criterion) {
     let reqs = requests();
-    metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().expect("a recorder");
+    // With the library's buckets, as the binary's exporter keeps them.
+    let builder = superfluid_warm::METRICS.iter().filter(|m| !m.buckets.is_empty()).fold(
+        metrics_exporter_prometheus::PrometheusBuilder::new(),
+        |b, m| {
+            b.set_buckets_for_metric(metrics_exporter_prometheus::Matcher::Full(m.name.to_string()), m.buckets)
+                .expect("buckets")
+        },
+    );
+    builder.install_recorder().expect("a recorder");
     superfluid_warm::describe_metrics();
     let mut group = c.benchmark_group("request (warmest + ran), Mooncake trace");
     caller(&mut group, "superfluid-warm caller, Prometheus recorder installed", &reqs);

@@ -246,7 +246,7 @@ struct ReplayArgs {
     /// With --engine-events: engine i publishes on loopback port PORT+2i and answers replays on
     /// PORT+2i+1, so that a `listen` can follow the same engines (the specs to give it are
     /// printed on stderr).
-    #[arg(long, requires = "engine_events", value_name = "PORT")]
+    #[arg(long, requires = "engine_events", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     engine_port: Option<u16>,
     /// With --offload-blocks: how much a token warm only in the offload tier counts against one
     /// in GPU memory when balanced weighs a node's warm prefix (1: tiers ignored).
@@ -258,7 +258,9 @@ struct ReplayArgs {
     #[arg(long)]
     no_back_to_back: bool,
     /// Serve the metrics at http://ADDR/metrics in Prometheus' text format while the replay
-    /// runs (e.g. 127.0.0.1:9465).
+    /// runs (e.g. 127.0.0.1:9465). The process's counters add up every index it drives (the
+    /// back-to-back pass's too: --no-back-to-back leaves the first pass alone), and its gauges
+    /// are the last commit's.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
     /// As one JSON object.

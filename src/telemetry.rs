@@ -159,7 +159,11 @@ pub const METRICS: &[Metric] = &[
     metric(ENGINE_DUPLICATES, Counter, NODE, "Engine batches that came twice"),
     metric(ENGINE_UNKNOWN_PARENTS, Counter, NODE, "Blocks stored under a parent the index does not hold"),
     metric(ENGINE_UNDECODABLE, Counter, NODE, "Engine messages that did not decode"),
-    timing(ENGINE_LAG, NODE, "From an engine's publish to its batch applied"),
+    timing(
+        ENGINE_LAG,
+        NODE,
+        "From an engine's publish to its batch applied (on a sharing head: forwarded to the stream)",
+    ),
     metric(ENGINE_CONNECTED, Gauge, NODE, "1 while the listener is connected to the engine"),
     metric(ENGINE_BLOCKS, Gauge, NODE, "Engine blocks the node holds, by its events"),
 ];
@@ -235,18 +239,27 @@ pub(crate) fn committed(took: Duration, changes: usize, blocks: usize) {
     }
 }
 
-/// A commit failed and its batch was rolled back (its changes are retried).
-pub(crate) fn commit_failed(error: &Error) {
+/// A commit failed and its batch was rolled back (its changes are retried every window):
+/// logged as an error when commits start failing (`first`), at debug while they go on failing.
+pub(crate) fn commit_failed(error: &Error, first: bool) {
     counter!(COMMIT_FAILURES).increment(1);
-    if error.needs_reopen() {
-        tracing::error!(
+    let needs_reopen = error.needs_reopen();
+    match (first, needs_reopen) {
+        (true, true) => tracing::error!(
             error = %error,
-            needs_reopen = true,
+            needs_reopen,
             "I/O error latched: no commit can succeed until the index is reopened"
-        );
-    } else {
-        tracing::error!(error = %error, needs_reopen = false, "commit failed; its changes are kept and retried");
+        ),
+        (true, false) => {
+            tracing::error!(error = %error, needs_reopen, "commit failed; its changes are kept and retried");
+        }
+        (false, _) => tracing::debug!(error = %error, needs_reopen, "commit failed again"),
     }
+}
+
+/// A commit succeeded after commits had failed.
+pub(crate) fn commits_recovered() {
+    tracing::info!("commits succeed again");
 }
 
 /// The file's figures as of the last commit.
@@ -340,17 +353,17 @@ pub(crate) fn engine_decided(
     }
 }
 
-#[cfg(feature = "nats")]
 /// A gap before node `node`'s batch `seq`, seen by a sharing head before it forwards the batch
 /// to the stream (its listener replays from `from`).
+#[cfg(feature = "nats")]
 pub(crate) fn engine_gap(node: &str, seq: u64, from: u64) {
     counter!(ENGINE_GAPS, "node" => node.to_string()).increment(1);
     tracing::warn!(node, seq, from, "engine stream gap: batches missing");
 }
 
-#[cfg(feature = "engines")]
 /// The listener asked node `node`'s engine to replay from `from`: `replayed` batches came back;
 /// `covered`: they reached the gap.
+#[cfg(feature = "engines")]
 pub(crate) fn engine_replay(node: &str, from: u64, replayed: usize, covered: bool) {
     counter!(ENGINE_REPLAYS, "node" => node.to_string()).increment(1);
     if covered {
@@ -360,21 +373,32 @@ pub(crate) fn engine_replay(node: &str, from: u64, replayed: usize, covered: boo
     }
 }
 
-#[cfg(feature = "engines")]
 /// Node `node`'s live batch was applied `lag` after its engine published it.
+#[cfg(feature = "engines")]
 pub(crate) fn engine_lag(node: &str, lag: f64) {
     histogram!(ENGINE_LAG, "node" => node.to_string()).record(lag.max(0.0));
 }
 
+/// A message from node `node`'s engine did not decode (the stream resyncs after it): warned of
+/// if `loud`.
 #[cfg(feature = "engines")]
-/// A message from node `node`'s engine did not decode (the stream resyncs after it).
-pub(crate) fn engine_undecodable(node: &str, error: &dyn std::fmt::Display) {
+pub(crate) fn engine_undecodable(node: &str, error: &dyn std::fmt::Display, loud: bool) {
     counter!(ENGINE_UNDECODABLE, "node" => node.to_string()).increment(1);
-    tracing::warn!(node, error = %error, "engine message did not decode");
+    if loud {
+        tracing::warn!(node, error = %error, "engine message did not decode (warned of once a minute at most)");
+    } else {
+        tracing::debug!(node, error = %error, "engine message did not decode");
+    }
 }
 
+/// The listener stopped following node `node`'s engine.
 #[cfg(feature = "engines")]
+pub(crate) fn engine_stopped(node: &str) {
+    gauge!(ENGINE_CONNECTED, "node" => node.to_string()).set(0.0);
+}
+
 /// The listener started following node `node`'s engine: its counters start at 0.
+#[cfg(feature = "engines")]
 pub(crate) fn engine_listening(node: &str) {
     counter!(ENGINE_REPLAYS, "node" => node.to_string()).increment(0);
     counter!(ENGINE_UNDECODABLE, "node" => node.to_string()).increment(0);
@@ -382,8 +406,8 @@ pub(crate) fn engine_listening(node: &str) {
     drop(histogram!(ENGINE_LAG, "node" => node.to_string()));
 }
 
-#[cfg(feature = "engines")]
 /// Whether the listener is connected to node `node`'s engine; `was` the last state seen.
+#[cfg(feature = "engines")]
 pub(crate) fn engine_connection(node: &str, endpoint: &str, connected: bool, was: bool) {
     gauge!(ENGINE_CONNECTED, "node" => node.to_string()).set(if connected { 1.0 } else { 0.0 });
     match (was, connected) {
@@ -393,14 +417,14 @@ pub(crate) fn engine_connection(node: &str, endpoint: &str, connected: bool, was
     }
 }
 
-#[cfg(feature = "engines")]
 /// The listener's thread for node `node` stopped on `error` (the index must be reopened).
+#[cfg(feature = "engines")]
 pub(crate) fn engine_listener_stopped(node: &str, error: &Error) {
     tracing::error!(node, error = %error, "engine listener stopped: the index must be reopened");
 }
 
-#[cfg(feature = "nats")]
 /// Sharing head `head`'s link started: its figures start at 0.
+#[cfg(feature = "nats")]
 pub(crate) fn share_started(head: &str) {
     for name in [SHARE_DISCONNECTS, SHARE_APPLIED, SHARE_DROPPED] {
         counter!(name, "head" => head.to_string()).increment(0);
@@ -411,10 +435,11 @@ pub(crate) fn share_started(head: &str) {
     drop(histogram!(SHARE_LAG, "head" => head.to_string()));
 }
 
+/// Sharing head `head`'s connection to its server at `url` went from `was` to `connected`
+/// (both false: the head stopped).
 #[cfg(feature = "nats")]
-/// Whether sharing head `head` is connected to its server at `url`; `was` the last state seen.
 pub(crate) fn share_connection(head: &str, url: &str, connected: bool, was: bool) {
-    gauge!(SHARE_CONNECTED, "head" => head.to_string()).set(if connected { 1.0 } else { 0.0 });
+    let url = redacted(url);
     match (was, connected) {
         (false, true) => tracing::info!(head, url, "NATS connection up"),
         (true, false) => {
@@ -423,11 +448,32 @@ pub(crate) fn share_connection(head: &str, url: &str, connected: bool, was: bool
         }
         _ => {}
     }
+    // Last: whoever sees the gauge change also finds the count and the log line.
+    gauge!(SHARE_CONNECTED, "head" => head.to_string()).set(if connected { 1.0 } else { 0.0 });
 }
 
+/// Sharing head `head`'s first connection to `url` failed (it retries, and says so at debug).
 #[cfg(feature = "nats")]
+pub(crate) fn share_unreachable(head: &str, url: &str, error: &dyn std::fmt::Display) {
+    let url = redacted(url);
+    tracing::warn!(head, url, error = %error, "cannot reach the NATS server; retrying (events are buffered)");
+}
+
+/// A server URL without its user and password.
+#[cfg(feature = "nats")]
+fn redacted(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.rsplit_once('@') {
+            Some((_, host)) => format!("{scheme}://***@{host}"),
+            None => url.to_string(),
+        },
+        None => url.to_string(),
+    }
+}
+
 /// Sharing head `head` applied a stream event, `lag` after another head published it (`None`:
 /// its own).
+#[cfg(feature = "nats")]
 pub(crate) fn share_applied(head: &str, lag: Option<Duration>) {
     counter!(SHARE_APPLIED, "head" => head.to_string()).increment(1);
     if let Some(lag) = lag {
@@ -435,8 +481,8 @@ pub(crate) fn share_applied(head: &str, lag: Option<Duration>) {
     }
 }
 
-#[cfg(feature = "nats")]
 /// Sharing head `head`'s own events not yet acknowledged, and how many it dropped just now.
+#[cfg(feature = "nats")]
 pub(crate) fn share_outbox(head: &str, buffered: usize, dropped: u64) {
     gauge!(SHARE_BUFFERED, "head" => head.to_string()).set(buffered as f64);
     if dropped > 0 {
@@ -445,15 +491,15 @@ pub(crate) fn share_outbox(head: &str, buffered: usize, dropped: u64) {
     }
 }
 
-#[cfg(feature = "nats")]
 /// Sharing head `head` stopped applying the stream, for `why`.
+#[cfg(feature = "nats")]
 pub(crate) fn share_halted(head: &str, why: &str) {
     gauge!(SHARE_HALTED, "head" => head.to_string()).set(1.0);
     tracing::error!(head, why, "sharing link halted: this head no longer applies the stream");
 }
 
-#[cfg(feature = "nats")]
 /// Sharing head `head`'s link hit `error` doing `what` (it retries).
+#[cfg(feature = "nats")]
 pub(crate) fn share_retry(head: &str, what: &str, error: &dyn std::fmt::Display) {
     tracing::debug!(head, what, error = %error, "sharing link error; retrying");
 }
@@ -461,7 +507,7 @@ pub(crate) fn share_retry(head: &str, what: &str, error: &dyn std::fmt::Display)
 /// A clean close's compaction of `path` was `skipped` (a reader held the file) or failed.
 pub(crate) fn compaction(path: &std::path::Path, skipped: bool) {
     if skipped {
-        tracing::info!(path = %path.display(), "compaction on close skipped: a read was in progress");
+        tracing::info!(path = %path.display(), "compaction on close skipped: a read was in progress, or the file could not be read");
     } else {
         tracing::warn!(path = %path.display(), "compaction on close failed: the file is not sealed, its next open verifies every page");
     }
@@ -470,4 +516,14 @@ pub(crate) fn compaction(path: &std::path::Path, skipped: bool) {
 /// A close left changes uncommitted (a failed last commit): the file is not sealed.
 pub(crate) fn closed_unclean(path: &std::path::Path) {
     tracing::warn!(path = %path.display(), "closed with changes not committed: the file is not sealed");
+}
+
+#[cfg(all(test, feature = "nats"))]
+mod tests {
+    #[test]
+    fn a_url_is_logged_without_its_password() {
+        assert_eq!(super::redacted("nats://user:secret@10.0.0.1:4222"), "nats://***@10.0.0.1:4222");
+        assert_eq!(super::redacted("nats://10.0.0.1:4222"), "nats://10.0.0.1:4222");
+        assert_eq!(super::redacted("garbage"), "garbage");
+    }
 }

@@ -286,6 +286,11 @@ fn every_metric_is_exported_and_the_dashboard_queries_only_real_ones() -> Result
         warm.ran(model, &prompt, &format!("dash-node-{}", i % 3))?;
     }
     warm.sync()?;
+    // A forgotten node is named by nothing answered: its gauge goes to 0.
+    let held = |node: &str| value(&exposition(), "superfluid_warm_node_held_blocks", &[("node", node)]);
+    assert!(held("dash-node-2").is_some_and(|h| h > 0.0), "{:?}", held("dash-node-2"));
+    warm.forget_node("dash-node-2")?;
+    assert_eq!(held("dash-node-2"), Some(0.0));
     // An engine: batches, one lost in seven (gaps, replays), lag.
     let publisher = Publisher::new(Duration::ZERO)?;
     let listener = Listener::start(Arc::clone(&warm), &[endpoint("dash-gpu", &publisher)], Duration::from_secs(30))?;
@@ -304,7 +309,9 @@ fn every_metric_is_exported_and_the_dashboard_queries_only_real_ones() -> Result
         shared.ran(model, &prompt, &format!("dash-node-{}", i % 3))?;
     }
     shared.sync()?;
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until("the sharing head's figures", || {
+        value(&exposition(), "superfluid_warm_share_applied_events_total", &[("head", "dash-head")]) == Some(10.0)
+    });
 
     let samples = exposition();
     let names: BTreeSet<&str> = samples.iter().map(|s| s.name.as_str()).collect();
@@ -316,6 +323,17 @@ fn every_metric_is_exported_and_the_dashboard_queries_only_real_ones() -> Result
         assert!(exported, "{} is never exported", m.name);
     }
     assert_eq!(value(&samples, "superfluid_warm_share_connected", &[("head", "dash-head")]), Some(1.0));
+    // Moved, not only registered.
+    for name in [
+        "superfluid_warm_commits_total",
+        "superfluid_warm_commit_duration_seconds_count",
+        "superfluid_warm_file_size_bytes",
+    ] {
+        assert!(value(&samples, name, &[]).is_some_and(|v| v > 0.0), "{name}");
+    }
+    let counts = warm.engine_stats()?.remove(0).counts;
+    let gpu = [("node", "dash-gpu")];
+    assert_eq!(value(&samples, "superfluid_warm_engine_batches_total", &gpu), Some(counts.batches as f64));
     assert!(value(&samples, "superfluid_warm_engine_gaps_total", &[("node", "dash-gpu")]).is_some_and(|g| g >= 1.0));
 
     let dashboard: serde_json::Value = serde_json::from_str(

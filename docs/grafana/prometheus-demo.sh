@@ -46,8 +46,8 @@ for ((i = 0; i < nodes; i++)); do
   p=$((engine_port + 2 * i))
   specs+=(--engine "node-$i=tcp://127.0.0.1:$p,replay=tcp://127.0.0.1:$((p + 1))")
 done
-# `listen` first: it connects to the engines before they bind (ZMQ retries), and so hears them
-# from their first batch.
+# `listen` first: it connects to the engines before they bind (ZMQ retries). A subscriber
+# still joins a few batches in (ZMQ's slow joiner): it replays them from the engine.
 "$bin" listen "$work/listen.redb" "${specs[@]}" --model mooncake-conversation --status-every 0 \
   --metrics "$listen_metrics" "${share[@]}" >"$work/listen.out" 2>"$work/listen.log" &
 listen_pid=$!

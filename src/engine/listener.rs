@@ -174,6 +174,7 @@ impl Listener {
                 replay_timeout,
                 resync: false,
                 reported: false,
+                undecodable_warned: None,
             };
             let stop = Arc::clone(&stop);
             telemetry::engine_listening(&engine.node);
@@ -239,10 +240,17 @@ struct One {
     resync: bool,
     /// Whether the connection's state was reported yet (the first poll reports it either way).
     reported: bool,
+    /// When an undecodable message was last warned of.
+    undecodable_warned: Option<Instant>,
 }
 
 impl One {
     fn run(&mut self, stop: &AtomicBool) {
+        self.follow(stop);
+        telemetry::engine_stopped(&self.engine.node);
+    }
+
+    fn follow(&mut self, stop: &AtomicBool) {
         while !stop.load(Ordering::Acquire) {
             match self.step() {
                 Ok(()) => {}
@@ -347,7 +355,13 @@ impl One {
         match decode_engine_batch(message.seq, &message.payload, &self.engine.model) {
             Ok(batch) => Some(batch),
             Err(e) => {
-                telemetry::engine_undecodable(&self.engine.node, &e);
+                // Warned of once a minute at most (an engine of another format sends nothing
+                // else); every one is counted.
+                let loud = self.undecodable_warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+                if loud {
+                    self.undecodable_warned = Some(Instant::now());
+                }
+                telemetry::engine_undecodable(&self.engine.node, &e, loud);
                 self.note(|s| s.undecodable += 1);
                 self.resync = true;
                 None

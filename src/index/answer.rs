@@ -8,7 +8,6 @@ use super::pending::{PENDING_NODES, Pending};
 use super::warm::Hit;
 use crate::error::{Error, Result};
 use crate::keys::{BLOCK_TOKENS, BlockKey, MIN_BLOCKS, Namespace, Prefix, Scheme, legacy_chain};
-use crate::telemetry;
 
 /// The prefix of `tokens` in `namespace` for a file of `scheme`, with the 0.1.7 chain while the
 /// file holds 0.1.7's entries (`legacy`).
@@ -34,13 +33,6 @@ pub(crate) fn same_scheme(scheme: Scheme, prefix: &Prefix) -> Result<()> {
 /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
 /// yet back from the stream), then the memtable and the last commit: one read path.
 pub(crate) fn warmest(front: &mut Front, own: Option<&dyn Pending>, prefix: &Prefix) -> Result<Option<Hit>> {
-    let answer = search(front, own, prefix)?;
-    telemetry::answered(prefix.tokens(), answer.as_ref().map_or(0, |h| h.tokens));
-    Ok(answer)
-}
-
-/// [`warmest`]'s answer.
-fn search(front: &mut Front, own: Option<&dyn Pending>, prefix: &Prefix) -> Result<Option<Hit>> {
     if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
         return Ok(None);
     }
@@ -74,13 +66,6 @@ fn hit(front: &Front, own: Option<&dyn Pending>, node: u32, keys: &[BlockKey], b
 
 /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
 pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, prefix: &Prefix) -> Result<Vec<Hit>> {
-    let hits = search_nodes(front, own, prefix)?;
-    telemetry::answered(prefix.tokens(), hits.first().map_or(0, |h| h.tokens));
-    Ok(hits)
-}
-
-/// [`warm_nodes`]'s answer.
-fn search_nodes(front: &mut Front, own: Option<&dyn Pending>, prefix: &Prefix) -> Result<Vec<Hit>> {
     front.expire_claims();
     let mut found: Vec<NodeDepth> = lookup::warm_nodes(front, own, &prefix.blocks)?;
     if front.decided.engines.any() {

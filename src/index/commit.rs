@@ -151,9 +151,10 @@ pub(crate) fn flush_locked(inner: &Inner, back: &mut Back, how: Flush) -> Result
         Err(e) => Err(e),
         Ok(()) if matches!(how, Flush::Commit | Flush::Close) || due => {
             let started = Instant::now();
-            let changes = back.batch.len();
+            // A commit of nothing writes nothing (an idle `sync`): not a commit to count.
+            let (changes, dirty) = (back.batch.len(), back.writer.dirty());
             let committed = back.writer.commit(&inner.db, how == Flush::Close);
-            if committed.is_ok() {
+            if committed.is_ok() && dirty {
                 telemetry::committed(started.elapsed(), changes, blocks);
             }
             committed.map(|()| Some(std::mem::take(&mut back.batch)))
@@ -172,8 +173,10 @@ fn take_queue(inner: &Inner) -> Result<(Vec<Queued>, bool)> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
     let queue = front.take();
-    telemetry::queued(front.queued_blocks, front.uncommitted_bytes());
+    let waiting = (front.queued_blocks, front.uncommitted_bytes());
+    drop(front);
     inner.drained.notify_all();
+    telemetry::queued(waiting.0, waiting.1);
     Ok((queue, due))
 }
 
@@ -216,6 +219,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     };
     let totals = (figures.entries, figures.legacy_entries, figures.capacity);
     let committed_now = matches!(outcome, Ok(Some(_)));
+    let was_failing = front.failed.is_some();
     // What is replaced is dropped after the lock is released.
     let (result, _replaced) = match outcome {
         Ok(Some(committed)) => {
@@ -251,14 +255,22 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
         }
         Err(rolled_back) => {
             let RolledBack { error } = *rolled_back;
-            telemetry::commit_failed(&error);
             front.failed = Some(error.clone());
             front.requeue(std::mem::take(&mut back.batch));
             (Err(error), None)
         }
     };
+    let waiting = (front.queued_blocks, front.uncommitted_bytes());
     drop(front);
     inner.drained.notify_all();
+    // Recorded and logged with no lock of the callers held.
+    telemetry::queued(waiting.0, waiting.1);
+    match &result {
+        // Logged loudly once: the commit thread retries every window.
+        Err(error) => telemetry::commit_failed(error, !was_failing),
+        Ok(()) if committed_now && was_failing => telemetry::commits_recovered(),
+        Ok(()) => {}
+    }
     if committed_now {
         telemetry::figures(totals.0, totals.1, totals.2, file_bytes);
         for node in &nodes {
@@ -268,16 +280,41 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     result
 }
 
-/// Each current node's blocks named (as of `figures`) and its cache (held, capacity) if kept.
+/// Records the figures of the file as opened (before its first commit).
+fn record_opened(inner: &Inner) {
+    let Ok(back) = inner.back.lock() else { return };
+    let figures = published(&back.writer);
+    drop(back);
+    let file_bytes = inner.sealer.lock.as_ref().and_then(|(_, path)| std::fs::metadata(path).ok()).map(|m| m.len());
+    let Ok(front) = inner.front.lock() else { return };
+    let nodes = node_figures(&front, &figures);
+    drop(front);
+    telemetry::figures(figures.entries, figures.legacy_entries, figures.capacity, file_bytes);
+    for node in &nodes {
+        telemetry::node(node);
+    }
+}
+
+/// Each current node's blocks named (as of `figures`) and its cache (held, capacity) if kept;
+/// a name whose last incarnation was forgotten, 0 (nothing of it is answered).
 fn node_figures(front: &Front, figures: &Published) -> Vec<telemetry::NodeFigures> {
-    let caches = front.decided.caches.stats(front.decided.nodes.all());
-    let current = front.decided.nodes.all().zip(figures.held.iter()).filter(|((_, forgotten), _)| !forgotten);
-    current
-        .map(|((name, _), &held)| {
-            let cache = caches.iter().find(|c| c.node == name).filter(|c| c.capacity.is_some() || c.held > 0);
-            telemetry::NodeFigures { name: name.to_string(), held, cache: cache.map(|c| (c.held, c.capacity)) }
-        })
-        .collect()
+    let nodes = &front.decided.nodes;
+    // `stats` lists the current incarnations in id order, as `all` lists them.
+    let mut caches = front.decided.caches.stats(nodes.all()).into_iter();
+    let mut out: Vec<telemetry::NodeFigures> = Vec::new();
+    for ((name, forgotten), &held) in nodes.all().zip(figures.held.iter()) {
+        let figures = match forgotten {
+            true => telemetry::NodeFigures { name: name.to_string(), held: 0, cache: None },
+            false => {
+                let cache = caches.next().filter(|c| c.capacity.is_some() || c.held > 0);
+                telemetry::NodeFigures { name: name.to_string(), held, cache: cache.map(|c| (c.held, c.capacity)) }
+            }
+        };
+        // A later incarnation of the name replaces a forgotten one's 0.
+        out.retain(|f| f.name != figures.name);
+        out.push(figures);
+    }
+    out
 }
 
 /// The filters (a panic while they were held cannot have left them wrong: each insert is one
@@ -365,6 +402,7 @@ fn index_segments(inner: &Inner) {
 /// once its oldest change is a window old.
 pub(crate) fn flush_loop(inner: &Inner) {
     mark_open(inner);
+    record_opened(inner);
     index_segments(inner);
     build_presence(inner);
     loop {

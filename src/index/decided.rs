@@ -18,11 +18,10 @@ use crate::keys::Scheme;
 use crate::keys::{BlockKey, Namespace};
 use crate::store::caches::NodeCaches;
 use crate::store::effect::Effect;
-use crate::store::engines::{EngineBatch, EngineOutcome, Engines, read_engines};
+use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome, Engines, read_engines};
 use crate::store::records::{MAX_CLOCK, read_meta, read_nodes};
 use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODES, RETIRED, STATE};
 use crate::store::writer::{by_node, read_floor};
-use crate::telemetry;
 
 /// Every node incarnation by id (nodes are few, so all of them are kept in memory).
 #[derive(Default)]
@@ -178,16 +177,17 @@ impl Decided {
         let mut effects = Vec::new();
         let (id, _) = self.nodes.id(name, &mut effects)?;
         self.clock = clock;
-        let before = self.engines.counts(id);
         let outcome = self.engines.batch(self.scheme, id, batch, clock);
         effects.append(&mut self.engines.take_effects());
-        let gap = match outcome {
-            EngineOutcome::Gap { from } => Some(from),
-            _ => None,
-        };
-        let after = self.engines.counts(id);
-        telemetry::engine_decided(name, batch.seq, gap, (&before, &after), self.engines.sizes(id).0);
         Ok((outcome, effects))
+    }
+
+    /// Node `name`'s engine stream's counts and the engine blocks it holds (0 without a stream).
+    pub(crate) fn engine_counts(&self, name: &str) -> (EngineCounts, usize) {
+        match self.nodes.current(name) {
+            Some(id) => (self.engines.counts(id), self.engines.sizes(id).0),
+            None => (EngineCounts::default(), 0),
+        }
     }
 
     /// Decides that node `name`'s engine cannot replay what came before `batch`: what the node
@@ -200,11 +200,8 @@ impl Decided {
         let mut effects = Vec::new();
         let (id, _) = self.nodes.id(name, &mut effects)?;
         self.clock = clock;
-        let before = self.engines.counts(id);
         self.engines.resync(self.scheme, id, batch, clock);
         effects.append(&mut self.engines.take_effects());
-        let after = self.engines.counts(id);
-        telemetry::engine_decided(name, batch.seq, None, (&before, &after), self.engines.sizes(id).0);
         Ok(effects)
     }
 

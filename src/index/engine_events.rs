@@ -2,10 +2,12 @@
 //! KV cache events (vLLM's, SGLang's), decided once like a `ran` and committed with the same
 //! atomicity and durability, with the engine's position in its stream.
 
+use super::front::Front;
 use super::warm::Warm;
 use crate::error::Result;
 use crate::keys::{MAX_NODE_BYTES, check_len};
-use crate::store::engines::{EngineBatch, EngineOutcome, EngineStats};
+use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome, EngineStats};
+use crate::telemetry;
 
 impl Warm {
     /// Applies one batch of node `node`'s engine events, in the order its engine numbered them.
@@ -27,7 +29,17 @@ impl Warm {
     pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        self.change(0, |front| front.decided.engine_batch(node, batch))
+        let (outcome, counted) = self.change(0, |front| {
+            let before = front.decided.engine_counts(node);
+            let (outcome, effects) = front.decided.engine_batch(node, batch)?;
+            Ok(((outcome, Counted::since(front, node, before)), effects))
+        })?;
+        let gap = match outcome {
+            EngineOutcome::Gap { from } => Some(from),
+            _ => None,
+        };
+        counted.record(node, batch.seq, gap);
+        Ok(outcome)
     }
 
     /// Node `node`'s engine cannot give the batches before `batch` (a replay started later
@@ -40,7 +52,13 @@ impl Warm {
     pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        self.change(0, |front| Ok(((), front.decided.engine_resync(node, batch)?)))
+        let counted = self.change(0, |front| {
+            let before = front.decided.engine_counts(node);
+            let effects = front.decided.engine_resync(node, batch)?;
+            Ok((Counted::since(front, node, before), effects))
+        })?;
+        counted.record(node, batch.seq, None);
+        Ok(())
     }
 
     #[cfg(feature = "nats")]
@@ -50,13 +68,20 @@ impl Warm {
     pub(crate) fn engine_batch_at(&self, node: &str, batch: &EngineBatch, position: u64) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        self.change(position, |front| {
+        let (gap, counted) = self.change(position, |front| {
+            let before = front.decided.engine_counts(node);
             let (outcome, mut effects) = front.decided.engine_batch(node, batch)?;
-            if let EngineOutcome::Gap { .. } = outcome {
-                effects.extend(front.decided.engine_resync(node, batch)?);
-            }
-            Ok(((), effects))
-        })
+            let gap = match outcome {
+                EngineOutcome::Gap { from } => {
+                    effects.extend(front.decided.engine_resync(node, batch)?);
+                    Some(from)
+                }
+                _ => None,
+            };
+            Ok(((gap, Counted::since(front, node, before)), effects))
+        })?;
+        counted.record(node, batch.seq, gap);
+        Ok(())
     }
 
     /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
@@ -77,6 +102,25 @@ impl Warm {
         let front = self.front()?;
         let nodes = &front.decided.nodes;
         Ok(front.decided.engines.stats(|id| nodes.name(id)))
+    }
+}
+
+/// An engine change's counts before and after it, taken under the front lock and recorded
+/// (metrics and log) once it is released.
+struct Counted {
+    before: EngineCounts,
+    after: EngineCounts,
+    engine_blocks: usize,
+}
+
+impl Counted {
+    fn since(front: &Front, node: &str, (before, _): (EngineCounts, usize)) -> Counted {
+        let (after, engine_blocks) = front.decided.engine_counts(node);
+        Counted { before, after, engine_blocks }
+    }
+
+    fn record(&self, node: &str, seq: u64, gap: Option<u64>) {
+        telemetry::engine_decided(node, seq, gap, (&self.before, &self.after), self.engine_blocks);
     }
 }
 

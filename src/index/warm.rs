@@ -281,14 +281,15 @@ impl Warm {
             };
             let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
             let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
-            telemetry::ran();
             // A `ran` on a node whose engine reports what it holds is a claim until its grace
             // window passes.
             if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id)) {
                 front.claims.push_back((id, front.decided.clock, Instant::now()));
             }
             Ok(((), effects))
-        })
+        })?;
+        telemetry::ran();
+        Ok(())
     }
 
     /// Decides a change under the front lock (once the back-pressure lets it) with `decide`,
@@ -309,7 +310,7 @@ impl Warm {
             Some(_) => None,
             None => Some(self.back()?),
         };
-        let out = {
+        let (out, waited, queued) = {
             let mut front = self.front()?;
             // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
@@ -322,9 +323,7 @@ impl Warm {
                 waiting.get_or_insert_with(Instant::now);
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
-            if let Some(since) = waiting {
-                telemetry::backpressure(since.elapsed());
-            }
+            let waited = waiting.map(|since| since.elapsed());
             // While commits fail, the queue is not added to (it would only grow): with a commit
             // thread at all, without one past the back-pressure bound (each change retries).
             let full = self.flusher.is_some() || front.queued_blocks > MAX_QUEUED_BLOCKS;
@@ -335,15 +334,16 @@ impl Warm {
             let (out, effects) = decide(&mut front)?;
             let was_idle = front.oldest_pending.is_none();
             front.push(Queued { effects, at: Instant::now(), position });
-            telemetry::queued(front.queued_blocks, front.uncommitted_bytes());
-            if self.flusher.is_some() {
-                if was_idle {
-                    self.inner.wake.notify_one();
-                }
-                return Ok(out);
+            if self.flusher.is_some() && was_idle {
+                self.inner.wake.notify_one();
             }
-            out
+            (out, waited, (front.queued_blocks, front.uncommitted_bytes()))
         };
+        // Recorded with the callers' lock released.
+        if let Some(waited) = waited {
+            telemetry::backpressure(waited);
+        }
+        telemetry::queued(queued.0, queued.1);
         match back {
             Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| out),
             None => Ok(out),
@@ -515,6 +515,7 @@ impl Warm {
             waiting.get_or_insert_with(Instant::now);
             front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
         }
+        drop(front);
         if let Some(since) = waiting {
             telemetry::backpressure(since.elapsed());
         }
@@ -689,13 +690,17 @@ impl Warm {
     /// yet back from the stream), then the memtable and the last commit: one read path.
     pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Option<Hit>> {
         self.same_scheme(prefix)?;
-        answer::warmest(&mut *self.front()?, own, prefix)
+        let hit = answer::warmest(&mut *self.front()?, own, prefix)?;
+        telemetry::answered(prefix.tokens(), hit.as_ref().map_or(0, |h| h.tokens));
+        Ok(hit)
     }
 
     /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
     pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
         self.same_scheme(prefix)?;
-        answer::warm_nodes(&mut *self.front()?, own, prefix)
+        let hits = answer::warm_nodes(&mut *self.front()?, own, prefix)?;
+        telemetry::answered(prefix.tokens(), hits.first().map_or(0, |h| h.tokens));
+        Ok(hits)
     }
 }
 

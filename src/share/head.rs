@@ -449,6 +449,7 @@ impl EngineSink for SharedWarm {
             Follows::Gap { from } => {
                 // Seen here, before the stream: the listener replays it before this batch is
                 // forwarded (the heads applying the stream see no gap unless it is lost).
+                drop(forwarded);
                 telemetry::engine_gap(node, batch.seq, from);
                 return Ok(EngineOutcome::Gap { from });
             }

@@ -111,7 +111,7 @@ impl Shared {
     }
 
     /// Stops applying, for `why` (the head goes on routing and publishing), and wakes waiters.
-    fn halt(&self, why: String) {
+    pub(crate) fn halt(&self, why: String) {
         telemetry::share_halted(&self.sharing.head, &why);
         self.status().halted = Some(why);
         self.progress.notify_all();
@@ -156,7 +156,7 @@ pub(crate) fn spawn(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> 
             let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                 Ok(r) => r,
                 Err(e) => {
-                    shared.status().halted = Some(format!("cannot start the NATS runtime: {e}"));
+                    shared.halt(format!("cannot start the NATS runtime: {e}"));
                     return;
                 }
             };
@@ -165,21 +165,56 @@ pub(crate) fn spawn(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> 
         .map_err(|source| Error::Thread { source: Arc::new(source) })
 }
 
+/// The link: its figures sampled from the start (the buffer fills while the server is away),
+/// and the connection with what it serves.
 async fn run(shared: &Arc<Shared>) {
+    tokio::join!(sample(shared), serve(shared));
+}
+
+/// Records the link's buffer 20 times a second until the head stops.
+async fn sample(shared: &Shared) {
+    let (head, mut dropped) = (&shared.sharing.head, 0);
+    while !shared.stop.load(Ordering::Acquire) {
+        let (buffered, now_dropped) = {
+            let outbox = shared.outbox();
+            (outbox.len(), outbox.dropped)
+        };
+        telemetry::share_outbox(head, buffered, now_dropped.saturating_sub(dropped));
+        dropped = now_dropped;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    telemetry::share_connection(head, &shared.sharing.url, false, false);
+}
+
+async fn serve(shared: &Arc<Shared>) {
     let url = &shared.sharing.url;
     // The first connection is retried here rather than by the client, so that each failure's
     // reason (connection refused, a timeout, an authorization) is noted for `stats` and waiters;
     // once connected, the client reconnects by itself. A stop ends the attempts.
     let mut attempts: u64 = 0;
     let client = loop {
+        // The client says when its connection goes and comes back (however briefly): each is
+        // logged and counted once.
+        let (head, events_url) = (shared.sharing.head.clone(), url.clone());
         let options = ConnectOptions::new()
             .connection_timeout(Duration::from_secs(2))
             .reconnect_delay_callback(|attempts| Duration::from_millis((50 * attempts as u64).min(1000)))
-            .name(format!("superfluid-warm {}", shared.sharing.head));
+            .name(format!("superfluid-warm {}", shared.sharing.head))
+            .event_callback(move |event| {
+                match event {
+                    async_nats::Event::Connected => telemetry::share_connection(&head, &events_url, true, false),
+                    async_nats::Event::Disconnected => telemetry::share_connection(&head, &events_url, false, true),
+                    _ => {}
+                }
+                std::future::ready(())
+            });
         tokio::select! {
             connected = options.connect(url.as_str()) => match connected {
                 Ok(client) => break client,
                 Err(e) => {
+                    if attempts == 0 {
+                        telemetry::share_unreachable(&shared.sharing.head, url, &e);
+                    }
                     shared.note_error(&format!("connecting to {url} (is nats-server -js running there?)"), e);
                     shared.signal();
                     attempts += 1;
@@ -197,20 +232,8 @@ async fn run(shared: &Arc<Shared>) {
         let shared = Arc::clone(shared);
         let client = client.clone();
         async move {
-            // Also the sampler of the link's figures: the connection and the buffer, 20 times a
-            // second (a transition is logged once).
-            let (mut was, mut dropped) = (false, 0);
-            let head = &shared.sharing.head;
             while !shared.stop.load(Ordering::Acquire) {
-                let connected = client.connection_state() == async_nats::connection::State::Connected;
-                shared.status().connected = connected;
-                telemetry::share_connection(head, &shared.sharing.url, connected, was);
-                let (buffered, now_dropped) = {
-                    let outbox = shared.outbox();
-                    (outbox.len(), outbox.dropped)
-                };
-                telemetry::share_outbox(head, buffered, now_dropped.saturating_sub(dropped));
-                (was, dropped) = (connected, now_dropped);
+                shared.status().connected = client.connection_state() == async_nats::connection::State::Connected;
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }

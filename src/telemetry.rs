@@ -117,7 +117,7 @@ const HEAD: &[&str] = &["head"];
 /// Every metric the library records, for a dashboard, an exporter's buckets, or
 /// [`describe_metrics`].
 pub const METRICS: &[Metric] = &[
-    metric(REQUESTS, Counter, &[], "Requests answered (warmest, warm_nodes)"),
+    metric(REQUESTS, Counter, &[], "Requests a head answered (warmest, warm_nodes)"),
     metric(REQUEST_TOKENS, Counter, &[], "Prompt tokens of those requests, in whole 64-token blocks"),
     metric(WARM_TOKENS, Counter, &[], "Tokens of the longest warm prefix each request was answered"),
     metric(RANS, Counter, &[], "ran calls decided"),
@@ -461,7 +461,7 @@ pub(crate) fn share_unreachable(head: &str, url: &str, error: &dyn std::fmt::Dis
 
 /// A server URL without its user and password.
 #[cfg(feature = "nats")]
-fn redacted(url: &str) -> String {
+pub(crate) fn redacted(url: &str) -> String {
     match url.split_once("://") {
         Some((scheme, rest)) => match rest.rsplit_once('@') {
             Some((_, host)) => format!("{scheme}://***@{host}"),

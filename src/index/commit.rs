@@ -51,6 +51,8 @@ pub(crate) struct Inner {
     pub sealer: Sealer,
     /// The writer's stream position as of its last durable commit (what a sharing head acks).
     pub durable_position: AtomicU64,
+    /// The number of the queue's figures last recorded (see [`record_queue`]).
+    pub queue_recorded: Mutex<u64>,
 }
 
 /// Holds the head's lock of its file; when dropped, after redb has closed the file, seals it
@@ -173,10 +175,10 @@ fn take_queue(inner: &Inner) -> Result<(Vec<Queued>, bool)> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
     let queue = front.take();
-    let waiting = (front.queued_blocks, front.uncommitted_bytes());
+    let waiting = front.queue_figures();
     drop(front);
     inner.drained.notify_all();
-    telemetry::queued(waiting.0, waiting.1);
+    record_queue(inner, waiting);
     Ok((queue, due))
 }
 
@@ -220,6 +222,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     let totals = (figures.entries, figures.legacy_entries, figures.capacity);
     let committed_now = matches!(outcome, Ok(Some(_)));
     let was_failing = front.failed.is_some();
+    let needed_reopen = front.failed.as_ref().is_some_and(Error::needs_reopen);
     // What is replaced is dropped after the lock is released.
     let (result, _replaced) = match outcome {
         Ok(Some(committed)) => {
@@ -260,14 +263,15 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
             (Err(error), None)
         }
     };
-    let waiting = (front.queued_blocks, front.uncommitted_bytes());
+    let waiting = front.queue_figures();
     drop(front);
     inner.drained.notify_all();
     // Recorded and logged with no lock of the callers held.
-    telemetry::queued(waiting.0, waiting.1);
+    record_queue(inner, waiting);
     match &result {
-        // Logged loudly once: the commit thread retries every window.
-        Err(error) => telemetry::commit_failed(error, !was_failing),
+        // Logged loudly once (the commit thread retries every window), and again if the
+        // failure turns into a latched I/O error.
+        Err(error) => telemetry::commit_failed(error, !was_failing || error.needs_reopen() && !needed_reopen),
         Ok(()) if committed_now && was_failing => telemetry::commits_recovered(),
         Ok(()) => {}
     }
@@ -280,11 +284,10 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     result
 }
 
-/// Records the figures of the file as opened (before its first commit).
-fn record_opened(inner: &Inner) {
+/// Records the figures of the file as opened (before anything can commit).
+pub(crate) fn record_opened(inner: &Inner) {
     let Ok(back) = inner.back.lock() else { return };
     let figures = published(&back.writer);
-    drop(back);
     let file_bytes = inner.sealer.lock.as_ref().and_then(|(_, path)| std::fs::metadata(path).ok()).map(|m| m.len());
     let Ok(front) = inner.front.lock() else { return };
     let nodes = node_figures(&front, &figures);
@@ -292,6 +295,17 @@ fn record_opened(inner: &Inner) {
     telemetry::figures(figures.entries, figures.legacy_entries, figures.capacity, file_bytes);
     for node in &nodes {
         telemetry::node(node);
+    }
+}
+
+/// Records the queue's figures `(reading, blocks, bytes)` unless a later reading was recorded
+/// already (callers and the commit thread record after releasing the callers' lock, in any
+/// order).
+pub(crate) fn record_queue(inner: &Inner, (reading, blocks, bytes): (u64, usize, usize)) {
+    let mut recorded = inner.queue_recorded.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if reading > *recorded {
+        *recorded = reading;
+        telemetry::queued(blocks, bytes);
     }
 }
 
@@ -303,16 +317,22 @@ fn node_figures(front: &Front, figures: &Published) -> Vec<telemetry::NodeFigure
     let mut caches = front.decided.caches.stats(nodes.all()).into_iter();
     let mut out: Vec<telemetry::NodeFigures> = Vec::new();
     for ((name, forgotten), &held) in nodes.all().zip(figures.held.iter()) {
-        let figures = match forgotten {
-            true => telemetry::NodeFigures { name: name.to_string(), held: 0, cache: None },
+        match forgotten {
+            // A forgotten name is answered for nothing, until its next incarnation.
+            true if nodes.current(name).is_none() && !out.iter().any(|f| f.name == name) => {
+                out.push(telemetry::NodeFigures { name: name.to_string(), held: 0, cache: Some((0, None)) });
+            }
+            true => {}
             false => {
                 let cache = caches.next().filter(|c| c.capacity.is_some() || c.held > 0);
-                telemetry::NodeFigures { name: name.to_string(), held, cache: cache.map(|c| (c.held, c.capacity)) }
+                out.retain(|f| f.name != name);
+                out.push(telemetry::NodeFigures {
+                    name: name.to_string(),
+                    held,
+                    cache: cache.map(|c| (c.held, c.capacity)),
+                });
             }
-        };
-        // A later incarnation of the name replaces a forgotten one's 0.
-        out.retain(|f| f.name != figures.name);
-        out.push(figures);
+        }
     }
     out
 }
@@ -402,7 +422,6 @@ fn index_segments(inner: &Inner) {
 /// once its oldest change is a window old.
 pub(crate) fn flush_loop(inner: &Inner) {
     mark_open(inner);
-    record_opened(inner);
     index_segments(inner);
     build_presence(inner);
     loop {

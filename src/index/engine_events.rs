@@ -29,16 +29,21 @@ impl Warm {
     pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        let (outcome, counted) = self.change(0, |front| {
-            let before = front.decided.engine_counts(node);
-            let (outcome, effects) = front.decided.engine_batch(node, batch)?;
-            Ok(((outcome, Counted::since(front, node, before)), effects))
-        })?;
-        let gap = match outcome {
-            EngineOutcome::Gap { from } => Some(from),
-            _ => None,
-        };
-        counted.record(node, batch.seq, gap);
+        let (outcome, _) = self.change(
+            0,
+            |front| {
+                let before = front.decided.engine_counts(node);
+                let (outcome, effects) = front.decided.engine_batch(node, batch)?;
+                Ok(((outcome, Counted::since(front, node, before)), effects))
+            },
+            |(outcome, counted)| {
+                let gap = match *outcome {
+                    EngineOutcome::Gap { from } => Some(from),
+                    _ => None,
+                };
+                counted.record(node, batch.seq, gap);
+            },
+        )?;
         Ok(outcome)
     }
 
@@ -52,12 +57,15 @@ impl Warm {
     pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        let counted = self.change(0, |front| {
-            let before = front.decided.engine_counts(node);
-            let effects = front.decided.engine_resync(node, batch)?;
-            Ok((Counted::since(front, node, before), effects))
-        })?;
-        counted.record(node, batch.seq, None);
+        self.change(
+            0,
+            |front| {
+                let before = front.decided.engine_counts(node);
+                let effects = front.decided.engine_resync(node, batch)?;
+                Ok((Counted::since(front, node, before), effects))
+            },
+            |counted| counted.record(node, batch.seq, None),
+        )?;
         Ok(())
     }
 
@@ -68,19 +76,22 @@ impl Warm {
     pub(crate) fn engine_batch_at(&self, node: &str, batch: &EngineBatch, position: u64) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        let (gap, counted) = self.change(position, |front| {
-            let before = front.decided.engine_counts(node);
-            let (outcome, mut effects) = front.decided.engine_batch(node, batch)?;
-            let gap = match outcome {
-                EngineOutcome::Gap { from } => {
-                    effects.extend(front.decided.engine_resync(node, batch)?);
-                    Some(from)
-                }
-                _ => None,
-            };
-            Ok(((gap, Counted::since(front, node, before)), effects))
-        })?;
-        counted.record(node, batch.seq, gap);
+        self.change(
+            position,
+            |front| {
+                let before = front.decided.engine_counts(node);
+                let (outcome, mut effects) = front.decided.engine_batch(node, batch)?;
+                let gap = match outcome {
+                    EngineOutcome::Gap { from } => {
+                        effects.extend(front.decided.engine_resync(node, batch)?);
+                        Some(from)
+                    }
+                    _ => None,
+                };
+                Ok(((gap, Counted::since(front, node, before)), effects))
+            },
+            |(gap, counted)| counted.record(node, batch.seq, *gap),
+        )?;
         Ok(())
     }
 

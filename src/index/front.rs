@@ -176,6 +176,9 @@ pub(crate) struct Front {
     pub failed: Option<Error>,
     /// Set when the handle is closing: the commit thread stops.
     pub closing: bool,
+    /// Numbers the queue's figures as they are taken (under this lock), so that an older
+    /// reading recorded late never replaces a newer one.
+    pub queue_reading: u64,
     /// `ran`s on nodes whose engines report what they hold, oldest first: (node, clock, when).
     /// Each is answered as a claim until `engine_grace` has passed (or the engine removed
     /// something since).
@@ -201,6 +204,7 @@ impl Front {
             importing: false,
             failed: None,
             closing: false,
+            queue_reading: 0,
             claims: VecDeque::new(),
             engine_grace: DEFAULT_ENGINE_GRACE,
         }
@@ -254,6 +258,12 @@ impl Front {
         self.queued_engine_bytes += queued.engine_bytes();
         self.oldest_pending.get_or_insert(queued.at);
         self.queue.push(queued);
+    }
+
+    /// The queue's figures now, numbered: (reading, blocks queued, bytes uncommitted).
+    pub(crate) fn queue_figures(&mut self) -> (u64, usize, usize) {
+        self.queue_reading += 1;
+        (self.queue_reading, self.queued_blocks, self.uncommitted_bytes())
     }
 
     /// Takes the queue for the commit thread.

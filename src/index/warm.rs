@@ -17,7 +17,10 @@ use redb::Database;
 
 use super::answer;
 use super::builder::Builder;
-use super::commit::{Back, Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, mark_open, published};
+use super::commit::{
+    Back, Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, mark_open, published, record_opened,
+    record_queue,
+};
 use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
 use super::lookup;
@@ -182,6 +185,7 @@ impl Warm {
         front.engine_grace = engine_grace;
         let inner = Arc::new(Inner {
             durable_position: AtomicU64::new(writer.position),
+            queue_recorded: Mutex::new(0),
             scheme,
             legacy: AtomicBool::new(writer.meta.legacy_entries > 0),
             presence: Mutex::default(),
@@ -200,6 +204,8 @@ impl Warm {
                 clean: AtomicBool::new(false),
             },
         });
+        // The file's figures as opened, before anything can commit.
+        record_opened(&inner);
         let flusher = if window.is_zero() {
             mark_open(&inner);
             None
@@ -265,36 +271,40 @@ impl Warm {
         if prefix.blocks.is_empty() {
             return Ok(());
         }
-        self.change(position, |front| {
-            // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in runs
-            // of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept, the blocks
-            // of the prompt it held, by the clock it last ran them at.
-            let found = lookup::searched(front, &prefix.blocks)?;
-            let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(front, k), |&(_, c)| c)?;
-            let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
-            let held = match front.decided.caches.tracks(node) {
-                true => {
-                    let id = front.decided.nodes.current(node);
-                    lookup::node_runs(front, id, &prefix.blocks, &by_writer)?
+        self.change(
+            position,
+            |front| {
+                // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in runs
+                // of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept, the blocks
+                // of the prompt it held, by the clock it last ran them at.
+                let found = lookup::searched(front, &prefix.blocks)?;
+                let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(front, k), |&(_, c)| c)?;
+                let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
+                let held = match front.decided.caches.tracks(node) {
+                    true => {
+                        let id = front.decided.nodes.current(node);
+                        lookup::node_runs(front, id, &prefix.blocks, &by_writer)?
+                    }
+                    false => Vec::new(),
+                };
+                let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
+                let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
+                // A `ran` on a node whose engine reports what it holds is a claim until its grace
+                // window passes.
+                if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id)) {
+                    front.claims.push_back((id, front.decided.clock, Instant::now()));
                 }
-                false => Vec::new(),
-            };
-            let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
-            let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
-            // A `ran` on a node whose engine reports what it holds is a claim until its grace
-            // window passes.
-            if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id)) {
-                front.claims.push_back((id, front.decided.clock, Instant::now()));
-            }
-            Ok(((), effects))
-        })?;
-        telemetry::ran();
-        Ok(())
+                Ok(((), effects))
+            },
+            |()| telemetry::ran(),
+        )
     }
 
     /// Decides a change under the front lock (once the back-pressure lets it) with `decide`,
     /// and queues its effects with stream position `position`; without a commit thread, commits
-    /// it before returning.
+    /// it before returning. `decided` gets what `decide` returned once the change is queued and
+    /// the callers' lock released, before that commit (which keeps the change if it fails):
+    /// what the change reports is recorded once, whatever the commit does.
     ///
     /// # Errors
     /// `decide`'s; [`Error::CommitFailed`] while commits fail; without a commit thread, the
@@ -303,6 +313,7 @@ impl Warm {
         &self,
         position: u64,
         decide: impl FnOnce(&mut Front) -> Result<(T, Vec<Effect>)>,
+        decided: impl FnOnce(&T),
     ) -> Result<T> {
         // Without a commit thread, this change is committed by this call alone: the writer is
         // held from before it is queued, so no other caller's commit (or failure) takes it.
@@ -337,13 +348,14 @@ impl Warm {
             if self.flusher.is_some() && was_idle {
                 self.inner.wake.notify_one();
             }
-            (out, waited, (front.queued_blocks, front.uncommitted_bytes()))
+            (out, waited, front.queue_figures())
         };
         // Recorded with the callers' lock released.
         if let Some(waited) = waited {
             telemetry::backpressure(waited);
         }
-        telemetry::queued(queued.0, queued.1);
+        record_queue(&self.inner, queued);
+        decided(&out);
         match back {
             Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| out),
             None => Ok(out),

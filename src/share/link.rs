@@ -161,6 +161,9 @@ pub(crate) fn spawn(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> 
                 }
             };
             runtime.block_on(run(&shared));
+            // With the runtime gone no event of the client can come: the head is not connected.
+            drop(runtime);
+            telemetry::share_connection(&shared.sharing.head, &shared.sharing.url, false, false);
         })
         .map_err(|source| Error::Thread { source: Arc::new(source) })
 }
@@ -183,7 +186,6 @@ async fn sample(shared: &Shared) {
         dropped = now_dropped;
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    telemetry::share_connection(head, &shared.sharing.url, false, false);
 }
 
 async fn serve(shared: &Arc<Shared>) {
@@ -215,7 +217,8 @@ async fn serve(shared: &Arc<Shared>) {
                     if attempts == 0 {
                         telemetry::share_unreachable(&shared.sharing.head, url, &e);
                     }
-                    shared.note_error(&format!("connecting to {url} (is nats-server -js running there?)"), e);
+                    let at = telemetry::redacted(url);
+                    shared.note_error(&format!("connecting to {at} (is nats-server -js running there?)"), e);
                     shared.signal();
                     attempts += 1;
                 }

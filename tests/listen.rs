@@ -5,10 +5,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Reaped;
 use common::Rng;
 use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
 use superfluid_warm::{EngineEndpoint, Error, Listener, ReadIndex, Snapshot, Warm};
@@ -142,16 +143,6 @@ fn a_listener_that_joins_late_replays_the_engine_from_its_start() -> Result<(), 
     assert!(pairs.iter().filter(|(a, _)| *a > 0).count() >= 4, "warm answers to check: {pairs:?}");
     println!("{stats:?}\n{counts:?}");
     Ok(())
-}
-
-/// A child process killed when dropped (a failed test leaves none behind).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// `superfluid-warm listen` on `path` for `publisher`'s engine.

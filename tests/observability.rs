@@ -9,10 +9,11 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use common::Reaped;
 use common::Rng;
 use common::nats::{NatsServer, Proxy};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -492,16 +493,6 @@ fn an_engine_gap_shows_in_the_log_and_the_metrics() -> Result<(), Error> {
         .collect();
     assert!(noisy.is_empty(), "{noisy:?}");
     Ok(())
-}
-
-/// A child process killed when dropped (a failed test leaves none behind).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A loopback port nothing listens on (as of now).

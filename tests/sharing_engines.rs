@@ -9,10 +9,11 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::Reaped;
 use common::Rng;
 use common::nats::NatsServer;
 use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
@@ -201,16 +202,6 @@ fn three_heads_and_four_engines_share_one_view_whoever_subscribes() {
         for h in heads {
             Arc::try_unwrap(h).expect("the only handle").close().expect("close");
         }
-    }
-}
-
-/// A child process killed when dropped (a failed test leaves none behind).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

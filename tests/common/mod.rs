@@ -84,3 +84,13 @@ pub fn example(name: &str) -> PathBuf {
     assert!(path.is_file(), "{} is missing: run the tests with `cargo test`, which builds it", path.display());
     path
 }
+
+/// A child process killed when dropped (a failed test leaves none behind).
+pub struct Reaped(pub std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

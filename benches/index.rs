@@ -102,14 +102,7 @@ fn caller(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::Wall
 fn with_recorder(c: &mut Criterion) {
     let reqs = requests();
     // With the library's buckets, as the binary's exporter keeps them.
-    let builder = superfluid_warm::METRICS.iter().filter(|m| !m.buckets.is_empty()).fold(
-        metrics_exporter_prometheus::PrometheusBuilder::new(),
-        |b, m| {
-            b.set_buckets_for_metric(metrics_exporter_prometheus::Matcher::Full(m.name.to_string()), m.buckets)
-                .expect("buckets")
-        },
-    );
-    builder.install_recorder().expect("a recorder");
+    superfluid_warm::tools::prometheus::builder().expect("buckets").install_recorder().expect("a recorder");
     superfluid_warm::describe_metrics();
     let mut group = c.benchmark_group("request (warmest + ran), Mooncake trace");
     caller(&mut group, "superfluid-warm caller, Prometheus recorder installed", &reqs);

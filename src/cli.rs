@@ -1403,26 +1403,24 @@ fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliEr
         port: args.engine_port,
     };
     if let Some(port) = args.engine_port {
-        let last = u64::from(port) + 2 * u64::from(args.nodes) - 1;
-        if last > u64::from(u16::MAX) {
+        let nodes = args.nodes as usize;
+        let Some(specs) = (0..nodes).map(|i| engines.ports(i)).collect::<Option<Vec<_>>>() else {
+            let last = u64::from(port) + 2 * u64::from(args.nodes) - 1;
             return Err(CliError::Refused(format!(
                 "--engine-port {port}: {} nodes need ports {port} to {last}, past 65535",
                 args.nodes
             )));
-        }
+        };
         if args.heads.is_some() {
             return Err(CliError::Refused(
                 "--engine-port: not with --heads (each side drives engines of its own)".into(),
             ));
         }
-        let specs: Vec<String> = (0..args.nodes)
-            .map(|i| {
-                let p = u32::from(port) + 2 * i;
-                format!(
-                    "--engine {}=tcp://127.0.0.1:{p},replay=tcp://127.0.0.1:{}",
-                    replay::node_name(i as usize),
-                    p + 1
-                )
+        let specs: Vec<String> = specs
+            .iter()
+            .enumerate()
+            .map(|(i, (events, replays))| {
+                format!("--engine {}=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replays}", replay::node_name(i))
             })
             .collect();
         eprintln!("superfluid-warm: the engines publish where `listen` can follow them:\n  {}", specs.join(" "));

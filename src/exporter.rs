@@ -5,8 +5,9 @@
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-use superfluid_warm::{METRICS, SnapshotStats, describe_metrics};
+use metrics_exporter_prometheus::PrometheusBuilder;
+use superfluid_warm::tools::prometheus;
+use superfluid_warm::{SnapshotStats, describe_metrics};
 use tracing_subscriber::EnvFilter;
 
 /// How log lines are written.
@@ -30,16 +31,9 @@ pub fn init_logs(format: LogFormat, default: &str) {
     };
 }
 
-/// The exporter's settings: histograms with the library's buckets (so that quantiles aggregate
-/// across heads).
+/// The exporter's settings: histograms with the library's buckets.
 fn builder() -> Result<PrometheusBuilder, String> {
-    let mut builder = PrometheusBuilder::new();
-    for m in METRICS.iter().filter(|m| !m.buckets.is_empty()) {
-        builder = builder
-            .set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets)
-            .map_err(|e| format!("metric buckets: {e}"))?;
-    }
-    Ok(builder)
+    prometheus::builder().map_err(|e| format!("metric buckets: {e}"))
 }
 
 /// Serves `/metrics` in Prometheus' text format on `addr` from a thread of its own, and makes

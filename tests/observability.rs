@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::Reaped;
 use common::Rng;
 use common::nats::{NatsServer, Proxy};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use superfluid_warm::tools::engine_sim::{Publisher, SimEngine};
 use superfluid_warm::tools::replay::{self, Config};
 use superfluid_warm::tools::trace;
@@ -47,9 +47,7 @@ impl Write for Logs {
 
 /// A Prometheus builder with the buckets the library asks for.
 fn prometheus() -> PrometheusBuilder {
-    METRICS.iter().filter(|m| !m.buckets.is_empty()).fold(PrometheusBuilder::new(), |b, m| {
-        b.set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets).expect("buckets")
-    })
+    superfluid_warm::tools::prometheus::builder().expect("buckets")
 }
 
 fn observed() -> &'static Observed {

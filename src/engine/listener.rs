@@ -173,7 +173,6 @@ impl Listener {
                 stats,
                 replay_timeout,
                 resync: false,
-                reported: false,
                 undecodable_warned: None,
             };
             let stop = Arc::clone(&stop);
@@ -238,8 +237,6 @@ struct One {
     replay_timeout: Duration,
     /// A batch was lost (it did not decode): the next one starts the stream again.
     resync: bool,
-    /// Whether the connection's state was reported yet (the first poll reports it either way).
-    reported: bool,
     /// When an undecodable message was last warned of.
     undecodable_warned: Option<Instant>,
 }
@@ -285,8 +282,8 @@ impl One {
             was = s.connected;
             (s.malformed, s.connected) = (malformed, connected);
         });
-        if was != connected || !self.reported {
-            self.reported = true;
+        // The gauge starts at 0 (`engine_listening`), as `connected` does: a change is reported.
+        if was != connected {
             telemetry::engine_connection(&self.engine.node, &self.engine.events, connected, was);
         }
         let Some(message) = message else { return Ok(()) };

@@ -208,19 +208,12 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
         Ok(Some(_)) => committed(&inner.db).ok().map(Arc::new),
         _ => None,
     };
-    let file_bytes = match (&outcome, &inner.sealer.lock) {
-        (Ok(Some(_)), Some((_, path))) => std::fs::metadata(path).ok().map(|m| m.len()),
-        _ => None,
-    };
+    let committed_now = matches!(outcome, Ok(Some(_)));
+    let file_bytes = if committed_now { file_size(inner) } else { None };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
     inner.legacy.store(figures.legacy_entries > 0, Ordering::Relaxed);
     // The figures a commit changed, recorded once the lock is released.
-    let nodes = match &outcome {
-        Ok(Some(_)) => node_figures(&front, &figures),
-        _ => Vec::new(),
-    };
-    let totals = (figures.entries, figures.legacy_entries, figures.capacity);
-    let committed_now = matches!(outcome, Ok(Some(_)));
+    let recorded = committed_now.then(|| FileFigures::of(&front, &figures, file_bytes));
     let was_failing = front.failed.is_some();
     let needed_reopen = front.failed.as_ref().is_some_and(Error::needs_reopen);
     // What is replaced is dropped after the lock is released.
@@ -275,11 +268,8 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
         Ok(()) if committed_now && was_failing => telemetry::commits_recovered(),
         Ok(()) => {}
     }
-    if committed_now {
-        telemetry::figures(totals.0, totals.1, totals.2, file_bytes);
-        for node in &nodes {
-            telemetry::node(node);
-        }
+    if let Some(recorded) = recorded {
+        recorded.record();
     }
     result
 }
@@ -288,13 +278,40 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
 pub(crate) fn record_opened(inner: &Inner) {
     let Ok(back) = inner.back.lock() else { return };
     let figures = published(&back.writer);
-    let file_bytes = inner.sealer.lock.as_ref().and_then(|(_, path)| std::fs::metadata(path).ok()).map(|m| m.len());
+    let file_bytes = file_size(inner);
     let Ok(front) = inner.front.lock() else { return };
-    let nodes = node_figures(&front, &figures);
+    let recorded = FileFigures::of(&front, &figures, file_bytes);
     drop(front);
-    telemetry::figures(figures.entries, figures.legacy_entries, figures.capacity, file_bytes);
-    for node in &nodes {
-        telemetry::node(node);
+    recorded.record();
+}
+
+/// The size of the head's file (none with a custom backend).
+fn file_size(inner: &Inner) -> Option<u64> {
+    let (_, path) = inner.sealer.lock.as_ref()?;
+    std::fs::metadata(path).ok().map(|m| m.len())
+}
+
+/// What an operator sees of the file as of a commit (or the open): its totals and each node's,
+/// taken under the callers' lock and recorded once it is released.
+struct FileFigures {
+    entries: u64,
+    legacy_entries: u64,
+    capacity: u64,
+    file_bytes: Option<u64>,
+    nodes: Vec<telemetry::NodeFigures>,
+}
+
+impl FileFigures {
+    fn of(front: &Front, figures: &Published, file_bytes: Option<u64>) -> FileFigures {
+        let (entries, legacy_entries, capacity) = (figures.entries, figures.legacy_entries, figures.capacity);
+        FileFigures { entries, legacy_entries, capacity, file_bytes, nodes: node_figures(front, figures) }
+    }
+
+    fn record(&self) {
+        telemetry::figures(self.entries, self.legacy_entries, self.capacity, self.file_bytes);
+        for node in &self.nodes {
+            telemetry::node(node);
+        }
     }
 }
 

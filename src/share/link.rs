@@ -111,7 +111,7 @@ impl Shared {
     }
 
     /// Stops applying, for `why` (the head goes on routing and publishing), and wakes waiters.
-    pub(crate) fn halt(&self, why: String) {
+    fn halt(&self, why: String) {
         telemetry::share_halted(&self.sharing.head, &why);
         self.status().halted = Some(why);
         self.progress.notify_all();

@@ -36,6 +36,14 @@ pub struct Engines {
     pub port: Option<u16>,
 }
 
+impl Engines {
+    /// Engine `i`'s fixed ports (events, replays), if [`Engines::port`] is set and they fit.
+    pub fn ports(&self, i: usize) -> Option<(u16, u16)> {
+        let base = u32::from(self.port?) + 2 * u32::try_from(i).ok()?;
+        Some((u16::try_from(base).ok()?, u16::try_from(base + 1).ok()?))
+    }
+}
+
 impl Default for Engines {
     fn default() -> Self {
         Engines {
@@ -184,12 +192,8 @@ pub(super) fn simulated(
                 .map(|e| e.with_offload(engines.offload_blocks))
         })
         .collect::<Result<_>>()?;
-    let ports = |i: usize| {
-        let base = u32::from(engines.port?) + 2 * u32::try_from(i).ok()?;
-        Some((u16::try_from(base).ok()?, u16::try_from(base + 1).ok()?))
-    };
     let publishers: Vec<Publisher> =
-        (0..names.len()).map(|i| Publisher::at(Duration::ZERO, ports(i))).collect::<Result<_>>()?;
+        (0..names.len()).map(|i| Publisher::at(Duration::ZERO, engines.ports(i))).collect::<Result<_>>()?;
     let endpoints = names
         .iter()
         .zip(&publishers)

@@ -12,5 +12,7 @@ pub mod engine_replay;
 pub mod engine_sim;
 #[cfg(feature = "nats")]
 pub mod heads;
+#[cfg(feature = "cli")]
+pub mod prometheus;
 pub mod replay;
 pub mod trace;

@@ -204,7 +204,7 @@ index_methods!(Warm {
     ///   answers only what that LRU cache still holds. Recorded in the file.
     /// - ``sync_window_ms``: longest a ``ran`` waits before a background commit makes it
     ///   durable (default 50; 0 commits every ``ran`` before it returns; at most 60,000).
-    /// - ``cache_bytes``: bytes of the file kept in memory (default 96 MiB).
+    /// - ``cache_bytes``: bytes of the file kept in memory (default 128 MiB).
     /// - ``check_integrity``: verify the file when it opens (default on).
     /// - ``compact_on_close``: compact a sparse file at a clean close (default on).
     /// - ``engine_grace_ms``: how long a ``ran`` on a node whose engine reports its KV events

@@ -20,7 +20,7 @@ use crate::store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX, Write
 /// Page cache of the file by default: the commit thread's working set at the default capacity
 /// (1M entries, a 136 MiB file) fits, and a head filling 10M entries stays under 256 MiB
 /// resident (the cache is most of what it holds).
-pub const DEFAULT_CACHE_BYTES: usize = 96 << 20;
+pub const DEFAULT_CACHE_BYTES: usize = 128 << 20;
 /// Longest a `ran` waits to be made durable by default: on power loss, the `ran`s of about this
 /// window plus one commit's write and fsync are lost.
 pub const DEFAULT_SYNC_WINDOW: Duration = Duration::from_millis(50);

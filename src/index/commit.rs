@@ -217,7 +217,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     let was_failing = front.failed.is_some();
     let needed_reopen = front.failed.as_ref().is_some_and(Error::needs_reopen);
     // What is replaced is dropped after the lock is released.
-    let (result, _replaced) = match outcome {
+    let (result, replaced) = match outcome {
         Ok(Some(committed)) => {
             front.failed = None;
             inner.durable_position.store(back.writer.position, Ordering::Release);
@@ -259,6 +259,13 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     let waiting = front.queue_figures();
     drop(front);
     inner.drained.notify_all();
+    if let Some((old_view, Some(mut map))) = replaced {
+        // The committed batch's map, emptied outside the callers' lock, is the next open map.
+        drop(old_view);
+        let used = map.clear();
+        let unused = inner.front.lock().ok().and_then(|mut front| front.memtable.reuse(map, used));
+        drop(unused);
+    }
     // Recorded and logged with no lock of the callers held.
     record_queue(inner, waiting);
     match &result {

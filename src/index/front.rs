@@ -21,12 +21,14 @@ pub(crate) type Committed = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
 pub(crate) type CommittedOthers = redb::ReadOnlyTable<u128, &'static [u8]>;
 
 /// Blocks queued and not yet taken by the commit thread above which `ran` waits for it.
-pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 18;
+pub(crate) const MAX_QUEUED_BLOCKS: usize = 1 << 19;
 
 /// Bytes of changes not yet committed (the memtable, and the keys and effects the queue and the
 /// batch hold) above which `ran` waits for the commit thread: memory stays bounded in bytes,
-/// whatever the prompts' lengths.
-pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 48 << 20;
+/// whatever the prompts' lengths. Sized with [`DEFAULT_CACHE_BYTES`](crate::DEFAULT_CACHE_BYTES):
+/// the two together keep a head filling 10M entries from one thread under 256 MiB resident,
+/// while the commit thread still gets batches large enough to keep up back to back.
+pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 44 << 20;
 
 /// Bytes of engine rows not yet committed above which an engine batch waits for the commit
 /// thread. Lower than [`MAX_UNCOMMITTED_BYTES`]: a head following full engines holds their

@@ -54,6 +54,9 @@ pub(crate) struct Memtable {
     sealed: Option<(usize, Map)>,
     open: Map,
     open_blocks: usize,
+    /// A committed batch's map, emptied with its room kept: the next open map. A map a batch,
+    /// allocated again at every commit, would leave the allocator's heap fragmented.
+    spare: Option<Map>,
     /// Changes with every write and every drop: what a memo of an answer read is valid for.
     generation: u64,
 }
@@ -153,6 +156,14 @@ impl Map {
         self.earlier.get(&tail(key)).map_or(&[], Vec::as_slice)
     }
 
+    /// Empties it, keeping its room; returns the keys it held.
+    pub(crate) fn clear(&mut self) -> usize {
+        let held = self.newest.len();
+        self.newest.clear();
+        self.earlier = Tails::default();
+        held
+    }
+
     /// Bytes it holds (its tables' room; the earlier writers' lists counted at a few each).
     fn bytes(&self) -> usize {
         let slot = std::mem::size_of::<(u64, (u32, u64))>() + 1;
@@ -223,7 +234,8 @@ impl Memtable {
             None => {
                 // Bounded: one take of a far-behind queue must not size every open map after it.
                 let room = self.open.newest.len().min(MAX_ROOM);
-                let open = std::mem::replace(&mut self.open, Map::with_room(room));
+                let next = self.spare.take().unwrap_or_else(|| Map::with_room(room));
+                let open = std::mem::replace(&mut self.open, next);
                 self.sealed = Some((self.open_blocks, open));
             }
         }
@@ -261,6 +273,18 @@ impl Memtable {
     pub(crate) fn drop_sealed(&mut self) -> Option<Map> {
         self.generation += 1;
         self.sealed.take().map(|(_, map)| map)
+    }
+
+    /// Takes back a map [`Memtable::drop_sealed`] gave out, emptied by the caller outside its
+    /// lock, as the next open map; given back (for the caller to drop outside its lock) if one
+    /// is kept already, or if its batch used under a quarter of its room (a burst's room is not
+    /// held for good).
+    pub(crate) fn reuse(&mut self, map: Map, used: usize) -> Option<Map> {
+        if self.spare.is_none() && used >= map.newest.capacity() / 4 {
+            self.spare = Some(map);
+            return None;
+        }
+        Some(map)
     }
 
     /// What a memo of an answer read from it is valid for.
@@ -338,6 +362,36 @@ mod tests {
         assert_eq!(writes, vec![(0, 3), (1, 2), (2, 4)], "each node once, with its newest write");
         assert!(memtable.drop_sealed().is_some());
         assert_eq!(memtable.blocks(), 0);
+    }
+
+    /// A committed batch's map, emptied, is the next open map: none of its keys answer, and
+    /// a map its batch barely used is not kept.
+    #[test]
+    fn a_committed_map_is_reused_empty() {
+        let mut memtable = Memtable::default();
+        let a = chain(7, 300);
+        memtable.push(1, &a, 0, true);
+        memtable.push(2, &a[..5], 1, true);
+        memtable.seal(true);
+        let Some(mut map) = memtable.drop_sealed() else { panic!("a sealed map") };
+        let used = map.clear();
+        assert_eq!(used, 300);
+        assert!(map.earlier(&a[0]).is_empty() && map.newest(&a[0]).is_none(), "emptied");
+        assert!(memtable.reuse(map, used).is_none(), "kept as the next open map");
+        let b = chain(8, 10);
+        memtable.push(3, &b, 2, true);
+        memtable.seal(true);
+        assert_eq!(memtable.get(&a[0]), None, "nothing of the committed batch answers");
+        assert_eq!(memtable.get(&b[9]), Some((2, 3)));
+        assert!(memtable.spare.is_none(), "the spare became the open map, then the sealed one");
+        let Some(mut sized_for_a) = memtable.drop_sealed() else { panic!("a sealed map") };
+        let used = sized_for_a.clear();
+        assert_eq!(used, 10);
+        assert!(memtable.reuse(sized_for_a, used).is_some(), "10 keys in room for 300: not kept");
+        let mut full = Map::with_room(16);
+        full.put(&chain(9, 16), 0, 1, true);
+        let used = full.clear();
+        assert!(memtable.reuse(full, used).is_none(), "a map its batch filled is kept");
     }
 
     /// What the back-pressure counts: the bytes grow with the keys written, and go with the

@@ -130,17 +130,46 @@ pub(crate) struct Writer {
     /// the file again fails too).
     committed_position: u64,
     unwritten: Unwritten,
+    /// The buffer a batch's puts are sorted in, kept for the next (a large allocation made
+    /// again at every commit leaves the allocator's heap fragmented).
+    order: Vec<[u64; 3]>,
     rows: CacheRows,
     engines: EngineRows,
 }
 
 /// One write to the prefix table.
+#[derive(Clone)]
 struct Write {
     key: u128,
     entry: Entry,
-    /// Other nodes that wrote the key earlier in the same batch (node id, clock), for its others.
-    earlier: Vec<(u32, u64)>,
 }
+
+/// The other nodes that wrote a key earlier in the batch (node id, clock), for its others: only
+/// keys whose node changed within the batch have a list.
+type Earlier = HashMap<u128, Vec<(u32, u64)>>;
+
+/// Hashes a clock with one multiplication: clocks are integers the writer made, and a map of
+/// them is hashed once a write.
+#[derive(Clone, Copy, Default)]
+struct IntHasher(u64);
+
+impl std::hash::Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+type IntMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IntHasher>>;
 
 /// What [`write_entries`] did.
 #[derive(Default)]
@@ -149,6 +178,8 @@ struct Written {
     added: u64,
     /// Entries written (all of them, less those kept for a newer clock).
     written: u64,
+    /// With `keep_newer`, whether each write was written (empty without: all were).
+    mask: Vec<bool>,
 }
 
 impl Writer {
@@ -168,6 +199,7 @@ impl Writer {
             position: 0,
             committed_position: 0,
             unwritten: Unwritten::default(),
+            order: Vec::new(),
             rows: CacheRows::default(),
             engines: EngineRows::default(),
         };
@@ -317,8 +349,9 @@ impl Writer {
         let floor = floor.max(self.floor);
         self.write_puts(db, &puts, floor)?;
         if floor > self.floor {
+            let any_legacy = self.meta.legacy_entries > 0;
             let (txn, held) = self.txn_and_held(db)?;
-            let (n, legacy) = remove_through((txn, held), floor)?;
+            let (n, legacy) = remove_through((txn, held), floor, any_legacy)?;
             self.meta.entries = self.meta.entries.saturating_sub(n);
             self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
             self.set_floor(db, floor)?;
@@ -337,44 +370,83 @@ impl Writer {
     }
 
     /// Writes `puts` (oldest first) merged: each key once, with its newest write (the earlier
-    /// writers of another node join its others), those at or below `floor` not at all.
+    /// writers of another node join its others), those at or below `floor` not at all. Each
+    /// put's written keys are listed under its clock, in depth order.
     fn write_puts(&mut self, db: &Database, puts: &[(Namespace, Arc<[BlockKey]>, u32, u64)], floor: u64) -> Result<()> {
         let puts: Vec<_> = puts.iter().filter(|p| p.3 > floor).collect();
         if puts.is_empty() {
             return Ok(());
         }
-        let mut writes: Vec<Write> = Vec::with_capacity(puts.iter().map(|p| p.1.len()).sum());
-        for (namespace, blocks, node, clock) in puts {
-            let namespace = self.intern_namespace(db, namespace)?;
-            writes.extend(blocks.iter().zip(1..).map(|(k, depth)| Write {
-                key: table_key(k),
-                entry: Entry { node: *node, namespace, depth, clock: *clock },
-                earlier: Vec::new(),
+        let namespaces: Vec<u32> = puts.iter().map(|p| self.intern_namespace(db, &p.0)).collect::<Result<_>>()?;
+        // Each block a (key, rank) pair, its put and place in the chain in the rank: sorted,
+        // a key's newest write comes first (a put writes a key once, and puts come in clock
+        // order). Small pairs sort fast; the entries are made for the writes kept.
+        let mut firsts = Vec::with_capacity(puts.len());
+        let total = puts.iter().fold(0, |at, p| {
+            firsts.push(at);
+            at + p.1.len()
+        });
+        // [key's high half, low half, rank]: 24 bytes, in the buffer of the batch before.
+        let mut order = std::mem::take(&mut self.order);
+        order.clear();
+        order.reserve(total);
+        for (put, (_, blocks, _, _)) in (0u64..).zip(&puts) {
+            order.extend((0u64..).zip(blocks.iter()).map(|(i, k)| {
+                let key = table_key(k);
+                [(key >> 64) as u64, key as u64, !(put << 32 | i)]
             }));
         }
-        // Newest write last within a key (puts come in clock order, and a put writes a key
-        // once; an unstable sort needs no buffer), then keep it, with the other nodes that
-        // wrote the key before it.
-        writes.sort_unstable_by_key(|w| (w.key, w.entry.clock));
-        writes.dedup_by(|later, earlier| {
-            if later.key == earlier.key {
-                std::mem::swap(later, earlier);
-                // Each other node once, with its newest clock (the list stays as short as the
-                // nodes are few, however often the batch moved the key).
-                let (node, clock) = (later.entry.node, later.entry.clock);
-                let keep = earlier.entry.node;
-                for member in later.earlier.drain(..).chain([(node, clock)]).filter(|m| m.0 != keep) {
-                    add_member(&mut earlier.earlier, member);
-                }
-                true
-            } else {
-                false
+        order.sort_unstable();
+        let place = |rank: u64| -> (usize, usize) { ((!rank >> 32) as usize, (!rank & 0xFFFF_FFFF) as usize) };
+        let write = |&[hi, lo, rank]: &[u64; 3]| -> Option<Write> {
+            let key = u128::from(hi) << 64 | u128::from(lo);
+            let (put, i) = place(rank);
+            let (_, _, node, clock) = puts.get(put)?;
+            let entry = Entry { node: *node, namespace: *namespaces.get(put)?, depth: i as u32 + 1, clock: *clock };
+            Some(Write { key, entry })
+        };
+        // The other nodes that wrote a key before its newest write join its earlier writers,
+        // each once with its newest clock.
+        let mut earlier = Earlier::default();
+        let same_key = |a: &[u64; 3], b: &[u64; 3]| a[..2] == b[..2];
+        for group in order.chunk_by(same_key).filter(|g| g.len() > 1) {
+            let mut writes = group.iter().filter_map(write);
+            let Some(newest) = writes.next() else { continue };
+            for w in writes.filter(|w| w.entry.node != newest.entry.node) {
+                add_member(earlier.entry(newest.key).or_default(), (w.entry.node, w.entry.clock));
             }
-        });
+        }
+        order.dedup_by(|a, b| same_key(a, b));
         let k = self.nodes_per_prefix;
         let (txn, held) = self.txn_and_held(db)?;
-        let written = write_entries(txn, held, &writes, false, (k, floor))?;
+        let written = write_entries(txn, held, order.iter().filter_map(write), &earlier, false, (k, floor))?;
+        // Each put's keys that were written (a bit a block, at the put's first block plus its
+        // place in the chain), listed under its clock in depth order.
+        let mut kept = vec![false; total];
+        for &[_, _, rank] in &order {
+            let (put, i) = place(rank);
+            if let Some(bit) = firsts.get(put).and_then(|first| kept.get_mut(first + i)) {
+                *bit = true;
+            }
+        }
+        let mut bits = kept.as_slice();
+        for same_clock in puts.chunk_by(|a, b| a.3 == b.3) {
+            let mut listed: Vec<(u32, u128)> = Vec::new();
+            for (_, blocks, _, _) in same_clock {
+                let (these, rest) = bits.split_at(blocks.len().min(bits.len()));
+                bits = rest;
+                let written = blocks.iter().zip(these).zip(1..).filter(|((_, bit), _)| **bit);
+                listed.extend(written.map(|((key, _), depth)| (depth, table_key(key))));
+            }
+            if same_clock.len() > 1 {
+                listed.sort_unstable();
+            }
+            let clock = same_clock.first().map_or(0, |p| p.3);
+            let bytes: Vec<u8> = listed.iter().flat_map(|(_, key)| key.to_be_bytes()).collect();
+            list_in_generation(txn, clock, &bytes)?;
+        }
         self.meta.entries += written.added;
+        self.order = order;
         Ok(())
     }
 
@@ -444,12 +516,19 @@ impl Writer {
             .map(|&(key, node, clock)| Write {
                 key: table_key(&key),
                 entry: Entry { node, namespace: LEGACY_NAMESPACE, depth: 0, clock },
-                earlier: Vec::new(),
             })
             .collect();
         let (k, floor) = (self.nodes_per_prefix, self.floor);
         let (txn, held) = self.txn_and_held(db)?;
-        let written = write_entries(txn, held, &writes, true, (k, floor))?;
+        let written = write_entries(txn, held, writes.iter().map(Write::clone), &Earlier::default(), true, (k, floor))?;
+        // Listed under their clocks, each generation in the order written.
+        let mut listed: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
+        for (w, _) in writes.iter().zip(&written.mask).filter(|(_, written)| **written) {
+            listed.entry(w.entry.clock).or_default().extend_from_slice(&w.key.to_be_bytes());
+        }
+        for (clock, bytes) in listed {
+            list_in_generation(txn, clock, &bytes)?;
+        }
         self.meta.clock = self.meta.clock.max(entries.iter().map(|e| e.2).max().unwrap_or(0));
         self.meta.entries += written.added;
         self.meta.legacy_entries += written.added;
@@ -654,29 +733,31 @@ fn write_cache_rows(txn: &WriteTransaction, rows: CacheRows) -> Result<()> {
     Ok(())
 }
 
-/// Writes `writes` (each key once) into the prefix table and keeps the clock-ordered tables in
-/// step: each write is listed under its clock (in depth order, so a dump shows a generation as
-/// its prompt ran), and each generation an overwritten entry leaves loses a live key. A block
-/// whose node changes keeps the nodes before in its others (at most `k - 1`, newest first), and
-/// the node counts follow. With `keep_newer`, an entry already there with a clock at least as
-/// new is kept.
+/// Writes `writes` (each key once) into the prefix table and keeps the live counts in step: each
+/// generation an overwritten entry leaves loses a live key (the caller lists the writes under
+/// their clocks). A block whose node changes keeps the nodes before in its others (at most
+/// `k - 1`, newest first; `earlier`: the batch's earlier writers of a key), and the node counts
+/// follow. With `keep_newer`, an entry already there with a clock at least as new is kept.
 fn write_entries(
     txn: &WriteTransaction,
     held: &mut Held,
-    writes: &[Write],
+    writes: impl IntoIterator<Item = Write>,
+    earlier: &Earlier,
     keep_newer: bool,
     (k, floor): (usize, u64),
 ) -> Result<Written> {
     let mut written = Written::default();
-    let mut left: HashMap<u64, u32> = HashMap::new();
-    let mut listed: BTreeMap<u64, Vec<(u32, u128)>> = BTreeMap::new();
+    let mut left: IntMap<u64, u32> = IntMap::default();
     {
         let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
         let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
         for w in writes {
+            let w = &w;
             if keep_newer {
                 let old = primary.get(w.key).map_err(redb_err("reading a prefix"))?;
-                if old.is_some_and(|g| Entry::from_tuple(g.value()).clock >= w.entry.clock) {
+                let newer = old.is_some_and(|g| Entry::from_tuple(g.value()).clock >= w.entry.clock);
+                written.mask.push(!newer);
+                if newer {
                     continue;
                 }
             }
@@ -686,23 +767,19 @@ fn write_entries(
                 Some(old) => *left.entry(old.clock).or_default() += 1,
                 None => written.added += 1,
             }
+            let before: &[(u32, u64)] =
+                if earlier.is_empty() { &[] } else { earlier.get(&w.key).map_or(&[], Vec::as_slice) };
             match old {
                 // The usual turn: the same node again, so its others (which never include the
                 // node of the prefix table) are as they were.
-                Some(old) if old.node == w.entry.node && w.earlier.is_empty() => {}
-                None if w.earlier.is_empty() => held.add(w.entry.node, 1),
-                _ => change_others(&mut others, held, w, old, k, floor)?,
+                Some(old) if old.node == w.entry.node && before.is_empty() => {}
+                None if before.is_empty() => held.add(w.entry.node, 1),
+                _ => change_others(&mut others, held, (w, before), old, k, floor)?,
             }
             written.written += 1;
-            listed.entry(w.entry.clock).or_default().push((w.entry.depth, w.key));
         }
     }
     take_live(txn, &left)?;
-    for (clock, mut keys) in listed {
-        keys.sort_by_key(|&(depth, _)| depth);
-        let bytes: Vec<u8> = keys.iter().flat_map(|(_, key)| key.to_be_bytes()).collect();
-        list_in_generation(txn, clock, &bytes)?;
-    }
     Ok(written)
 }
 
@@ -713,7 +790,7 @@ fn write_entries(
 fn change_others(
     others: &mut redb::Table<u128, &[u8]>,
     held: &mut Held,
-    w: &Write,
+    (w, earlier): (&Write, &[(u32, u64)]),
     old: Option<Entry>,
     k: usize,
     floor: u64,
@@ -725,7 +802,7 @@ fn change_others(
         .unwrap_or_default();
     let mut after: Vec<(u32, u64)> = before.clone();
     after.extend(old.map(|o| (o.node, o.clock)));
-    after.extend_from_slice(&w.earlier);
+    after.extend_from_slice(earlier);
     after.retain(|&(node, clock)| node != w.entry.node && clock > floor);
     newest_members(&mut after, k.saturating_sub(1));
     let named_before: BTreeSet<u32> = before.iter().map(|m| m.0).chain(old.map(|o| o.node)).collect();
@@ -753,8 +830,9 @@ fn change_others(
 /// and live count up to it. 0.1.7's rule removes an eighth of the entries at a time, from nearly
 /// every leaf page of the prefix table: one pass over the table (redb's `retain`, which rewrites
 /// each page once) costs a few comparisons an entry, where a lookup and a removal per victim
-/// walked the tree twice each. Returns (entries removed, of which 0.1.7's).
-fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64) -> Result<(u64, u64)> {
+/// walked the tree twice each. Returns (entries removed, of which 0.1.7's: none to count unless
+/// `any_legacy`).
+fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_legacy: bool) -> Result<(u64, u64)> {
     let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
     let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
     let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
@@ -774,7 +852,7 @@ fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64) -> Resu
     let mut legacy = 0u64;
     for &(key, node) in &removed {
         held.add(node, -1);
-        legacy += u64::from(is_legacy(&key.to_be_bytes()));
+        legacy += u64::from(any_legacy && is_legacy(&key.to_be_bytes()));
     }
     if others.first().map_err(redb_err("evicting"))?.is_some() {
         let gone: HashSet<u128> = removed.iter().map(|&(key, _)| key).collect();
@@ -800,7 +878,7 @@ fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64) -> Resu
 
 /// Takes `n` live keys from each generation in `left` (their keys were rewritten at a newer
 /// clock); a generation left with none goes.
-fn take_live(txn: &WriteTransaction, left: &HashMap<u64, u32>) -> Result<()> {
+fn take_live(txn: &WriteTransaction, left: &IntMap<u64, u32>) -> Result<()> {
     if left.is_empty() {
         return Ok(());
     }

@@ -2,9 +2,14 @@
 //! committed view, and a sharing head's own events first), for a `Warm`, a `SharedWarm` and a
 //! read-only `Reader` alike.
 
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+
 use super::front::Front;
 use super::lookup::{self, NodeDepth};
+use super::others::OthersCache;
 use super::pending::{PENDING_NODES, Pending};
+use super::view_read::{Part, ViewRead};
 use super::warm::Hit;
 use crate::error::{Error, Result};
 use crate::keys::{BLOCK_TOKENS, BlockKey, MIN_BLOCKS, Namespace, Prefix, Scheme, legacy_chain};
@@ -30,32 +35,106 @@ pub(crate) fn same_scheme(scheme: Scheme, prefix: &Prefix) -> Result<()> {
     Err(Error::ForeignPrefix { prefix: prefix.scheme.name(), file: scheme.name() })
 }
 
-/// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
-/// yet back from the stream), then the memtable and the last commit: one read path.
-pub(crate) fn warmest(front: &mut Front, own: Option<&dyn Pending>, prefix: &Prefix) -> Result<Option<Hit>> {
-    if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
-        return Ok(None);
+/// Answers `answer` about `prefix` from the callers' side (`front`, under its lock) and the
+/// committed view's part, read with no lock held: the lock is taken to see which view is the
+/// callers', released while that view is read, and taken again to answer. If the view was
+/// replaced in between, or the answer needs the whole view and had less (`answer` gives
+/// `None`), it reads again. `whole`: whether it needs the whole view (`warm_nodes`).
+///
+/// # Errors
+/// [`Error::Poisoned`]; [`Error::Storage`] if a read of the file fails.
+pub(crate) fn answer_with<T>(
+    front: &Mutex<Front>,
+    others: &Mutex<OthersCache>,
+    prefix: &Prefix,
+    whole: bool,
+    mut answer: impl FnMut(&Front, &ViewRead) -> Option<T>,
+) -> Result<T> {
+    let mut whole = whole;
+    loop {
+        let read = view_read(front, others, prefix, whole)?;
+        let mut locked = front.lock().map_err(|_| Error::Poisoned)?;
+        if !read.fits(&locked) {
+            continue;
+        }
+        locked.expire_claims();
+        #[cfg(test)]
+        let _held = super::view_read::probe::held();
+        if let Some(out) = answer(&locked, &read) {
+            locked.read = Some(read);
+            return Ok(out);
+        }
+        whole = true;
     }
-    front.expire_claims();
-    let found = lookup::answer_search(front, own, &prefix.blocks)?;
+}
+
+/// The committed view's part of an answer about `prefix` (the whole view, if `whole`): the
+/// last one read, if it is of the same view and prompt, else read from the callers' view with
+/// no lock held.
+///
+/// # Errors
+/// [`Error::Poisoned`]; [`Error::Storage`] if a read of the file fails.
+pub(crate) fn view_read(
+    front: &Mutex<Front>,
+    others: &Mutex<OthersCache>,
+    prefix: &Prefix,
+    whole: bool,
+) -> Result<Arc<ViewRead>> {
+    let (view, floor, from, last, keeps_others) = {
+        let front = front.lock().map_err(|_| Error::Poisoned)?;
+        #[cfg(test)]
+        let _held = super::view_read::probe::held();
+        let last = front.read.clone().filter(|r| r.is_for(front.view.generation, prefix, whole));
+        // Past the memtable's remembered prefix (in memory: found under the lock).
+        let from = match whole || last.is_some() {
+            true => 0,
+            false => lookup::search(&prefix.blocks, |k| Ok::<_, Infallible>(lookup::pending(&front, k)))
+                .unwrap_or(None)
+                .map_or(0, |(_, n)| n),
+        };
+        (Arc::clone(&front.view), front.decided.horizon.floor, from, last, front.nodes_per_prefix > 1)
+    };
+    if let Some(last) = last {
+        return Ok(last);
+    }
+    let part = match whole {
+        true => Part::Whole(Some(others).filter(|_| keeps_others)),
+        false => Part::From(from),
+    };
+    ViewRead::read(&view, floor, prefix, part).map(Arc::new)
+}
+/// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
+/// yet back from the stream), then the memtable and the committed view (`read`, its part read
+/// with no lock held): one read path. `None` if `read` lacks the others rows it needs.
+pub(crate) fn warmest(
+    front: &Front,
+    own: Option<&dyn Pending>,
+    prefix: &Prefix,
+    read: &ViewRead,
+) -> Option<Option<Hit>> {
+    if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
+        return Some(None);
+    }
+    let found = lookup::longest(front, own, &prefix.blocks, read);
     // The last block's node was forgotten, or its cache no longer holds it: the next node
     // that ran the most of the prompt.
     let found = match found {
         Some(((node, clock), _)) if !lookup::answered(front, own, node, clock) => {
-            lookup::warm_nodes(front, own, &prefix.blocks)?.first().map(|d| ((d.node, d.clock), d.blocks))
+            lookup::warm_nodes(front, own, &prefix.blocks, read)?.first().map(|d| ((d.node, d.clock), d.blocks))
         }
         found => found,
     };
     // What the engines hold, by their events.
     let found = lookup::better(found, lookup::engine_search(front, &prefix.blocks));
-    let found = if prefix.legacy.is_empty() {
-        found
-    } else {
-        lookup::longer(found, lookup::walk(&prefix.legacy, |k| lookup::answer_probe(front, k))?)
+    let found = match prefix.legacy.is_empty() {
+        true => found,
+        false => lookup::longer(found, lookup::legacy_walk(front, &prefix.legacy, read)),
     };
-    Ok(found
-        .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-        .map(|((node, _), blocks)| hit(front, own, node, &prefix.blocks, blocks)))
+    Some(
+        found
+            .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
+            .map(|((node, _), blocks)| hit(front, own, node, &prefix.blocks, blocks)),
+    )
 }
 
 /// Node `node`'s hit of `blocks` blocks of `keys`, with the tiers its engine keeps them in.
@@ -64,10 +143,15 @@ fn hit(front: &Front, own: Option<&dyn Pending>, node: u32, keys: &[BlockKey], b
     Hit { node: node_name(front, own, node), tokens: blocks * BLOCK_TOKENS, tier, gpu_tokens: gpu * BLOCK_TOKENS }
 }
 
-/// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
-pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, prefix: &Prefix) -> Result<Vec<Hit>> {
-    front.expire_claims();
-    let mut found: Vec<NodeDepth> = lookup::warm_nodes(front, own, &prefix.blocks)?;
+/// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`warmest`]. `None` if `read`
+/// lacks the others rows it needs.
+pub(crate) fn warm_nodes(
+    front: &Front,
+    own: Option<&dyn Pending>,
+    prefix: &Prefix,
+    read: &ViewRead,
+) -> Option<Vec<Hit>> {
+    let mut found: Vec<NodeDepth> = lookup::warm_nodes(front, own, &prefix.blocks, read)?;
     if front.decided.engines.any() {
         // What each engine holds, by its events, where more than its claims.
         for held in lookup::engine_depths(front, &prefix.blocks) {
@@ -80,7 +164,7 @@ pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, prefix: &
         found.sort_by(NodeDepth::longest_first);
     }
     if !prefix.legacy.is_empty()
-        && let Some(((node, clock), blocks)) = lookup::walk(&prefix.legacy, |k| lookup::answer_probe(front, k))?
+        && let Some(((node, clock), blocks)) = lookup::legacy_walk(front, &prefix.legacy, read)
     {
         // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
         match found.iter_mut().find(|d| d.node == node) {
@@ -99,7 +183,7 @@ pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, prefix: &
             hits.push(hit);
         }
     }
-    Ok(hits)
+    Some(hits)
 }
 
 /// The name of node `node`: the file's, or `own`'s for its own nodes.

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published, Queued};
+use super::others::OthersCache;
 use super::presence::Filters;
 use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
@@ -34,6 +35,8 @@ pub(crate) struct Back {
 pub(crate) struct Inner {
     pub back: Mutex<Back>,
     pub front: Mutex<Front>,
+    /// The callers' copy of the committed view's others: locked after `front` when both are.
+    pub others: Mutex<OthersCache>,
     /// Wakes the commit thread (work queued, or closing).
     pub wake: Condvar,
     /// Wakes callers waiting for the queue to be taken.
@@ -229,7 +232,11 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
                     });
                     let changed = std::mem::take(&mut back.writer.held.others_changed);
                     drop(committed);
-                    (Ok(()), Some(front.install(view, &changed)))
+                    // The callers' copy of the others follows the view it is read with.
+                    if let Ok(mut others) = inner.others.lock() {
+                        others.committed(&view.tables, &changed);
+                    }
+                    (Ok(()), Some(front.install(view)))
                 }
                 None => {
                     // Their memtable maps stay (answered from there) until a commit's view is
@@ -437,8 +444,8 @@ fn index_segments(inner: &Inner) {
         }
         Ok(segments)
     })();
-    if let (Ok(segments), Ok(mut front)) = (found, inner.front.lock()) {
-        front.others.segments = Some(segments);
+    if let (Ok(segments), Ok(mut others)) = (found, inner.others.lock()) {
+        others.segments = Some(segments);
     }
 }
 

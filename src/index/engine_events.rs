@@ -29,7 +29,7 @@ impl Warm {
     pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        let (outcome, _) = self.change(
+        let (outcome, _) = self.change_now(
             0,
             |front| {
                 let before = front.decided.engine_counts(node);
@@ -57,7 +57,7 @@ impl Warm {
     pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        self.change(
+        self.change_now(
             0,
             |front| {
                 let before = front.decided.engine_counts(node);
@@ -76,7 +76,7 @@ impl Warm {
     pub(crate) fn engine_batch_at(&self, node: &str, batch: &EngineBatch, position: u64) -> Result<()> {
         check_len("node", node.len(), MAX_NODE_BYTES)?;
         self.wait_for_engine_room()?;
-        self.change(
+        self.change_now(
             position,
             |front| {
                 let before = front.decided.engine_counts(node);

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use super::decided::Decided;
 use super::memtable::{Map, Memtable};
-use super::others::OthersCache;
 use super::presence::Presence;
+use super::view_read::ViewRead;
 use crate::error::Error;
 use crate::keys::BlockKey;
 use crate::store::effect::Effect;
@@ -136,16 +136,6 @@ impl View {
     }
 }
 
-/// A search's result, for the chain whose last key and length it names, valid while the view,
-/// the memtable and the floor it read are those of `at`.
-#[derive(Clone, Copy)]
-pub(crate) struct Searched {
-    pub last: BlockKey,
-    pub len: usize,
-    pub at: (u64, u64, u64),
-    pub found: Option<((u32, u64), usize)>,
-}
-
 /// The caller's side.
 pub(crate) struct Front {
     /// What the callers have decided: the one copy.
@@ -155,8 +145,6 @@ pub(crate) struct Front {
     /// The last commit: replaced whole, with the memtable maps that commit made redundant
     /// dropped, under this lock, so every `ran` is always in one or the other.
     pub view: Arc<View>,
-    /// What the callers know of the view's others.
-    pub others: OthersCache,
     /// Changes the commit thread has not taken yet, oldest first.
     pub queue: Vec<Queued>,
     pub queued_blocks: usize,
@@ -168,9 +156,9 @@ pub(crate) struct Front {
     pub oldest_pending: Option<Instant>,
     /// Nodes a block keeps.
     pub nodes_per_prefix: usize,
-    /// The last search's result (`lookup::searched`): a `ran` that follows the `warmest` or
-    /// `warm_nodes` of its prompt does not search again.
-    pub searched: Option<Searched>,
+    /// The committed view's part of the last answer (read with no lock held): a `ran` that
+    /// follows the `warmest` or `warm_nodes` of its prompt does not read it again.
+    pub read: Option<Arc<ViewRead>>,
     /// Set while a change is made with the writer held alone (an import, a cache size): changes
     /// wait for it.
     pub importing: bool,
@@ -195,14 +183,13 @@ impl Front {
             decided,
             memtable: Memtable::default(),
             view: Arc::new(view),
-            others: OthersCache::default(),
             queue: Vec::new(),
             queued_blocks: 0,
             queued_engine_bytes: 0,
             taken_engine_bytes: 0,
             oldest_pending: None,
             nodes_per_prefix,
-            searched: None,
+            read: None,
             importing: false,
             failed: None,
             closing: false,
@@ -222,11 +209,6 @@ impl Front {
             self.decided.engines.expire_claims(node, clock);
             self.claims.pop_front();
         }
-    }
-
-    /// What a search's result depends on: the view, the memtable and the floor.
-    pub(crate) fn state(&self) -> (u64, u64, u64) {
-        (self.view.generation, self.memtable.generation(), self.decided.horizon.floor)
     }
 
     /// Bytes of the changes not yet committed: the memtable's maps, and each uncommitted block's
@@ -292,8 +274,7 @@ impl Front {
     /// memtable's sealed map: every change in it was taken before that commit (a take seals
     /// the open map, and both happen with the writer held). Returns what is replaced, to drop
     /// outside the lock.
-    pub(crate) fn install(&mut self, view: View, others_changed: &[u128]) -> (Arc<View>, Option<Map>) {
-        self.others.committed(others_changed);
+    pub(crate) fn install(&mut self, view: View) -> (Arc<View>, Option<Map>) {
         let old = std::mem::replace(&mut self.view, Arc::new(view));
         let gone = self.memtable.drop_sealed();
         self.taken_engine_bytes = 0;

@@ -12,12 +12,15 @@
 // length (or a run found inside it), so bounds checks that cannot fail stay out of it.
 #![allow(clippy::indexing_slicing)]
 
-use super::front::{Front, Searched};
+use std::convert::Infallible;
+
+use super::front::Front;
 use super::pending::{PENDING_NODES, Pending};
-use crate::error::{Result, redb_err};
+use super::view_read::ViewRead;
+use crate::error::Result;
 use crate::keys::BlockKey;
 use crate::store::engines::Medium;
-use crate::store::tables::{Entry, newest_members, table_key};
+use crate::store::tables::newest_members;
 
 /// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
 /// nodes holding its last block. Each node's held blocks are prefix-closed (an engine block is
@@ -26,7 +29,7 @@ pub(crate) fn engine_search(front: &Front, keys: &[BlockKey]) -> Longest<(u32, u
     if !front.decided.engines.any() {
         return None;
     }
-    search(keys, |k| Ok::<_, std::convert::Infallible>(front.decided.engines.holders(k))).unwrap_or(None)
+    search(keys, |k| Ok::<_, Infallible>(front.decided.engines.holders(k))).unwrap_or(None)
 }
 
 /// How much of `keys` each node with an engine stream holds, by its events (nodes holding none
@@ -36,7 +39,7 @@ pub(crate) fn engine_depths(front: &Front, keys: &[BlockKey]) -> Vec<NodeDepth> 
     engines
         .nodes()
         .filter_map(|node| {
-            let found = search(keys, |k| Ok::<_, std::convert::Infallible>(engines.held_by(k, node))).unwrap_or(None);
+            let found = search(keys, |k| Ok::<_, Infallible>(engines.held_by(k, node))).unwrap_or(None);
             found.map(|(clock, blocks)| NodeDepth { node, blocks, clock })
         })
         .collect()
@@ -54,7 +57,7 @@ pub(crate) fn engine_tiers(front: &Front, keys: &[BlockKey], node: u32, blocks: 
         return (Medium::Gpu, blocks);
     }
     let on_gpu = keys.get(..blocks).unwrap_or_default();
-    let gpu = search(on_gpu, |k| Ok::<_, std::convert::Infallible>(engines.held_on_gpu(k, node))).unwrap_or(None);
+    let gpu = search(on_gpu, |k| Ok::<_, Infallible>(engines.held_on_gpu(k, node))).unwrap_or(None);
     (Medium::of_tier(tier), gpu.map_or(0, |(_, n)| n))
 }
 
@@ -70,66 +73,69 @@ pub(crate) fn better(a: Longest<(u32, u64)>, b: Longest<(u32, u64)>) -> Longest<
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
 
-/// Who ran `key` last (node id), and when: the newest pending `ran`, else the last commit;
-/// nothing if that is at or below the callers' eviction floor (evicted, whether the commit
-/// thread has removed it yet or not). A forgotten node's entries are still found: they count
-/// for eviction until they go.
-pub(crate) fn probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    match front.memtable.get(key) {
-        Some(found) => Ok(Some(found).filter(|&(_, clock)| front.holds(clock))),
-        None => committed_probe(front, key),
-    }
+/// Who ran `key` last (node id), and when, by the memtable alone: nothing if that is at or
+/// below the callers' eviction floor (evicted, whether the commit thread has removed it yet or
+/// not). A forgotten node's entries are still found: they count for eviction until they go.
+pub(crate) fn pending(front: &Front, key: &BlockKey) -> Option<(u32, u64)> {
+    front.memtable.get(key).filter(|&(_, clock)| front.holds(clock))
 }
 
-/// [`search`] of `keys` with [`probe`], or its result from the last time, if it was of the same
-/// chain and nothing it read has changed since (the view's generation, the memtable's and the
-/// floor: [`Front::state`]).
-pub(crate) fn searched(front: &mut Front, keys: &[BlockKey]) -> Result<Longest<(u32, u64)>> {
-    let Some(&last) = keys.last() else { return Ok(None) };
-    let at = front.state();
-    if let Some(s) = front.searched.filter(|s| s.last == last && s.len == keys.len() && s.at == at) {
-        return Ok(s.found);
-    }
-    let found = search(keys, |k| probe(front, k))?;
-    front.searched = Some(Searched { last, len: keys.len(), at, found });
-    Ok(found)
-}
-
-/// [`probe`] for answers: `own`'s writes first (a sharing head's own events not yet back from the
-/// stream), then the memtable and the last commit.
-pub(crate) fn answer_source(front: &Front, own: Option<&dyn Pending>, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    match own.and_then(|o| o.newest(key)) {
-        Some(found) => Ok(Some(found)),
-        None => probe(front, key),
-    }
-}
-
-/// The longest remembered prefix for an answer: [`searched`], or with `own` writes a search of
-/// them too (not kept: a `ran` decides from the head's own state alone).
-pub(crate) fn answer_search(
-    front: &mut Front,
+/// The longest remembered prefix of `keys`, over `own`'s writes (a sharing head's own events not
+/// yet back from the stream), the memtable and the committed view (`read`, its part): who ran
+/// its last block (the newest source that has it), and its length. Each source's remembered
+/// blocks are a prefix of the chain, so their union's is the longest of them.
+pub(crate) fn longest(
+    front: &Front,
     own: Option<&dyn Pending>,
     keys: &[BlockKey],
-) -> Result<Longest<(u32, u64)>> {
-    match own {
-        Some(own) => search(keys, |k| answer_source(front, Some(own), k)),
-        None => searched(front, keys),
-    }
+    read: &ViewRead,
+) -> Longest<(u32, u64)> {
+    let own = own.and_then(|o| search(keys, |k| Ok::<_, Infallible>(o.newest(k))).unwrap_or(None));
+    let pending = search(keys, |k| Ok::<_, Infallible>(pending(front, k))).unwrap_or(None);
+    // The newest source wins a tie: it wrote the last block later.
+    [own, pending, read.longest(front)].into_iter().fold(None, |best, found| match (best, found) {
+        (Some(b), Some(f)) if f.1 > b.1 => Some(f),
+        (None, f) => f,
+        (b, _) => b,
+    })
 }
 
-/// [`probe`] of the last commit alone.
-fn committed_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    if front.view.presence.as_ref().is_some_and(|p| !p.may_hold(key)) {
-        return Ok(None);
+/// The remembered prefix of `keys` (the memtable's and the committed view's, `read`) as runs
+/// of equal clocks, `((node, clock), blocks)` from the first block on: the memtable's runs, then
+/// the view's past them (clocks never increase along a chain).
+pub(crate) fn remembered_runs(front: &Front, keys: &[BlockKey], read: &ViewRead) -> Vec<((u32, u64), u64)> {
+    let probe = |k: &BlockKey| Ok::<_, Infallible>(pending(front, k));
+    let found = search(keys, probe).unwrap_or(None);
+    let mut all = runs(keys, found, probe, |&(_, c)| c).unwrap_or_default();
+    let mut at = found.map_or(0, |(_, n)| n as u64);
+    let mut start = read.from() as u64;
+    for (owner, n) in read.runs(front) {
+        let end = start + n;
+        if end > at {
+            let n = end - at.max(start);
+            match all.last_mut() {
+                Some((last, blocks)) if last.1 == owner.1 => *blocks += n,
+                _ => all.push((owner, n)),
+            }
+            at = end;
+        }
+        start = end;
     }
-    let entry = front.view.prefixes().get(table_key(key)).map_err(redb_err("reading a prefix"))?;
-    Ok(entry.map(|g| Entry::from_tuple(g.value())).map(|e| (e.node, e.clock)).filter(|&(_, c)| front.holds(c)))
+    all
 }
 
-/// [`probe`] for answers: nothing for a forgotten node (0.1.7's imported entries are not counted
-/// in a node's cache, so its floor does not apply to them).
-pub(crate) fn answer_probe(front: &Front, key: &BlockKey) -> Result<Option<(u32, u64)>> {
-    Ok(probe(front, key)?.filter(|&(node, _)| !front.decided.nodes.is_retired(node)))
+/// The longest prefix of 0.1.7's chain `keys` that is remembered (by the memtable, else by the
+/// view's entries as `read` has them), walked block by block as 0.1.7 did: its entries promise
+/// no prefix. A forgotten node's entries are not answered (0.1.7's imported entries are not
+/// counted in a node's cache, so its floor does not apply to them).
+pub(crate) fn legacy_walk(front: &Front, keys: &[BlockKey], read: &ViewRead) -> Longest<(u32, u64)> {
+    let mut at = 0;
+    let found = walk(keys, |key| {
+        let stored = front.memtable.get(key).or_else(|| read.legacy(at));
+        at += 1;
+        Ok::<_, Infallible>(stored.filter(|&(node, clock)| front.holds(clock) && !front.decided.nodes.is_retired(node)))
+    });
+    found.unwrap_or(None)
 }
 
 /// Whether `node`'s pair of `clock` is answered: not forgotten (here, or by `own`), and still
@@ -149,21 +155,24 @@ pub(crate) fn answered(front: &Front, own: Option<&dyn Pending>, node: u32, cloc
 /// block names; a block that no longer names the node (dropped past `nodes_per_prefix`) is
 /// counted as new, its old count left where it is (the cache then looks fuller than it is: it
 /// evicts early, never late). A node without an id yet holds nothing.
+///
+/// `None` if `read` lacks the others rows this needs (read it again with them).
 pub(crate) fn node_runs(
-    front: &mut Front,
+    front: &Front,
     node: Option<u32>,
     keys: &[BlockKey],
     runs_by_writer: &[((u32, u64), u64)],
-) -> Result<Vec<(u64, u64)>> {
-    let Some(node) = node else { return Ok(Vec::new()) };
+    read: &ViewRead,
+) -> Option<Vec<(u64, u64)>> {
+    let Some(node) = node else { return Some(Vec::new()) };
     let floor = front.decided.caches.floor(node);
     if runs_by_writer.iter().all(|&((n, _), _)| n == node) {
-        return Ok(runs_by_writer.iter().map(|&((_, c), k)| (c, k)).filter(|&(c, _)| c > floor).collect());
+        return Some(runs_by_writer.iter().map(|&((_, c), k)| (c, k)).filter(|&(c, _)| c > floor).collect());
     }
     // (blocks, the node's clock on them) per stretch, deepest first.
     let mut start = 0;
     let mut per: Vec<(u64, Option<u64>)> = Vec::new();
-    for (i, named) in stretches(front, None, keys)? {
+    for (i, named) in stretches(front, None, keys, read)? {
         let clock = named.iter().find(|m| m.0 == node).map(|m| m.1).filter(|&c| c > floor);
         per.push(((i + 1 - start) as u64, clock));
         start = i + 1;
@@ -175,7 +184,7 @@ pub(crate) fn node_runs(
             _ => runs.push((clock, blocks)),
         }
     }
-    Ok(runs)
+    Some(runs)
 }
 
 /// One remembered node of a prompt: its id, how many blocks of the prompt it ran, and the clock
@@ -198,9 +207,14 @@ impl NodeDepth {
 /// deepest block it is named on, longest first, ties newest first. A block names the node of the
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes, and nodes whose cache
-/// no longer holds the block, are left out.
-pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) -> Result<Vec<NodeDepth>> {
-    let stretches = stretches(front, own, keys)?;
+/// no longer holds the block, are left out. `None` if `read` lacks the others rows this needs.
+pub(crate) fn warm_nodes(
+    front: &Front,
+    own: Option<&dyn Pending>,
+    keys: &[BlockKey],
+    read: &ViewRead,
+) -> Option<Vec<NodeDepth>> {
+    let stretches = stretches(front, own, keys, read)?;
     let mut deepest: Vec<NodeDepth> = Vec::new();
     for (i, named) in stretches {
         for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, own, node, clock)) {
@@ -211,7 +225,7 @@ pub(crate) fn warm_nodes(front: &mut Front, own: Option<&dyn Pending>, keys: &[B
         }
     }
     deepest.sort_unstable_by(NodeDepth::longest_first);
-    Ok(deepest)
+    Some(deepest)
 }
 
 /// The last block of a stretch, and the nodes (id, clock) each block of it names.
@@ -220,19 +234,13 @@ type Stretch = (usize, Vec<(u32, u64)>);
 /// The remembered prefix of `keys` as stretches of blocks that name the same nodes: `(i, named)`
 /// for the last block `i` of each, in order, with what each block of it names (each node once
 /// with its newest clock, those above the floor, the `nodes_per_prefix` newest; forgotten
-/// nodes and caches not filtered yet).
-fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) -> Result<Vec<Stretch>> {
-    let found = answer_search(front, own, keys)?;
-    let Some((_, len)) = found else { return Ok(Vec::new()) };
-    let keys = &keys[..len];
-    if front.nodes_per_prefix > 1 {
-        front.others.fill(front.view.others(), keys)?;
+/// nodes and caches not filtered yet). `None` if `read` lacks the others rows.
+fn stretches(front: &Front, own: Option<&dyn Pending>, keys: &[BlockKey], read: &ViewRead) -> Option<Vec<Stretch>> {
+    let Some((_, len)) = longest(front, own, keys, read) else { return Some(Vec::new()) };
+    if !read.is_whole() {
+        return None;
     }
-    let front = &*front;
-    let rows = match front.nodes_per_prefix {
-        1 => vec![None; len],
-        _ => front.others.rows(keys),
-    };
+    let keys = &keys[..len];
     // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
     // node): the last commit, and each pending batch. Where no source changes and no block has
     // others, every block names the same nodes, so only the last block of such a stretch is
@@ -241,23 +249,23 @@ fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) ->
     let pending = |map: &super::memtable::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
     let mut looked_at: Vec<usize> = Vec::new();
     let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
-    // If no memtable (nor `own`) has the last remembered block, the search found it in the last
-    // commit: that is the last commit's remembered prefix too (it is prefix-closed).
-    let last = &keys[len - 1];
-    let elsewhere = maps.iter().any(|m| m.newest(last).is_some()) || own.is_some_and(|o| o.newest(last).is_some());
-    let committed_found = match elsewhere {
-        true => search(keys, |k| committed_probe(front, k))?,
-        false => found,
-    };
-    sources.push(by_runs(keys, committed_found, |k| committed_probe(front, k), &mut looked_at)?);
+    let mut committed = vec![None; len];
+    let mut start = 0;
+    for (owner, n) in read.runs(front) {
+        let end = (start + n as usize).min(len);
+        committed[start..end].fill(Some(owner));
+        looked_at.push(end - 1);
+        start = end;
+    }
+    sources.push(committed);
     for map in &maps {
-        let found = search(keys, |k| Ok::<_, crate::error::Error>(pending(map, k)))?;
-        sources.push(by_runs(keys, found, |k| Ok(pending(map, k)), &mut looked_at)?);
+        let found = search(keys, |k| Ok::<_, Infallible>(pending(map, k))).unwrap_or(None);
+        sources.push(by_runs(keys, found, |k| Ok(pending(map, k)), &mut looked_at));
     }
     // `own`'s writes: one more source, and the blocks with more than one of them.
     let mut own_writes: Vec<Vec<(u32, u64)>> = Vec::new();
     if let Some(own) = own {
-        let found = search(keys, |k| Ok::<_, crate::error::Error>(own.newest(k)))?;
+        let found = search(keys, |k| Ok::<_, Infallible>(own.newest(k))).unwrap_or(None);
         let covered = found.map_or(0, |(_, n)| n);
         for (i, key) in keys.iter().enumerate().take(covered) {
             let mut writes = Vec::new();
@@ -266,7 +274,7 @@ fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) ->
             }
             own_writes.push(writes);
         }
-        sources.push(by_runs(keys, found, |k| Ok(own.newest(k)), &mut looked_at)?);
+        sources.push(by_runs(keys, found, |k| Ok(own.newest(k)), &mut looked_at));
     }
     let mut earlier_at = Vec::new();
     for (map, source) in maps.iter().zip(&sources[1..=maps.len()]).filter(|(m, _)| m.has_earlier()) {
@@ -279,7 +287,7 @@ fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) ->
     }
     // Neighbours with the same others (a moved conversation's blocks mostly list the same
     // nodes) are one stretch.
-    looked_at.extend((1..len).filter(|&i| rows[i] != rows[i - 1]).map(|i| i - 1));
+    looked_at.extend((1..len).filter(|&i| read.row(i) != read.row(i - 1)).map(|i| i - 1));
     looked_at.push(len - 1);
     looked_at.sort_unstable();
     looked_at.dedup();
@@ -292,14 +300,14 @@ fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) ->
         if let Some(writes) = own_writes.get(i) {
             named.extend_from_slice(writes);
         }
-        if let Some(row) = rows[i] {
+        if let Some(row) = read.row(i) {
             named.extend_from_slice(row);
         }
         named.retain(|&(_, clock)| front.holds(clock));
         newest_members(&mut named, front.nodes_per_prefix);
         stretches.push((i, named));
     }
-    Ok(stretches)
+    Some(stretches)
 }
 
 /// The (node, clock) `probe` gives each block of a prefix-closed chain whose clocks never
@@ -308,18 +316,18 @@ fn stretches(front: &mut Front, own: Option<&dyn Pending>, keys: &[BlockKey]) ->
 fn by_runs(
     keys: &[BlockKey],
     found: Longest<(u32, u64)>,
-    probe: impl FnMut(&BlockKey) -> Result<Option<(u32, u64)>>,
+    probe: impl FnMut(&BlockKey) -> Result<Option<(u32, u64)>, Infallible>,
     ends: &mut Vec<usize>,
-) -> Result<Vec<Option<(u32, u64)>>> {
+) -> Vec<Option<(u32, u64)>> {
     let mut owners = vec![None; keys.len()];
     let mut start = 0;
-    for (owner, n) in runs(keys, found, probe, |&(_, c)| c)? {
+    for (owner, n) in runs(keys, found, probe, |&(_, c)| c).unwrap_or_default() {
         let end = start + n as usize;
         owners[start..end].fill(Some(owner));
         ends.push(end - 1);
         start = end;
     }
-    Ok(owners)
+    owners
 }
 
 /// The remembered prefix of a prefix-closed chain (`found`: what [`search`] found of it) as runs

@@ -57,8 +57,6 @@ pub(crate) struct Memtable {
     /// A committed batch's map, emptied with its room kept: the next open map. A map a batch,
     /// allocated again at every commit, would leave the allocator's heap fragmented.
     spare: Option<Map>,
-    /// Changes with every write and every drop: what a memo of an answer read is valid for.
-    generation: u64,
 }
 
 impl Map {
@@ -209,7 +207,6 @@ impl Memtable {
     /// Adds a `ran` to the open batch (clocks only grow). With `others`, a block whose node
     /// changes keeps the one before.
     pub(crate) fn push(&mut self, clock: u64, blocks: &[BlockKey], node: u32, others: bool) {
-        self.generation += 1;
         self.open.put(blocks, node, clock, others);
         self.open_blocks += blocks.len();
     }
@@ -271,7 +268,6 @@ impl Memtable {
     /// Takes out the sealed map: the commit that holds what it holds is installed. The caller
     /// drops it (outside its lock).
     pub(crate) fn drop_sealed(&mut self) -> Option<Map> {
-        self.generation += 1;
         self.sealed.take().map(|(_, map)| map)
     }
 
@@ -285,11 +281,6 @@ impl Memtable {
             return None;
         }
         Some(map)
-    }
-
-    /// What a memo of an answer read from it is valid for.
-    pub(crate) fn generation(&self) -> u64 {
-        self.generation
     }
 
     /// Bytes its maps hold.

@@ -15,4 +15,5 @@ pub(crate) mod pending;
 pub(crate) mod presence;
 pub(crate) mod read_index;
 pub(crate) mod reader;
+pub(crate) mod view_read;
 pub(crate) mod warm;

@@ -3,15 +3,19 @@
 //! a conversation's segments at every turn, and a turn on the same node changes none of them,
 //! so most reads are answered here. Kept in step with each commit: the writer lists the keys
 //! whose rows a batch changed, and the entries of those keys go when the commit that holds
-//! them becomes the callers' view.
+//! them becomes the callers' view. The copy has a lock of its own, held only to look up and to
+//! keep rows: the file is read with no lock held (`view_read.rs`).
 
 // Read by every `warm_nodes`: each index is inside a segment range that `segments` cut from
 // the same slice of keys.
 #![allow(clippy::indexing_slicing)]
 
 use std::collections::{HashMap, HashSet};
+use std::ops::Range;
+use std::sync::{Arc, Weak};
 
-use super::front::CommittedOthers;
+use super::front::{Committed, CommittedOthers};
+use super::view_read::Tables;
 use crate::error::{Result, redb_err};
 use crate::keys::BlockKey;
 use crate::store::tables::{members, table_key};
@@ -29,6 +33,8 @@ pub(crate) type Row = Vec<(u32, u64)>;
 /// What the callers know of the last commit's others.
 #[derive(Default)]
 pub(crate) struct OthersCache {
+    /// The commit (its tables) the copy is of: rows read from another are not kept.
+    tables: Weak<(Committed, CommittedOthers)>,
     /// The segments (first half of their keys) that have a row, or more; `None` until the
     /// commit thread has read them (then every segment is read).
     pub segments: Option<HashSet<u64>>,
@@ -38,9 +44,35 @@ pub(crate) struct OthersCache {
     by_key: HashMap<u128, Option<Row>>,
 }
 
+/// What the copy lacks of one segment of a chain.
+pub(crate) struct Lack {
+    /// The segment's blocks in the chain.
+    segment: Range<usize>,
+    /// Whether the segment is read in one range read first.
+    whole: bool,
+    /// The blocks of it read one by one (if the range read finds too many rows).
+    blocks: Vec<usize>,
+}
+
+/// What was read of one segment for the copy.
+pub(crate) struct Fetched {
+    short: u64,
+    /// Every row of the segment, if it has few.
+    segment: Option<Vec<(u128, Row)>>,
+    /// Otherwise the row (or its absence) of each block read.
+    keys: Vec<(u128, Option<Row>)>,
+}
+
 impl OthersCache {
-    /// A commit whose batch changed the rows of `changed` is now the callers' view.
-    pub(crate) fn committed(&mut self, changed: &[u128]) {
+    /// An empty copy of the others of the commit whose tables are `tables`.
+    pub(crate) fn of(tables: &Tables) -> OthersCache {
+        OthersCache { tables: Arc::downgrade(tables), ..OthersCache::default() }
+    }
+
+    /// The commit whose tables are `tables`, whose batch changed the rows of `changed`, is now
+    /// the callers' view.
+    pub(crate) fn committed(&mut self, tables: &Tables, changed: &[u128]) {
+        self.tables = Arc::downgrade(tables);
         for &key in changed {
             let hi = (key >> 64) as u64;
             if let Some(segments) = self.segments.as_mut() {
@@ -51,47 +83,108 @@ impl OthersCache {
         }
     }
 
-    /// Reads into the copy what it lacks of the others of `keys`, as of `table`'s commit: a
-    /// segment in one range read, or a read a block if it has many rows.
-    pub(crate) fn fill(&mut self, table: &CommittedOthers, keys: &[BlockKey]) -> Result<()> {
-        if self.by_segment.len() + self.by_key.len() > MAX_CACHED {
-            self.by_segment.clear();
-            self.by_key.clear();
-        }
+    /// What the copy lacks of the others of `keys` (every segment, if `all`).
+    pub(crate) fn lacking(&self, keys: &[BlockKey], all: bool) -> Vec<Lack> {
+        let mut lacking = Vec::new();
         for segment in segments(keys) {
-            let hi = table_key(&keys[segment.start]) >> 64;
-            let short = hi as u64;
-            if !self.may_have(short) || self.by_segment.contains_key(&short) {
+            let key = table_key(&keys[segment.start]);
+            let short = (key >> 64) as u64;
+            if !all && (!self.may_have(short) || self.by_segment.contains_key(&short)) {
                 continue;
             }
-            if !self.by_key.contains_key(&table_key(&keys[segment.start])) {
+            let whole = all || !self.by_key.contains_key(&key);
+            let blocks: Vec<usize> =
+                segment.clone().filter(|&i| all || !self.by_key.contains_key(&table_key(&keys[i]))).collect();
+            if whole || !blocks.is_empty() {
+                lacking.push(Lack { segment, whole, blocks });
+            }
+        }
+        lacking
+    }
+
+    /// Reads from `table` what `lacking` names: a segment in one range read, or a read a block
+    /// if it has many rows.
+    ///
+    /// # Errors
+    /// [`crate::Error::Storage`] if a read fails.
+    pub(crate) fn fetch(table: &CommittedOthers, keys: &[BlockKey], lacking: &[Lack]) -> Result<Vec<Fetched>> {
+        let mut fetched = Vec::with_capacity(lacking.len());
+        for lack in lacking {
+            let hi = table_key(&keys[lack.segment.start]) >> 64;
+            let short = hi as u64;
+            if lack.whole {
                 let mut rows = Vec::new();
                 let range = table
                     .range((hi << 64)..=((hi << 64) | u128::from(u64::MAX)))
                     .map_err(redb_err("reading the others"))?;
+                #[cfg(test)]
+                super::view_read::probe::read();
                 for item in range.take(SEGMENT_ROWS + 1) {
                     let (key, row) = item.map_err(redb_err("reading the others"))?;
                     rows.push((key.value(), members(row.value()).collect::<Row>()));
                 }
                 if rows.len() <= SEGMENT_ROWS {
-                    self.by_segment.insert(short, rows);
+                    fetched.push(Fetched { short, segment: Some(rows), keys: Vec::new() });
                     continue;
                 }
             }
-            for i in segment {
+            let mut read = Vec::with_capacity(lack.blocks.len());
+            for &i in &lack.blocks {
                 let key = table_key(&keys[i]);
-                if let std::collections::hash_map::Entry::Vacant(slot) = self.by_key.entry(key) {
-                    let row = table.get(key).map_err(redb_err("reading the others"))?;
-                    slot.insert(row.map(|g| members(g.value()).collect()));
-                }
+                #[cfg(test)]
+                super::view_read::probe::read();
+                let row = table.get(key).map_err(redb_err("reading the others"))?;
+                read.push((key, row.map(|g| members(g.value()).collect())));
             }
+            fetched.push(Fetched { short, segment: None, keys: read });
         }
-        Ok(())
+        Ok(fetched)
     }
 
-    /// The others of each block of `keys` (`None` where it has none), from the copy (after
-    /// [`OthersCache::fill`] of the same keys).
-    pub(crate) fn rows(&self, keys: &[BlockKey]) -> Vec<Option<&[(u32, u64)]>> {
+    /// The others of each block of `keys` as of the commit whose tables are `tables`, with
+    /// `fetched` (what [`OthersCache::lacking`] named, read from that commit) kept in the copy;
+    /// `None` if the copy is of another commit (then read them all, with `all`).
+    pub(crate) fn rows_with(
+        &mut self,
+        tables: &Tables,
+        keys: &[BlockKey],
+        fetched: Vec<Fetched>,
+    ) -> Option<Vec<Option<Row>>> {
+        if self.tables.as_ptr() != Arc::as_ptr(tables) {
+            return None;
+        }
+        for f in fetched {
+            match f.segment {
+                Some(rows) => {
+                    self.by_segment.insert(f.short, rows);
+                }
+                None => self.by_key.extend(f.keys),
+            }
+        }
+        let rows = self.rows(keys).into_iter().map(|row| row.map(<[(u32, u64)]>::to_vec)).collect();
+        if self.by_segment.len() + self.by_key.len() > MAX_CACHED {
+            self.by_segment.clear();
+            self.by_key.clear();
+        }
+        Some(rows)
+    }
+
+    /// The others of each block of `keys` from `fetched` alone (every segment of them read).
+    pub(crate) fn rows_of(keys: &[BlockKey], fetched: Vec<Fetched>) -> Vec<Option<Row>> {
+        let mut alone = OthersCache::default();
+        for f in fetched {
+            match f.segment {
+                Some(rows) => {
+                    alone.by_segment.insert(f.short, rows);
+                }
+                None => alone.by_key.extend(f.keys),
+            }
+        }
+        alone.rows(keys).into_iter().map(|row| row.map(<[(u32, u64)]>::to_vec)).collect()
+    }
+
+    /// The others of each block of `keys` (`None` where it has none), from the copy.
+    fn rows(&self, keys: &[BlockKey]) -> Vec<Option<&[(u32, u64)]>> {
         let mut found = vec![None; keys.len()];
         for segment in segments(keys) {
             let short = (table_key(&keys[segment.start]) >> 64) as u64;

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use super::answer;
 use super::decided::Decided;
 use super::front::{Front, Published, View};
+use super::others::OthersCache;
 use super::read_index::ReadIndex;
 use super::warm::Hit;
 use crate::error::{Error, Result, redb_err};
@@ -22,6 +23,8 @@ use crate::store::writer::MAX_NODES_PER_PREFIX;
 /// caches and engine streams are the file's). Open another to see later commits.
 pub struct Reader {
     front: Mutex<Front>,
+    /// Its copy of the others it has read.
+    others: Mutex<OthersCache>,
     scheme: Scheme,
     legacy: bool,
     /// The snapshot the answers are read from (its lock keeps a head from rewriting the file
@@ -63,8 +66,9 @@ impl Reader {
         let view = View { generation: 0, tables: Arc::new((prefixes, others)), presence: None, published };
         let legacy = meta.legacy_entries > 0;
         // Every node a block keeps is read: how many a head keeps is its own setting.
+        let others = Mutex::new(OthersCache::of(&view.tables));
         let front = Front::new(decided, view, MAX_NODES_PER_PREFIX);
-        Ok(Reader { front: Mutex::new(front), scheme, legacy, _snapshot: snapshot })
+        Ok(Reader { front: Mutex::new(front), others, scheme, legacy, _snapshot: snapshot })
     }
 }
 
@@ -75,13 +79,15 @@ impl ReadIndex for Reader {
 
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
         answer::same_scheme(self.scheme, prefix)?;
-        let mut front = self.front.lock().map_err(|_| Error::Poisoned)?;
-        answer::warmest(&mut front, None, prefix)
+        answer::answer_with(&self.front, &self.others, prefix, false, |front, read| {
+            answer::warmest(front, None, prefix, read)
+        })
     }
 
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
         answer::same_scheme(self.scheme, prefix)?;
-        let mut front = self.front.lock().map_err(|_| Error::Poisoned)?;
-        answer::warm_nodes(&mut front, None, prefix)
+        answer::answer_with(&self.front, &self.others, prefix, true, |front, read| {
+            answer::warm_nodes(front, None, prefix, read)
+        })
     }
 }

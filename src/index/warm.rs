@@ -24,6 +24,7 @@ use super::commit::{
 use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
 use super::lookup;
+use super::others::OthersCache;
 use super::pending::Pending;
 use super::presence::Filters;
 use super::read_index::ReadIndex;
@@ -181,9 +182,11 @@ impl Warm {
     ) -> Result<Warm> {
         let view =
             View { generation: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
+        let others = Mutex::new(OthersCache::of(&view.tables));
         let mut front = Front::new(decided, view, writer.nodes_per_prefix);
         front.engine_grace = engine_grace;
         let inner = Arc::new(Inner {
+            others,
             durable_position: AtomicU64::new(writer.position),
             queue_recorded: Mutex::new(0),
             scheme,
@@ -271,40 +274,60 @@ impl Warm {
         if prefix.blocks.is_empty() {
             return Ok(());
         }
-        self.change(
-            position,
-            |front| {
-                // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in runs
-                // of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept, the blocks
-                // of the prompt it held, by the clock it last ran them at.
-                let found = lookup::searched(front, &prefix.blocks)?;
-                let by_writer = lookup::runs(&prefix.blocks, found, |k| lookup::probe(front, k), |&(_, c)| c)?;
-                let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
-                let held = match front.decided.caches.tracks(node) {
-                    true => {
-                        let id = front.decided.nodes.current(node);
-                        lookup::node_runs(front, id, &prefix.blocks, &by_writer)?
+        let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
+        // The committed view's part, read with no lock held: the whole view only if what the
+        // node's cache held is read from what each block names.
+        let mut whole = false;
+        loop {
+            let read = answer::view_read(&self.inner.front, &self.inner.others, prefix, whole)?;
+            let decided = self.change(
+                position,
+                |front| {
+                    if !read.fits(front) {
+                        return Ok(None);
                     }
-                    false => Vec::new(),
-                };
-                let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
-                let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
-                // A `ran` on a node whose engine reports what it holds is a claim until its grace
-                // window passes.
-                if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id)) {
-                    front.claims.push_back((id, front.decided.clock, Instant::now()));
-                }
-                Ok(((), effects))
-            },
-            |()| telemetry::ran(),
-        )
+                    // Decided now, once: the blocks this `ran` keeps live (a prefix of its chain, in
+                    // runs of equal clocks), for 0.1.7's eviction; and, if its node's cache is kept,
+                    // the blocks of the prompt it held, by the clock it last ran them at.
+                    let by_writer = lookup::remembered_runs(front, &prefix.blocks, &read);
+                    let runs: Vec<(u64, u64)> = by_writer.iter().map(|&((_, clock), n)| (clock, n)).collect();
+                    let held = match front.decided.caches.tracks(node) {
+                        true => {
+                            let id = front.decided.nodes.current(node);
+                            match lookup::node_runs(front, id, &prefix.blocks, &by_writer, &read) {
+                                Some(held) => held,
+                                None => {
+                                    whole = true;
+                                    return Ok(None);
+                                }
+                            }
+                        }
+                        false => Vec::new(),
+                    };
+                    let effects = front.decided.ran(&prefix.namespace, &blocks, node, &runs, &held)?;
+                    // A `ran` on a node whose engine reports what it holds is a claim until its
+                    // grace window passes.
+                    if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id))
+                    {
+                        front.claims.push_back((id, front.decided.clock, Instant::now()));
+                    }
+                    Ok(Some(((), effects)))
+                },
+                |()| telemetry::ran(),
+            )?;
+            if decided.is_some() {
+                return Ok(());
+            }
+        }
     }
 
     /// Decides a change under the front lock (once the back-pressure lets it) with `decide`,
     /// and queues its effects with stream position `position`; without a commit thread, commits
     /// it before returning. `decided` gets what `decide` returned once the change is queued and
     /// the callers' lock released, before that commit (which keeps the change if it fails):
-    /// what the change reports is recorded once, whatever the commit does.
+    /// what the change reports is recorded once, whatever the commit does. `decide` may decide
+    /// nothing (`None`: what it read with no lock held is out of date): then nothing is queued,
+    /// and this returns `None`.
     ///
     /// # Errors
     /// `decide`'s; [`Error::CommitFailed`] while commits fail; without a commit thread, the
@@ -312,9 +335,9 @@ impl Warm {
     pub(super) fn change<T>(
         &self,
         position: u64,
-        decide: impl FnOnce(&mut Front) -> Result<(T, Vec<Effect>)>,
+        decide: impl FnOnce(&mut Front) -> Result<Option<(T, Vec<Effect>)>>,
         decided: impl FnOnce(&T),
-    ) -> Result<T> {
+    ) -> Result<Option<T>> {
         // Without a commit thread, this change is committed by this call alone: the writer is
         // held from before it is queued, so no other caller's commit (or failure) takes it.
         let back = match self.flusher {
@@ -342,7 +365,9 @@ impl Warm {
                 return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
             front.expire_claims();
-            let (out, effects) = decide(&mut front)?;
+            #[cfg(test)]
+            let _held = super::view_read::probe::held();
+            let Some((out, effects)) = decide(&mut front)? else { return Ok(None) };
             let was_idle = front.oldest_pending.is_none();
             front.push(Queued { effects, at: Instant::now(), position });
             if self.flusher.is_some() && was_idle {
@@ -357,8 +382,25 @@ impl Warm {
         record_queue(&self.inner, queued);
         decided(&out);
         match back {
-            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| out),
-            None => Ok(out),
+            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| Some(out)),
+            None => Ok(Some(out)),
+        }
+    }
+
+    /// [`Warm::change`] for a change that is always decided (it reads nothing with no lock held).
+    ///
+    /// # Errors
+    /// As [`Warm::change`].
+    pub(super) fn change_now<T>(
+        &self,
+        position: u64,
+        decide: impl Fn(&mut Front) -> Result<(T, Vec<Effect>)>,
+        decided: impl Fn(&T),
+    ) -> Result<T> {
+        loop {
+            if let Some(out) = self.change(position, |front| decide(front).map(Some), &decided)? {
+                return Ok(out);
+            }
         }
     }
 
@@ -702,7 +744,9 @@ impl Warm {
     /// yet back from the stream), then the memtable and the last commit: one read path.
     pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Option<Hit>> {
         self.same_scheme(prefix)?;
-        let hit = answer::warmest(&mut *self.front()?, own, prefix)?;
+        let (front, others) = (&self.inner.front, &self.inner.others);
+        let hit =
+            answer::answer_with(front, others, prefix, false, |front, read| answer::warmest(front, own, prefix, read))?;
         telemetry::answered(prefix.tokens(), hit.as_ref().map_or(0, |h| h.tokens));
         Ok(hit)
     }
@@ -710,7 +754,10 @@ impl Warm {
     /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
     pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
         self.same_scheme(prefix)?;
-        let hits = answer::warm_nodes(&mut *self.front()?, own, prefix)?;
+        let (front, others) = (&self.inner.front, &self.inner.others);
+        let hits = answer::answer_with(front, others, prefix, true, |front, read| {
+            answer::warm_nodes(front, own, prefix, read)
+        })?;
         telemetry::answered(prefix.tokens(), hits.first().map_or(0, |h| h.tokens));
         Ok(hits)
     }

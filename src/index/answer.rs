@@ -103,9 +103,10 @@ pub(crate) fn view_read(
     };
     ViewRead::read(&view, floor, prefix, part).map(Arc::new)
 }
+
 /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
 /// yet back from the stream), then the memtable and the committed view (`read`, its part read
-/// with no lock held): one read path. `None` if `read` lacks the others rows it needs.
+/// with no lock held): one read path. `None` if it needs the whole view and `read` is less.
 pub(crate) fn warmest(
     front: &Front,
     own: Option<&dyn Pending>,
@@ -144,7 +145,7 @@ fn hit(front: &Front, own: Option<&dyn Pending>, node: u32, keys: &[BlockKey], b
 }
 
 /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`warmest`]. `None` if `read`
-/// lacks the others rows it needs.
+/// is not the whole view.
 pub(crate) fn warm_nodes(
     front: &Front,
     own: Option<&dyn Pending>,

@@ -156,7 +156,7 @@ pub(crate) fn answered(front: &Front, own: Option<&dyn Pending>, node: u32, cloc
 /// counted as new, its old count left where it is (the cache then looks fuller than it is: it
 /// evicts early, never late). A node without an id yet holds nothing.
 ///
-/// `None` if `read` lacks the others rows this needs (read it again with them).
+/// `None` if `read` is not the whole view this needs (read it again whole).
 pub(crate) fn node_runs(
     front: &Front,
     node: Option<u32>,
@@ -207,7 +207,7 @@ impl NodeDepth {
 /// deepest block it is named on, longest first, ties newest first. A block names the node of the
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes, and nodes whose cache
-/// no longer holds the block, are left out. `None` if `read` lacks the others rows this needs.
+/// no longer holds the block, are left out. `None` if `read` is not the whole view.
 pub(crate) fn warm_nodes(
     front: &Front,
     own: Option<&dyn Pending>,
@@ -234,7 +234,7 @@ type Stretch = (usize, Vec<(u32, u64)>);
 /// The remembered prefix of `keys` as stretches of blocks that name the same nodes: `(i, named)`
 /// for the last block `i` of each, in order, with what each block of it names (each node once
 /// with its newest clock, those above the floor, the `nodes_per_prefix` newest; forgotten
-/// nodes and caches not filtered yet). `None` if `read` lacks the others rows.
+/// nodes and caches not filtered yet). `None` if `read` is not the whole view.
 fn stretches(front: &Front, own: Option<&dyn Pending>, keys: &[BlockKey], read: &ViewRead) -> Option<Vec<Stretch>> {
     let Some((_, len)) = longest(front, own, keys, read) else { return Some(Vec::new()) };
     if !read.is_whole() {

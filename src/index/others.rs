@@ -153,15 +153,8 @@ impl OthersCache {
         if self.tables.as_ptr() != Arc::as_ptr(tables) {
             return None;
         }
-        for f in fetched {
-            match f.segment {
-                Some(rows) => {
-                    self.by_segment.insert(f.short, rows);
-                }
-                None => self.by_key.extend(f.keys),
-            }
-        }
-        let rows = self.rows(keys).into_iter().map(|row| row.map(<[(u32, u64)]>::to_vec)).collect();
+        self.keep(fetched);
+        let rows = self.owned_rows(keys);
         if self.by_segment.len() + self.by_key.len() > MAX_CACHED {
             self.by_segment.clear();
             self.by_key.clear();
@@ -172,15 +165,25 @@ impl OthersCache {
     /// The others of each block of `keys` from `fetched` alone (every segment of them read).
     pub(crate) fn rows_of(keys: &[BlockKey], fetched: Vec<Fetched>) -> Vec<Option<Row>> {
         let mut alone = OthersCache::default();
+        alone.keep(fetched);
+        alone.owned_rows(keys)
+    }
+
+    /// Keeps what was fetched in the copy.
+    fn keep(&mut self, fetched: Vec<Fetched>) {
         for f in fetched {
             match f.segment {
                 Some(rows) => {
-                    alone.by_segment.insert(f.short, rows);
+                    self.by_segment.insert(f.short, rows);
                 }
-                None => alone.by_key.extend(f.keys),
+                None => self.by_key.extend(f.keys),
             }
         }
-        alone.rows(keys).into_iter().map(|row| row.map(<[(u32, u64)]>::to_vec)).collect()
+    }
+
+    /// [`OthersCache::rows`], copied out of the copy.
+    fn owned_rows(&self, keys: &[BlockKey]) -> Vec<Option<Row>> {
+        self.rows(keys).into_iter().map(|row| row.map(<[(u32, u64)]>::to_vec)).collect()
     }
 
     /// The others of each block of `keys` (`None` where it has none), from the copy.

@@ -92,15 +92,13 @@ fn open_and_durable(label: &str, entries: u64) {
     for k in 0..rounds {
         warm.ran(MODEL, &prompt(10_000_000 + k), "node-new").expect("ran");
         let before = written();
-        let t = Instant::now();
-        warm.sync().expect("sync");
-        ours.push(t.elapsed());
+        ours.push(timed(|| warm.sync().expect("sync")));
         our_bytes += written() - before;
         base.ran(MODEL, &prompt(10_000_000 + k), "node-new");
         let before = written();
-        let t = Instant::now();
-        base.save();
-        theirs.push(t.elapsed());
+        theirs.push(timed(|| {
+            base.save();
+        }));
         their_bytes += written() - before;
         std::fs::File::open(&json).and_then(|f| f.sync_all()).expect("sync 0.1.7's file");
     }

@@ -3,7 +3,8 @@
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use crate::exporter::{LogFormat, init_logs, render_stats, serve_metrics};
 use clap::{Args, Parser, Subcommand};
@@ -17,7 +18,10 @@ use superfluid_warm::{
     DEFAULT_NODES_PER_PREFIX, DEFAULT_SYNC_WINDOW, DumpEntry, Error, FileCheck, IndexFile, LegacyJson, MAX_CAPACITY,
     SharedWarm, Sharing, Snapshot, Stats, Warm,
 };
-use superfluid_warm::{EngineEndpoint, Hit, ListenStats, Listener, Medium, Namespace, ReadIndex, Reader};
+use superfluid_warm::{
+    EngineBatch, EngineEndpoint, EngineOutcome, EngineSink, Hit, ListenStats, Listener, Medium, Namespace, ReadIndex,
+    Reader,
+};
 
 /// What every command does with a file a crashed head left, said once.
 const CRASH_RULE: &str = "A file left open by a head that crashed: `dump` and `stats` refuse it and `check` reports \
@@ -60,7 +64,7 @@ enum Command {
     },
     /// Checks the invariants and, where no head has the file open, redb's integrity (on a copy).
     /// Exit code 0: healthy; 1: the file could not be checked (no index there, not an index,
-    /// unreadable); 2: a problem was found (each is listed), a file a crashed head left included.
+    /// unreadable, or a head is creating it: retry); 2: a problem was found (each is listed), a file a crashed head left included.
     Check {
         /// The index file.
         path: PathBuf,
@@ -116,6 +120,15 @@ enum Command {
     /// Keeps the index of what each engine holds from its KV cache events (vLLM's or SGLang's,
     /// over ZMQ), as a head that only listens, until SIGTERM or Ctrl-C (then closes the file
     /// cleanly). A status line a node goes to stderr every --status-every seconds.
+    ///
+    /// Exit code 0: stopped by SIGTERM, SIGINT or --duration (also while starting), the file
+    /// closed cleanly. 1: it could not start (the file could not be opened, an engine endpoint
+    /// refused), or it could not go on and stopped at once, for a supervisor to restart it: the
+    /// file's writes failed for good (a full disk: an I/O error latches until the file is
+    /// reopened), the NATS link halted (its stream was deleted) or had no stream within
+    /// --nats-wait, or the file was deleted or replaced under it. The reason is on stderr and in
+    /// the status file `PATH.listen.json` (`stats` shows it), and the file is closed cleanly
+    /// where it still can be. 2: an option was refused.
     Listen(ListenArgs),
 }
 
@@ -309,6 +322,8 @@ enum CliError {
     Refused(String),
     /// Nothing went wrong, but the command found nothing of what it was asked about (exit 1).
     NotFound(String),
+    /// `listen` stopped on its own: it could not go on (exit 1; the message says why).
+    Stopped(String),
 }
 
 impl From<Error> for CliError {
@@ -347,7 +362,7 @@ impl std::fmt::Display for CliError {
             CliError::Trace(e) => write!(f, "{e}"),
             CliError::Output(e) => write!(f, "writing the output: {e}"),
             CliError::TempDir(e) => write!(f, "cannot make a temporary directory for the index: {e}; pass --db PATH"),
-            CliError::Refused(why) | CliError::NotFound(why) => write!(f, "{why}"),
+            CliError::Refused(why) | CliError::NotFound(why) | CliError::Stopped(why) => write!(f, "{why}"),
         }
     }
 }
@@ -421,6 +436,10 @@ struct ListenArgs {
     /// With --nats: this head's name in the stream (unique among the heads).
     #[arg(long, requires = "nats", default_value = "listen")]
     head: String,
+    /// With --nats: seconds to wait at startup for the server and the stream (JetStream); none
+    /// by then (nothing listens at the URL, JetStream is off) stops `listen` with exit code 1.
+    #[arg(long, requires = "nats", default_value_t = 30.0)]
+    nats_wait: f64,
     /// Serve the metrics at http://ADDR/metrics in Prometheus' text format (e.g.
     /// 0.0.0.0:9464).
     #[arg(long, value_name = "ADDR")]
@@ -511,86 +530,342 @@ fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
 }
 
 fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError> {
+    // SIGTERM and SIGINT are caught before anything is opened: one that comes while the file
+    // opens (a recovery or a page check may take a while) stops `listen` once it is open, with
+    // the file closed cleanly, never in the middle of the open (which leaves it to recover).
+    let mut signals = Signals::catch()?;
     if let Some(addr) = args.metrics {
         serve_metrics(addr).map_err(CliError::Refused)?;
     }
-    let engines = args
-        .engines
-        .iter()
-        .map(|spec| EngineEndpoint::parse(spec, args.model.as_deref()))
-        .collect::<Result<Vec<_>, Error>>()?;
+    let engines = EngineEndpoint::parse_all(&args.engines, args.model.as_deref())?;
     let (timeout, every) =
         (seconds("replay-timeout", args.replay_timeout)?, seconds("status-every", args.status_every)?);
     let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
+    let nats_wait = seconds("nats-wait", args.nats_wait)?;
     let mut builder = Warm::builder();
     builder.cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX));
     let sink = match &args.nats {
         Some(url) => {
             let shared = SharedWarm::open(&builder, &args.path, Sharing::nats(url, &args.stream, &args.head))?;
             say_how_opened(&args.path, &shared.stats()?.0);
-            Sink::Shared(std::sync::Arc::new(shared))
+            Sink::Shared(Arc::new(shared))
         }
         None => {
             let warm = builder.open(&args.path)?;
             say_how_opened(&args.path, &warm.stats()?);
-            Sink::Own(std::sync::Arc::new(warm))
+            Sink::Own(Arc::new(warm))
         }
-    };
-    let listener = match &sink {
-        Sink::Own(warm) => Listener::start(std::sync::Arc::clone(warm), &engines, timeout)?,
-        Sink::Shared(shared) => Listener::start(std::sync::Arc::clone(shared), &engines, timeout)?,
     };
     let status = listen_status_path(&args.path);
     // The status file is refreshed every --status-every seconds, or every 10 s without lines.
     let refresh = if every.is_zero() { Duration::from_secs(10) } else { every };
-    write_listen_status(&status, &listener.stats(), true, refresh);
+    if signals.came(Duration::from_millis(10)) {
+        eprintln!("superfluid-warm: stopped while starting (SIGTERM or SIGINT)");
+        write_listen_status(&status, &[], &ListenHealth::default(), false, refresh);
+        return match sink.close() {
+            Some(Err(e)) => Err(e.into()),
+            _ => emit(out, &format!("stopped; {} closed cleanly", args.path.display())),
+        };
+    }
+    // The file as opened: one deleted or replaced under `listen` is noticed.
+    let opened = file_identity(&args.path);
+    let fatal = Arc::new(Mutex::new(None));
+    let watched = Arc::new(Watched { sink: sink.clone(), fatal: Arc::clone(&fatal) });
+    let listener = Listener::start(watched, &engines, timeout)?;
+    let mut health = ListenHealth::default();
+    health.look(&sink, args.nats.is_none());
+    write_listen_status(&status, &listener.stats(), &health, true, refresh);
     eprintln!("superfluid-warm: listening to {} engine(s) into {}", engines.len(), args.path.display());
-    let print = |stats: &[ListenStats]| {
+    let print = |stats: &[ListenStats], health: &ListenHealth| {
         for s in stats {
             let ms = |l: Option<f64>| l.map_or_else(|| "-".to_string(), |l| format!("{:.1} ms", l * 1000.0));
             let lag = format!("{} p50, {} p99", ms(s.lag_p50), ms(s.lag_p99));
             let silent = s.silent_for.map_or_else(|| "never heard".to_string(), |t| format!("last batch {t:.1} s ago"));
             eprintln!(
-                "  {}: {} batches ({} undecodable, {} malformed), {} replays ({} short), lag {lag}, {silent}{}",
+                "  {}: {} batches ({} undecodable, {} malformed), {} replays ({} short, {} skipped{}), {} connections dropped, lag {lag}, {silent}{}",
                 s.node,
                 s.received,
                 s.undecodable,
                 s.malformed,
                 s.replays,
                 s.replays_short,
+                s.replays_skipped,
+                s.replay_backoff
+                    .map_or_else(String::new, |b| format!(": replay endpoint mute, asked again in {b:.0} s")),
+                s.dropped,
                 s.error.as_ref().map_or_else(String::new, |e| format!("; error: {e}"))
             );
         }
-    };
-    wait_for_stop(until, refresh, || {
-        let stats = listener.stats();
-        write_listen_status(&status, &stats, true, refresh);
-        if !every.is_zero() {
-            print(&stats);
+        if let Some(line) = health.sharing_line() {
+            eprintln!("  {line}");
         }
-    })?;
+        if let Some(error) = &health.error {
+            eprintln!("  stopping: {error}");
+        }
+    };
+    let started = Instant::now();
+    let deadline = until.map(|d| started + d);
+    let mut next_refresh = started + refresh;
+    let mut warned: Option<String> = None;
+    let ended = loop {
+        let now = Instant::now();
+        let wait = [Some(LISTEN_CHECK), deadline.map(|d| d - now), Some(next_refresh.saturating_duration_since(now))]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(LISTEN_CHECK)
+            .max(Duration::from_millis(1));
+        if signals.came(wait) || deadline.is_some_and(|d| Instant::now() >= d) {
+            break None;
+        }
+        health.look(&sink, health.ready);
+        if let Some(why) = listen_trouble(args, &sink, &fatal, opened, &health, started.elapsed() >= nats_wait) {
+            break Some(why);
+        }
+        if let Some(link) = health.link_error.as_ref().filter(|e| warned.as_ref() != Some(*e)) {
+            tracing::warn!(error = %link, "the NATS link has trouble; retrying (its events are buffered)");
+            warned = Some(link.clone());
+        }
+        if Instant::now() >= next_refresh {
+            next_refresh += refresh;
+            let stats = listener.stats();
+            write_listen_status(&status, &stats, &health, true, refresh);
+            if !every.is_zero() {
+                print(&stats, &health);
+            }
+        }
+    };
+    health.error.clone_from(&ended);
+    // The file at the path is not the one opened: closing the handle closes the old one.
+    let gone = file_identity(&args.path) != opened;
     let stats = listener.stop();
-    write_listen_status(&status, &stats, false, refresh);
-    print(&stats);
+    write_listen_status(&status, &stats, &health, false, refresh);
+    print(&stats, &health);
     // Every listening thread has ended, and with it its handle on the index.
-    let closed = match sink {
-        Sink::Own(warm) => std::sync::Arc::try_unwrap(warm).ok().map(Warm::close),
-        Sink::Shared(shared) => std::sync::Arc::try_unwrap(shared).ok().map(SharedWarm::close),
-    };
-    match closed {
-        Some(done) => {
-            done?;
-            emit(out, &format!("stopped; {} closed cleanly", args.path.display()))
-        }
+    let closed = sink.close();
+    match (ended, closed) {
+        (None, Some(Err(e))) => Err(e.into()),
+        (None, Some(Ok(()))) => emit(out, &format!("stopped; {} closed cleanly", args.path.display())),
         // Not reached (every thread has ended): dropped, it closes best effort.
-        None => emit(out, &format!("stopped; {} closed", args.path.display())),
+        (None, None) => emit(out, &format!("stopped; {} closed", args.path.display())),
+        (Some(why), closed) => {
+            let closed = match closed {
+                Some(Ok(())) if gone => "the file it had opened closed".to_string(),
+                Some(Ok(())) => format!("{} closed cleanly", args.path.display()),
+                Some(Err(e)) => format!(
+                    "{} could not be closed cleanly ({}): its next open recovers it to its last commit",
+                    args.path.display(),
+                    storage_cause(&e)
+                ),
+                None => format!("{} closed", args.path.display()),
+            };
+            Err(CliError::Stopped(format!("{why}; stopped with exit code 1 so that it can be restarted; {closed}")))
+        }
+    }
+}
+
+/// How often `listen` looks for what stops it: a signal, a failed disk, a halted NATS link, its
+/// file deleted.
+const LISTEN_CHECK: Duration = Duration::from_millis(100);
+
+/// Why `listen` cannot go on, if it cannot: its file's writes failed for good (an I/O error
+/// latched), the NATS link halted or was not up within --nats-wait (`waited`), or the file was
+/// deleted or replaced under it.
+fn listen_trouble(
+    args: &ListenArgs,
+    sink: &Sink,
+    fatal: &Mutex<Option<Error>>,
+    opened: Option<(u64, u64)>,
+    health: &ListenHealth,
+    waited: bool,
+) -> Option<String> {
+    let path = args.path.display();
+    if let Some(e) = fatal.lock().ok().and_then(|mut f| f.take()) {
+        return Some(format!(
+            "writing {path} failed for good ({}; a full disk?): this process can write it no more; what was \
+             committed before is intact",
+            storage_cause(&e)
+        ));
+    }
+    if let Sink::Shared(shared) = sink {
+        if let Some(halted) = shared.share_stats().halted {
+            return Some(format!("the NATS link halted: {halted}"));
+        }
+        if !health.ready && waited {
+            let why = health.link_error.as_deref().unwrap_or("the server did not answer");
+            return Some(format!(
+                "no NATS stream to share through after --nats-wait {} s ({why}); check that nats-server -js runs at {}",
+                args.nats_wait,
+                args.nats.as_deref().unwrap_or_default()
+            ));
+        }
+    }
+    match (opened, file_identity(&args.path)) {
+        (Some(_), None) => {
+            Some(format!("{path} was deleted while listening: nothing written since is anywhere a reader can see"))
+        }
+        (Some(was), Some(now)) if was != now => Some(format!(
+            "{path} was replaced by another file while listening: what this process writes goes to the old one"
+        )),
+        _ => None,
+    }
+}
+
+/// The device and inode of the file at `path`, if there is one.
+fn file_identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// SIGTERM and SIGINT, caught on a runtime of their own from the start of `listen`.
+struct Signals {
+    runtime: tokio::runtime::Runtime,
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Catches them: from here on neither ends the process by itself.
+    fn catch() -> Result<Signals, CliError> {
+        use tokio::signal::unix::{SignalKind, signal};
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CliError::Output)?;
+        let entered = runtime.enter();
+        let term = signal(SignalKind::terminate()).map_err(CliError::Output)?;
+        let int = signal(SignalKind::interrupt()).map_err(CliError::Output)?;
+        drop(entered);
+        Ok(Signals { runtime, term, int })
+    }
+
+    /// Whether SIGTERM or SIGINT came, since they were caught or within `wait`.
+    fn came(&mut self, wait: Duration) -> bool {
+        let Signals { runtime, term, int } = self;
+        runtime.block_on(async {
+            tokio::select! {
+                biased;
+                _ = term.recv() => true,
+                _ = int.recv() => true,
+                () = tokio::time::sleep(wait) => false,
+            }
+        })
+    }
+}
+
+/// What `listen` knows besides its engines' threads: how its NATS link stands, and why it
+/// stopped on its own (if it did).
+#[derive(Default)]
+struct ListenHealth {
+    /// The link has opened the stream (always, without --nats).
+    ready: bool,
+    /// The link's figures (with --nats).
+    sharing: Option<superfluid_warm::ShareStats>,
+    /// What the link finds wrong now (not connected, its last error), if anything.
+    link_error: Option<String>,
+    /// Why `listen` stopped on its own.
+    error: Option<String>,
+}
+
+impl ListenHealth {
+    /// Looks at the link again (`ready`: it had opened the stream).
+    fn look(&mut self, sink: &Sink, ready: bool) {
+        let Sink::Shared(shared) = sink else {
+            self.ready = true;
+            return;
+        };
+        self.ready = ready || shared.wait_ready(Duration::ZERO).is_ok();
+        let s = shared.share_stats();
+        self.link_error = match (&s.halted, s.connected, &s.error) {
+            (Some(halted), _, _) => Some(halted.clone()),
+            (None, true, _) if self.ready => None,
+            (None, _, Some(error)) => Some(error.clone()),
+            (None, false, None) => Some("not connected to the NATS server".into()),
+            (None, true, None) => None,
+        };
+        self.sharing = Some(s);
+    }
+
+    /// The status line of the link (with --nats).
+    fn sharing_line(&self) -> Option<String> {
+        let s = self.sharing.as_ref()?;
+        let state = match (self.ready, s.connected) {
+            (true, true) => "connected",
+            (false, true) => "connected, no stream yet",
+            (_, false) => "NOT connected",
+        };
+        Some(format!(
+            "nats stream {}: {state}; applied up to {} ({} unapplied), {} published, {} buffered, {} dropped{}",
+            s.stream,
+            s.applied,
+            s.unapplied,
+            s.published,
+            s.buffered,
+            s.dropped,
+            self.link_error.as_ref().map_or_else(String::new, |e| format!("; error: {e}"))
+        ))
+    }
+
+    /// The link as the status file keeps it.
+    fn sharing_json(&self, running: bool) -> serde_json::Value {
+        match &self.sharing {
+            None => serde_json::Value::Null,
+            Some(s) => json!({
+                "stream": s.stream, "head": s.head, "connected": s.connected && running, "ready": self.ready,
+                "applied": s.applied, "unapplied": s.unapplied, "published": s.published,
+                "buffered": s.buffered, "dropped": s.dropped, "error": self.link_error, "halted": s.halted,
+            }),
+        }
     }
 }
 
 /// Where `listen` applies the engines' batches: its own file, or the stream it shares.
+#[derive(Clone)]
 enum Sink {
-    Own(std::sync::Arc<Warm>),
-    Shared(std::sync::Arc<SharedWarm>),
+    Own(Arc<Warm>),
+    Shared(Arc<SharedWarm>),
+}
+
+impl Sink {
+    /// Closes the file, if this is the last handle on it (`None`: it is not).
+    fn close(self) -> Option<Result<(), Error>> {
+        match self {
+            Sink::Own(warm) => Arc::try_unwrap(warm).ok().map(Warm::close),
+            Sink::Shared(shared) => Arc::try_unwrap(shared).ok().map(SharedWarm::close),
+        }
+    }
+}
+
+/// The sink `listen`'s threads apply to: keeps the first error after which the file takes no
+/// more writes (an I/O error latched, a full disk), for `listen` to stop on.
+struct Watched {
+    sink: Sink,
+    fatal: Arc<Mutex<Option<Error>>>,
+}
+
+impl Watched {
+    fn note<T>(&self, result: Result<T, Error>) -> Result<T, Error> {
+        if let Err(e) = &result
+            && e.needs_reopen()
+            && let Ok(mut fatal) = self.fatal.lock()
+        {
+            fatal.get_or_insert_with(|| e.clone());
+        }
+        result
+    }
+}
+
+impl EngineSink for Watched {
+    fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome, Error> {
+        self.note(match &self.sink {
+            Sink::Own(warm) => EngineSink::engine_batch(&**warm, node, batch),
+            Sink::Shared(shared) => EngineSink::engine_batch(&**shared, node, batch),
+        })
+    }
+
+    fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<(), Error> {
+        self.note(match &self.sink {
+            Sink::Own(warm) => EngineSink::engine_resync(&**warm, node, batch),
+            Sink::Shared(shared) => EngineSink::engine_resync(&**shared, node, batch),
+        })
+    }
 }
 
 /// A medium's name, as vLLM's events spell it.
@@ -625,23 +900,33 @@ fn listen_status_path(path: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Writes `listen`'s status file (whole, by a rename: a reader never sees half of one). A
-/// failure is said on stderr and does not stop the listener.
-fn write_listen_status(path: &Path, stats: &[ListenStats], running: bool, refresh: Duration) {
+/// Writes `listen`'s status file (whole, by a rename: a reader never sees half of one; on a
+/// full disk, where no new file can be made, over the old one in place). A failure is said on
+/// stderr and does not stop the listener.
+fn write_listen_status(path: &Path, stats: &[ListenStats], health: &ListenHealth, running: bool, refresh: Duration) {
     let ms = |l: Option<f64>| l.map(|l| l * 1000.0);
     let line = json!({
         "pid": std::process::id(), "running": running, "written_at": unix_now(),
-        "refresh_s": refresh.as_secs_f64(),
+        "refresh_s": refresh.as_secs_f64(), "error": health.error, "sharing": health.sharing_json(running),
         "engines": stats.iter().map(|s| json!({
             "node": s.node, "connected": s.connected && running, "received": s.received,
             "undecodable": s.undecodable, "malformed": s.malformed, "replays": s.replays,
-            "replays_short": s.replays_short, "lag_p50_ms": ms(s.lag_p50), "lag_p99_ms": ms(s.lag_p99),
+            "replays_short": s.replays_short, "replays_skipped": s.replays_skipped,
+            "replay_backoff_s": s.replay_backoff, "dropped": s.dropped, "lag_p50_ms": ms(s.lag_p50), "lag_p99_ms": ms(s.lag_p99),
             "silent_for_s": s.silent_for, "error": s.error,
         })).collect::<Vec<_>>(),
-    });
+    })
+    .to_string();
     let tmp = path.with_extension("json.tmp");
-    let written = std::fs::write(&tmp, line.to_string()).and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
+    let written = std::fs::write(&tmp, &line).and_then(|()| std::fs::rename(&tmp, path));
+    let Err(e) = written else { return };
+    let _ = std::fs::remove_file(&tmp);
+    // The old file's blocks hold the new text (a few hundred bytes) where no new block is free.
+    let in_place = std::fs::OpenOptions::new().write(true).open(path).and_then(|mut f| {
+        f.write_all(line.as_bytes())?;
+        f.set_len(line.len() as u64)
+    });
+    if in_place.is_err() {
         eprintln!("superfluid-warm: cannot write the status file {}: {e}", path.display());
     }
 }
@@ -652,43 +937,25 @@ fn unix_now() -> f64 {
 }
 
 /// What `stats` shows of a listener: its status file's engines, if a listener is running (its
-/// process is alive and it wrote within three refreshes), and otherwise why not.
-fn listen_status(path: &Path) -> (Option<String>, Vec<serde_json::Value>) {
-    let Ok(text) = std::fs::read_to_string(listen_status_path(path)) else { return (None, Vec::new()) };
+/// process is alive and it wrote within three refreshes), and otherwise why not; and why it
+/// stopped on its own, if it did.
+fn listen_status(path: &Path) -> (Option<String>, Vec<serde_json::Value>, Option<String>) {
+    let Ok(text) = std::fs::read_to_string(listen_status_path(path)) else { return (None, Vec::new(), None) };
     let Ok(status) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return (Some("its status file does not parse".into()), Vec::new());
+        return (Some("its status file does not parse".into()), Vec::new(), None);
     };
+    let error = status["error"].as_str().map(str::to_string);
     let age = unix_now() - status["written_at"].as_f64().unwrap_or(0.0);
     let alive = status["pid"].as_u64().is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists());
     let fresh = age <= 3.0 * status["refresh_s"].as_f64().unwrap_or(10.0) + 5.0;
     let engines = status["engines"].as_array().cloned().unwrap_or_default();
     if status["running"].as_bool() == Some(false) {
-        (Some(format!("stopped {age:.0} s ago")), engines)
+        (Some(format!("stopped {age:.0} s ago")), engines, error)
     } else if !alive || !fresh {
-        (Some(format!("not running (its last status is {age:.0} s old)")), engines)
+        (Some(format!("not running (its last status is {age:.0} s old)")), engines, error)
     } else {
-        (None, engines)
+        (None, engines, error)
     }
-}
-
-/// Waits for SIGTERM, SIGINT or `until`, calling `tick` every `every` (if not zero).
-fn wait_for_stop(until: Option<Duration>, every: Duration, mut tick: impl FnMut()) -> Result<(), CliError> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(CliError::Output)?;
-    runtime.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .map_err(CliError::Output)?;
-        let deadline = until.map(|d| tokio::time::Instant::now() + d);
-        let mut ticks = tokio::time::interval(if every.is_zero() { Duration::from_secs(3600) } else { every });
-        ticks.tick().await;
-        loop {
-            tokio::select! {
-                _ = term.recv() => return Ok(()),
-                _ = tokio::signal::ctrl_c() => return Ok(()),
-                _ = async { match deadline { Some(d) => tokio::time::sleep_until(d).await, None => std::future::pending().await } } => return Ok(()),
-                _ = ticks.tick() => if !every.is_zero() { tick() },
-            }
-        }
-    })
 }
 
 fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, CliError> {
@@ -1015,11 +1282,17 @@ fn dump_row(e: &DumpEntry, node_w: usize) -> String {
 }
 
 fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliError> {
-    let snapshot = Snapshot::open(path)?;
+    let snapshot = Snapshot::open(path).inspect_err(|_| {
+        // A file its listener could not close (its disk failed): why it stopped, beside why
+        // the file cannot be read.
+        if let (_, _, Some(error)) = listen_status(path) {
+            eprintln!("superfluid-warm: the listener of {} stopped on its own: {error}", path.display());
+        }
+    })?;
     let s = snapshot.stats()?;
     let side_file_missing = snapshot.side_file_missing();
     // The listener's live figures (connections, replays, lag), from its status file.
-    let (listener_down, listening) = listen_status(path);
+    let (listener_down, listening, listener_error) = listen_status(path);
     let live = |node: &str| listening.iter().find(|l| l["node"].as_str() == Some(node)).cloned();
     if json {
         let per_node: serde_json::Map<String, serde_json::Value> =
@@ -1043,6 +1316,7 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
             })).collect::<Vec<_>>(),
             "listener_running": listener_down.is_none() && !listening.is_empty(),
             "listener_down": listener_down,
+            "listener_error": listener_error,
         });
         return emit(out, &line.to_string());
     }
@@ -1083,6 +1357,9 @@ fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<ExitCode, CliE
         (Some(pid), false) => format!("writer         pid {pid}\n"),
         (None, _) => "writer         none (closed cleanly)\n".into(),
     };
+    if let Some(error) = &listener_error {
+        text += &format!("listener       stopped on its own: {error}\n");
+    }
     if let Some(blocks) = s.node_cache_default {
         text += &format!("node caches    {} blocks a node unless set per node\n", thousands(blocks));
     }
@@ -1498,6 +1775,8 @@ fn engine_heads_report(r: &EngineHeadsReport, source: &str, json: bool) -> Strin
     let side = |s: &engine_heads::Side| {
         json!({
             "claimed_share": r.share(s.claimed_tokens), "cached_share": r.share(s.cached_tokens),
+            "settled_requests": s.settled_requests, "settled_claimed_share": r.share(s.settled_claimed_tokens),
+            "settled_cached_share": r.share(s.settled_cached_tokens),
             "load_max_over_min": s.imbalance(), "engine_lag_p50_s": s.engine_lag.0, "engine_lag_p99_s": s.engine_lag.1,
             "stream_lag_p50_ms": s.stream_lag_ms.0, "stream_lag_p99_ms": s.stream_lag_ms.1,
             "batches_published": s.published, "batches_applied_per_head": s.applied,

@@ -38,6 +38,12 @@ pub enum Error {
         /// What refused it underneath (redb, reading the file), if anything did.
         source: Option<Arc<dyn std::error::Error + Send + Sync>>,
     },
+    /// A head is creating the file and has not finished making it an index: a reader that came
+    /// too soon. Retry in a moment.
+    BeingCreated {
+        /// The file.
+        path: PathBuf,
+    },
     /// A [`crate::Prefix`] hashed in another scheme than the index file's (made by
     /// [`crate::Prefix::new`] or by another `Warm`): its keys could never match.
     ForeignPrefix {
@@ -63,6 +69,13 @@ pub enum Error {
         len: usize,
         /// The limit in bytes.
         max: usize,
+    },
+    /// A name (model or node) holds a NUL byte.
+    NulInName {
+        /// Which kind of name.
+        what: &'static str,
+        /// Where, in bytes.
+        at: usize,
     },
     /// A builder setting is out of range.
     InvalidConfig {
@@ -125,6 +138,15 @@ pub enum Error {
     },
     /// A thread using this index panicked while holding its lock; reopen the index.
     Poisoned,
+    /// The handle was opened by another process: this one is a child made by `fork`, where the
+    /// handle's threads do not run and its file belongs to the parent. The call did nothing, and
+    /// nothing the parent holds was touched.
+    Forked {
+        /// The process that opened the handle.
+        opened_by: u32,
+        /// The process that called.
+        used_by: u32,
+    },
     /// A sharing head's own events are not yet all in the stream (the NATS server is
     /// unreachable, or slow): they stay buffered, answered locally, and are published when it
     /// answers again.
@@ -161,7 +183,7 @@ impl fmt::Display for Error {
         match self {
             Error::AlreadyOpen { path } => write!(
                 f,
-                "{} is already open for writing by another head; stop it, or read the file with a `Snapshot`",
+                "{} is already open for writing by another head; stop it, or read the file without writing it (a Reader, or the `ask` and `dump` commands)",
                 path.display()
             ),
             Error::NewerSchema { found, supported } => write!(
@@ -172,6 +194,11 @@ impl fmt::Display for Error {
                 f,
                 "the index has schema version {found}, written by a pre-release build and not upgradable; \
                  move it aside and start a new index (import the 0.1.7 warm.json again if it came from one)"
+            ),
+            Error::BeingCreated { path } => write!(
+                f,
+                "{} is being created by a head that has not finished making it an index; retry in a moment",
+                path.display()
             ),
             Error::UnknownFormat { detail, .. } => write!(
                 f,
@@ -193,6 +220,9 @@ impl fmt::Display for Error {
                 } else {
                     write!(f, "the {what} name is {len} bytes, over the limit of {max}; use a shorter name")
                 }
+            }
+            Error::NulInName { what, at } => {
+                write!(f, "the {what} name has a NUL byte at byte {at}; give a name without one")
             }
             Error::InvalidConfig { detail } => write!(f, "invalid setting: {detail}"),
             Error::Corrupted { detail } => write!(
@@ -253,6 +283,11 @@ impl fmt::Display for Error {
             Error::Poisoned => {
                 write!(f, "a thread panicked while holding the index lock; drop this handle and reopen the index")
             }
+            Error::Forked { opened_by, used_by } => write!(
+                f,
+                "this handle was opened by process {opened_by} and cannot be used in process {used_by}, a fork of it; \
+                 open the index in the child itself (a reader can read it while the parent writes), or fork before opening it"
+            ),
         }
     }
 }

@@ -373,6 +373,26 @@ pub(crate) fn engine_replay(node: &str, from: u64, replayed: usize, covered: boo
     }
 }
 
+/// Node `node`'s replay endpoint did not answer (`error`): it is left alone for `backoff`, the
+/// gaps meanwhile clearing the node at once.
+#[cfg(feature = "engines")]
+pub(crate) fn engine_replay_failed(node: &str, error: &str, backoff: std::time::Duration) {
+    tracing::warn!(
+        node,
+        error,
+        backoff_s = backoff.as_secs_f64(),
+        "engine replay endpoint did not answer: gaps clear the node without asking it for a while; check \
+         its replay endpoint"
+    );
+}
+
+/// A gap of node `node` from `from` was not replayed: its replay endpoint is left alone (it did
+/// not answer lately); the node is cleared.
+#[cfg(feature = "engines")]
+pub(crate) fn engine_replay_skipped(node: &str, from: u64) {
+    tracing::warn!(node, from, "engine gap not replayed: its replay endpoint did not answer lately; node cleared");
+}
+
 /// Node `node`'s live batch was applied `lag` after its engine published it.
 #[cfg(feature = "engines")]
 pub(crate) fn engine_lag(node: &str, lag: f64) {
@@ -415,6 +435,19 @@ pub(crate) fn engine_connection(node: &str, endpoint: &str, connected: bool, was
         (true, false) => tracing::warn!(node, endpoint, "engine connection lost"),
         _ => {}
     }
+}
+
+/// ZMQ dropped node `node`'s connection to `endpoint` for good (a frame over the size cap) and
+/// the listener made it again: what was sent on it is lost, the node is cleared at its next
+/// batch.
+#[cfg(feature = "engines")]
+pub(crate) fn engine_connection_dropped(node: &str, endpoint: &str) {
+    tracing::warn!(
+        node,
+        endpoint,
+        "engine connection dropped by ZMQ (a frame over the 256 MiB cap): connected again; the node is cleared \
+         at its next batch"
+    );
 }
 
 /// The listener's thread for node `node` stopped on `error` (the index must be reopened).

@@ -542,9 +542,15 @@ fn replay_over_heads_and_engines_sharing_through_nats() {
         let s = &r[side];
         let share = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k} in {s}"));
         assert!(share("claimed_share") > 0.0, "{side}: {s}");
-        // (Over 300 requests a head may be a few batches behind its engines, and a claim another
-        // head made may outlive an eviction it has not applied yet: within a point.)
-        assert!((share("claimed_share") - share("cached_share")).abs() < 0.01, "{side}: claimed as held: {s}");
+        // A head may be a few batches behind its engines when it answers (more so on a busy
+        // machine): what it claims then differs from what is held by what it has not applied.
+        // Compared where it had applied every batch of the engine it chose, a claim another head
+        // made may still outlive an eviction it has not applied yet: within a point.
+        let settled = s["settled_requests"].as_u64().unwrap_or_else(|| panic!("settled_requests in {s}"));
+        assert!(settled > 0, "{side}: no request found its head caught up: {s}");
+        let (claimed, cached) = (share("settled_claimed_share"), share("settled_cached_share"));
+        assert!((claimed - cached).abs() < 0.01, "{side}: claimed as held where caught up: {s}");
+        assert!(claimed <= share("claimed_share") && cached <= share("cached_share"), "{side}: {s}");
         assert_eq!(s["batches_published"], s["batches_applied_per_head"], "{side}: every batch on every head once");
         assert!(share("engine_lag_p50_s") <= share("engine_lag_p99_s"), "{side}: {s}");
     }
@@ -1011,4 +1017,67 @@ fn ask_answers_from_the_last_commit_of_a_closed_or_live_file() -> Result<(), sup
     let out = run(&["ask", path.to_str().expect("utf-8"), "--model", "m", "--prompts", bad.to_str().expect("utf-8")]);
     assert!(!out.status.success() && text(&out.stderr).contains("line 1"), "{}", text(&out.stderr));
     Ok(())
+}
+
+/// Readers (`stats`, `check`, `ask`) racing a `listen` that creates a new file: while the head
+/// has not finished making it, they say it is being created and to retry, never that it is not
+/// an index (which told operators to start another file); `check` does not call it a problem.
+#[test]
+fn readers_racing_a_new_file_are_told_it_is_being_created() {
+    let dir = tempdir();
+    let path = dir.path().join("new.redb");
+    let p = path.to_str().expect("utf-8").to_string();
+    let prompts = dir.path().join("prompts.jsonl");
+    std::fs::write(&prompts, "[1, 2, 3]\n").expect("prompts");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+    let (mut being_created, mut read) = (0, 0);
+    for round in 0..12 {
+        for f in [path.clone(), dir.path().join("new.redb.seal"), dir.path().join("new.redb.listen.json")] {
+            let _ = std::fs::remove_file(f);
+        }
+        let mut listen = common::Reaped(
+            Command::new(bin())
+                .args(["listen", &p, "--engine", &format!("gpu-0=tcp://127.0.0.1:{port}"), "--model", "m"])
+                .args(["--status-every", "0"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("spawn listen"),
+        );
+        let status = dir.path().join("new.redb.listen.json");
+        let started = Instant::now();
+        let mut rounds = 0;
+        // Until the head has made the file and listens (and a few reads after).
+        while rounds < 3 || !status.exists() {
+            assert!(started.elapsed() < Duration::from_secs(60), "listen did not start");
+            let reads = [
+                ("stats", vec!["stats", &p, "--json"]),
+                ("check", vec!["check", &p]),
+                ("ask", vec!["ask", &p, "--model", "m", "--prompts", prompts.to_str().expect("utf-8")]),
+            ];
+            for (what, args) in &reads {
+                let out = run(args);
+                let err = text(&out.stderr);
+                assert!(
+                    !err.contains("not an index this build can open") && !err.contains("start a new index"),
+                    "round {round}: {what} racing a new file: {err}"
+                );
+                if err.contains("being created") {
+                    being_created += 1;
+                    assert!(err.contains("retry"), "{what}: says to retry: {err}");
+                    assert_eq!(out.status.code(), Some(1), "{what}: not a problem found: {err}");
+                } else if out.status.success() {
+                    read += 1;
+                }
+            }
+            if status.exists() {
+                rounds += 1;
+            }
+        }
+        let term = Command::new("kill").arg("-TERM").arg(listen.0.id().to_string()).status().expect("kill");
+        assert!(term.success());
+        assert!(listen.0.wait().expect("listen ends").success());
+    }
+    println!("{being_created} reads found the file being created, {read} read it");
+    assert!(read > 0, "the readers read the file once made");
 }

@@ -224,3 +224,45 @@ fn malformed_events_are_counted_and_a_forget_drops_the_stream() -> Result<(), Er
     warm.close()?;
     Ok(())
 }
+
+/// An engine restarts with its clock 60 s behind the old process's (an NTP step, a move to
+/// another host): its numbers going back are a restart, whatever the clock says. The node is
+/// cleared, the new process's batches are applied, none is taken for a copy, and the old
+/// prompts are no longer answered warm on it; a true copy is still a duplicate, across a reopen.
+#[test]
+fn a_restart_with_its_clock_behind_is_seen() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let path = dir.path().join("m.redb");
+    let mut warm = Warm::open(&path)?;
+    let mut engine = Engine::new(16, 1 << 20, "m", None)?;
+    let prompt = |i: u32| -> Vec<u32> { (0..64 * 3).map(|t| t + i * 1000).collect() };
+    let old: Vec<Vec<u32>> = (0..10).map(prompt).collect();
+    for p in &old {
+        assert_eq!(warm.engine_batch("gpu-0", &engine.run(p))?, EngineOutcome::Applied);
+    }
+    engine.restart_with_clock(-60.0);
+    let new: Vec<Vec<u32>> = (10..20).map(prompt).collect();
+    let mut last = None;
+    for p in &new {
+        let batch = engine.run(p);
+        assert_eq!(warm.engine_batch("gpu-0", &batch)?, EngineOutcome::Applied, "seq {}", batch.seq);
+        last = Some(batch);
+    }
+    let counts = warm.engine_stats()?[0].counts.clone();
+    assert_eq!((counts.restarts, counts.duplicate_batches), (1, 0));
+    for p in &old {
+        assert_eq!(warm.warmest("m", p)?, None, "the old process's prompts are not warm");
+    }
+    for p in &new {
+        assert_eq!(warm.warmest("m", p)?, Some(Hit::new("gpu-0", 192)), "the new process's are");
+    }
+    // A copy of the last batch is a duplicate, after a reopen too.
+    let last = last.expect("a batch");
+    assert_eq!(warm.engine_batch("gpu-0", &last)?, EngineOutcome::Duplicate);
+    warm.close()?;
+    warm = Warm::open(&path)?;
+    assert_eq!(warm.engine_batch("gpu-0", &last)?, EngineOutcome::Duplicate);
+    assert_eq!(warm.engine_stats()?[0].counts.restarts, 1);
+    warm.close()?;
+    Ok(())
+}

@@ -246,3 +246,313 @@ fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
     println!("position before the restart {before:?}, last {last:?}; {counts:?}");
     Ok(())
 }
+
+/// `superfluid-warm listen` on `path` for `publisher`'s engine, its stderr piped, with `extra`
+/// arguments.
+fn spawn_listen_piped(path: &Path, publisher: &Publisher, extra: &[&str]) -> Reaped {
+    Reaped(
+        Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
+            .arg("listen")
+            .arg(path)
+            .arg("--engine")
+            .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
+            .args(["--model", "m", "--replay-timeout", "30"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn listen"),
+    )
+}
+
+/// Waits (at most `within`) for `child` to end on its own: its exit status and stderr.
+fn ends_within(child: &mut Reaped, within: Duration, what: &str) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.0.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(started.elapsed() < within, "listen is still running {within:?} after {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.0.stderr.take() {
+        pipe.read_to_string(&mut stderr).expect("stderr");
+    }
+    (status, stderr)
+}
+
+/// Publishes batches of new prompts (one a `pace`) until `done`, at most a minute.
+fn publish_until(publisher: &Publisher, engine: &mut Engine, pace: Duration, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    let mut c = 0u32;
+    while !done() {
+        assert!(started.elapsed() < Duration::from_secs(60), "timed out publishing");
+        let prompt: Vec<u32> = (0..64 * 4).map(|t| (c + 1) * 100_000 + t).collect();
+        publisher.publish(&engine.run(&prompt), false).expect("publish");
+        c += 1;
+        std::thread::sleep(pace);
+    }
+}
+
+/// SIGTERM at many points of `listen`'s startup, on a file of some MB without its seal (the
+/// open checks every page, a window of tens of ms): every time, either the file was not opened
+/// yet or `listen` stops cleanly (exit 0) once it is; the file never needs recovery.
+#[test]
+fn sigterm_during_startup_never_leaves_the_file_to_recover() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let path = dir.path().join("startup.redb");
+    let seal = dir.path().join("startup.redb.seal");
+    let warm = Warm::open(&path)?;
+    for c in 0..2_000u32 {
+        let prompt: Vec<u32> = (0..64 * 24).map(|t| c * 100_000 + t).collect();
+        warm.ran("m", &prompt, &format!("node-{}", c % 4))?;
+    }
+    warm.close()?;
+    println!("file of {} bytes", std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0));
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let (mut while_starting, mut before_opening, mut clean) = (0, 0, 0);
+    for trial in 0..40u64 {
+        // Without its seal, the open checks every page.
+        std::fs::remove_file(&seal).ok();
+        let mut child = spawn_listen_piped(&path, &publisher, &["--status-every", "0"]);
+        std::thread::sleep(Duration::from_millis(3 * trial));
+        let term = Command::new("kill").arg("-TERM").arg(child.0.id().to_string()).status().expect("kill -TERM");
+        assert!(term.success());
+        let (status, stderr) = ends_within(&mut child, Duration::from_secs(60), "SIGTERM");
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(0), _) if stderr.contains("stopped while starting") => while_starting += 1,
+            (Some(0), _) => clean += 1,
+            // Before the handler is installed, which is before the file is opened.
+            (None, Some(15)) => before_opening += 1,
+            other => panic!("trial {trial}: SIGTERM at {} ms ended listen with {other:?}: {stderr}", 3 * trial),
+        }
+        match Snapshot::open(&path) {
+            Ok(snapshot) => assert_eq!(snapshot.writer(), None, "trial {trial}: closed cleanly"),
+            Err(e) => {
+                panic!("trial {trial}: SIGTERM at {} ms left the file needing recovery: {e}; {stderr}", 3 * trial)
+            }
+        }
+    }
+    println!("{before_opening} before the open, {while_starting} while starting, {clean} once listening");
+    assert!(while_starting + clean > 0, "some SIGTERMs came once the handler was installed");
+    Ok(())
+}
+
+/// The index file deleted under `listen`: it says so and stops with exit code 1 (a supervisor
+/// restarts it on a new file), rather than go on writing a file no reader can see and then say
+/// it "closed cleanly".
+#[test]
+fn a_deleted_index_file_stops_listen_with_an_error() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let path = dir.path().join("deleted.redb");
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let mut engine = Engine::new(16, 3000, "m", None)?;
+    let mut child = spawn_listen_piped(&path, &publisher, &["--status-every", "0"]);
+    publish_until(&publisher, &mut engine, Duration::from_millis(20), || last_seq(&path).is_some());
+    std::fs::remove_file(&path).expect("the file is deleted");
+    let (status, stderr) = ends_within(&mut child, Duration::from_secs(30), "the file was deleted");
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("was deleted") && !stderr.contains("closed cleanly\n"), "{stderr}");
+    let recorded: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("deleted.redb.listen.json")).expect("the status file"),
+    )
+    .expect("JSON");
+    assert!(recorded["error"].as_str().is_some_and(|e| e.contains("was deleted")), "{recorded}");
+    Ok(())
+}
+
+/// Unmounts a test's filesystem when dropped.
+struct Mounted(std::path::PathBuf);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// The disk fills under `listen`: the commit's I/O error latches (redb takes no more writes
+/// through the handle), so `listen` says so and stops at once with exit code 1, for a
+/// supervisor to restart it once there is room; the error is in its status file, and `stats`
+/// shows it. (A small tmpfs: needs root; skipped, saying so, where it cannot be mounted.)
+#[test]
+fn a_full_disk_stops_listen_at_once_and_says_why() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let small = dir.path().join("small");
+    std::fs::create_dir(&small).expect("a mount point");
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=4m", "tmpfs"]).arg(&small).output();
+    if !mounted.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED: cannot mount a 4 MiB tmpfs here (needs root and mount(8)): {mounted:?}");
+        return Ok(());
+    }
+    let _mounted = Mounted(small.clone());
+    let path = small.join("full.redb");
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let mut engine = Engine::new(16, 1 << 20, "m", None)?;
+    let mut child = spawn_listen_piped(&path, &publisher, &["--status-every", "0.2"]);
+    publish_until(&publisher, &mut engine, Duration::from_millis(20), || last_seq(&path).is_some_and(|s| s >= 5));
+    // Fill what is left.
+    let filler = small.join("filler");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&filler).expect("filler");
+        let chunk = vec![7u8; 4096];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+    }
+    publish_until(&publisher, &mut engine, Duration::from_millis(10), || child.0.try_wait().ok().flatten().is_some());
+    let (status, stderr) = ends_within(&mut child, Duration::from_secs(30), "the disk filled");
+    assert_eq!(status.code(), Some(1), "exits non-zero at once: {stderr}");
+    assert!(stderr.contains("failed for good") && stderr.contains("exit code 1"), "{stderr}");
+    let recorded: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(small.join("full.redb.listen.json")).expect("the status file"))
+            .expect("JSON");
+    assert_eq!(recorded["running"], false, "{recorded}");
+    assert!(recorded["error"].as_str().is_some_and(|e| e.contains("failed for good")), "{recorded}");
+    // Room again: `stats` says why the listener stopped (the file, whose close could not
+    // commit, is recovered by the next head).
+    std::fs::remove_file(&filler).expect("room again");
+    let out = Command::new(env!("CARGO_BIN_EXE_superfluid-warm")).arg("stats").arg(&path).arg("--json").output();
+    let out = out.expect("stats");
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(said.contains("failed for good"), "stats shows why the listener stopped: {said}");
+    let warm = Warm::open(&path)?;
+    assert!(
+        warm.engine_stats()?.first().and_then(|e| e.last_seq).is_some_and(|s| s >= 5),
+        "what was committed is there"
+    );
+    warm.close()?;
+    Ok(())
+}
+
+/// An engine on IPv6 (`tcp://[::1]:P`, events and replay): its batches are received, a lost
+/// one is replayed, and the index answers what the engine holds.
+#[test]
+fn an_engine_on_ipv6_is_followed_and_replayed() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let warm = Arc::new(Warm::open(dir.path().join("v6.redb"))?);
+    let publisher = Publisher::ipv6(Duration::ZERO)?;
+    assert!(publisher.events.starts_with("tcp://[::1]:"), "{}", publisher.events);
+    let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_secs(30))?;
+    let mut engine = Engine::new(16, 3000, "m", Some(3))?;
+    let mut rng = Rng(9);
+    let mut conversations = common::Conversations::new(6);
+    for i in 0..30 {
+        let (_, prompt) = conversations.turn(&mut rng);
+        publisher.publish(&engine.run(&prompt), i % 7 == 3)?;
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut poked = Instant::now();
+    wait_until("the last batch over IPv6", || {
+        let last = engine.published.back().map(|b| b.seq);
+        if warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last) {
+            return true;
+        }
+        // A subscriber that had not joined yet lost the first: one more shows the gap.
+        if poked.elapsed() >= Duration::from_secs(1) {
+            let (_, prompt) = conversations.turn(&mut rng);
+            publisher.publish(&engine.run(&prompt), false).expect("publish");
+            poked = Instant::now();
+        }
+        false
+    });
+    let stats = listener.stop();
+    assert!(stats[0].replays >= 1 && stats[0].replays_short == 0, "{stats:?}");
+    let pairs = compare(&warm, &engine, &conversations.prompts)?;
+    assert!(pairs.iter().all(|(a, w)| a == w), "answered vs held: {pairs:?}");
+    assert!(pairs.iter().any(|(a, _)| *a > 0), "warm answers to check: {pairs:?}");
+    Ok(())
+}
+
+/// Two engines given one node name are refused at startup, naming both: by
+/// `Listener::start`, and by `listen` (non-zero, before it touches the file).
+#[test]
+fn two_engines_of_one_node_are_refused_at_startup() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let warm = Arc::new(Warm::open(dir.path().join("twice.redb"))?);
+    let (a, b) = (Publisher::new(Duration::ZERO)?, Publisher::new(Duration::ZERO)?);
+    let engines = [endpoint(&a), endpoint(&b)];
+    match Listener::start(Arc::clone(&warm), &engines, Duration::from_secs(1)) {
+        Err(Error::InvalidConfig { detail }) => {
+            assert!(detail.contains(&a.events) && detail.contains(&b.events), "{detail}");
+        }
+        Err(other) => panic!("{other}"),
+        Ok(_) => panic!("two engines of node gpu-0 were accepted"),
+    }
+    let path = dir.path().join("cli.redb");
+    let specs = [format!("gpu-0={}", a.events), format!("gpu-0={}", b.events)];
+    let out = Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
+        .arg("listen")
+        .arg(&path)
+        .args(["--engine", &specs[0], "--engine", &specs[1], "--model", "m", "--duration", "5"])
+        .output()
+        .expect("run listen");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "refused: {stderr}");
+    assert!(stderr.contains(&specs[0]) && stderr.contains(&specs[1]), "{stderr}");
+    assert!(!path.exists(), "refused before the file was made");
+    Ok(())
+}
+
+/// `listen` refuses a spec that can never work (here a port out of range) at startup, saying
+/// what is wrong, rather than following another port.
+#[test]
+fn listen_refuses_a_spec_that_can_never_work() {
+    let dir = common::tempdir();
+    let path = dir.path().join("bad.redb");
+    let out = Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
+        .arg("listen")
+        .arg(&path)
+        .args(["--engine", "gpu-0=tcp://127.0.0.1:99999", "--model", "m", "--duration", "5"])
+        .output()
+        .expect("run listen");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "refused: {stderr}");
+    assert!(stderr.contains("port 99999 is not a port"), "{stderr}");
+}
+
+/// A replay endpoint where nothing listens: the first gap waits for the replay timeout, then
+/// the endpoint is left alone for a while (shown in the stats) and the gaps meanwhile clear the
+/// node at once, so the engine's later batches are applied as they come, not one replay
+/// timeout per gap later.
+#[test]
+fn a_mute_replay_endpoint_is_backed_off_and_ingest_goes_on() -> Result<(), Error> {
+    let dir = common::tempdir();
+    let warm = Arc::new(Warm::open(dir.path().join("mute.redb"))?);
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("a port").port();
+    let spec = format!("gpu-0={},replay=tcp://127.0.0.1:{nobody}", publisher.events);
+    let engines = [EngineEndpoint::parse(&spec, Some("m"))?];
+    let listener = Listener::start(Arc::clone(&warm), &engines, Duration::from_secs(2))?;
+    let mut engine = Engine::new(16, 1 << 20, "m", None)?;
+    let prompt = |i: u32| -> Vec<u32> { (0..64 * 3).map(|t| t + i * 1000).collect() };
+    let mut n = 0;
+    wait_until("the first batch", || {
+        n += 1;
+        publisher.publish(&engine.run(&prompt(n)), false).expect("publish");
+        std::thread::sleep(Duration::from_millis(50));
+        warm.warmest("m", &prompt(n)).is_ok_and(|h| h.is_some())
+    });
+    // 8 gaps, one every 5 batches, over about a second.
+    let start = Instant::now();
+    for i in 0..40 {
+        n += 1;
+        publisher.publish(&engine.run(&prompt(n)), i % 5 == 0)?;
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    let last = engine.published.back().map(|b| b.seq);
+    wait_until("the last batch", || warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last));
+    let took = start.elapsed();
+    let stats = listener.stats();
+    let stats = stats.first().expect("the engine's stats");
+    assert_eq!(stats.replays, 1, "asked once, then left alone: {stats:?}");
+    assert!(stats.replays_skipped >= 6, "{stats:?}");
+    assert!(stats.replay_backoff.is_some_and(|b| b > 0.0), "shown as backed off: {stats:?}");
+    // One replay timeout (2 s) in all, not one per gap (16 s).
+    assert!(took < Duration::from_secs(8), "the last batch came {took:?} after the first gap");
+    assert_eq!(warm.warmest("m", &prompt(n))?, Some(superfluid_warm::Hit::new("gpu-0", 192)));
+    drop(listener);
+    Ok(())
+}

@@ -43,7 +43,13 @@ fn empty_and_short_prompts_are_none_and_bad_names_are_typed_errors() -> Result<(
     assert!(matches!(warm.ran("m", &[1; 200], &long), Err(Error::InvalidName { what: "node", .. })));
     let model = "m".repeat(superfluid_warm::MAX_MODEL_BYTES + 1);
     assert!(matches!(warm.ran(&model, &[1; 200], "a"), Err(Error::InvalidName { what: "model", .. })));
+    // A NUL byte would cut a name short in a C string, a log line or a label.
+    assert!(matches!(warm.ran("m", &[1; 200], "no\0de"), Err(Error::NulInName { what: "node", at: 2 })));
+    assert!(matches!(warm.ran("m\0", &[1; 200], "a"), Err(Error::NulInName { what: "model", at: 1 })));
+    assert!(matches!(warm.set_node_capacity("\0", Some(8)), Err(Error::NulInName { what: "node", at: 0 })));
+    assert!(matches!(warm.forget_node("a\0"), Err(Error::NulInName { .. })));
     assert_eq!(warm.stats()?.entries, 1, "a refused ran wrote nothing");
+    assert_eq!(warm.stats()?.nodes.len(), 1, "no node was made of a refused name");
     Ok(())
 }
 

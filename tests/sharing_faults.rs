@@ -153,3 +153,117 @@ fn a_stream_deleted_under_the_heads_is_reported_not_waited_on() {
     assert!(!b.wait_applied(41, Duration::from_secs(30)), "b applies nothing more");
     assert!(started.elapsed() < Duration::from_secs(20), "the waits ended at the halt: {:?}", started.elapsed());
 }
+
+/// `superfluid-warm listen PATH --nats URL` with `extra` arguments, its stderr piped.
+fn listen_nats(path: &Path, url: &str, extra: &[String]) -> common::Reaped {
+    common::Reaped(
+        std::process::Command::new(common::bin())
+            .arg("listen")
+            .arg(path)
+            .args(["--nats", url, "--stream", "warm", "--head", "bridge", "--model", "m"])
+            .args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn listen"),
+    )
+}
+
+/// Waits (at most `within`) for `child` to end on its own: its exit code and stderr.
+fn ends_within(child: &mut common::Reaped, within: Duration, what: &str) -> (Option<i32>, String) {
+    use std::io::Read;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.0.try_wait().expect("try_wait") {
+            break status;
+        }
+        assert!(started.elapsed() < within, "listen is still running {within:?} after {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut stderr = String::new();
+    if let Some(mut pipe) = child.0.stderr.take() {
+        pipe.read_to_string(&mut stderr).expect("stderr");
+    }
+    (status.code(), stderr)
+}
+
+/// `superfluid-warm check PATH` exits 0: the file was closed cleanly.
+fn checks_healthy(path: &Path) {
+    let out = std::process::Command::new(common::bin()).arg("check").arg(path).output().expect("check");
+    assert!(out.status.success(), "{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+}
+
+/// `listen --nats` against a server without JetStream, and against an address nothing listens
+/// at: a warning with the reason at once, status lines that say the link is not up, and, with
+/// no stream by --nats-wait, exit code 1 (the file closed cleanly), the reason in `stats`.
+#[test]
+fn listen_without_a_usable_nats_server_warns_and_exits_non_zero() {
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start_without_jetstream(&dir.path().join("js"));
+    for (url, why, state) in
+        [(server.url(), "JetStream", "connected, no stream yet"), (dead_url(), "refused", "NOT connected")]
+    {
+        let path = dir.path().join("listen.redb");
+        let started = Instant::now();
+        let extra = ["--nats-wait", "3", "--status-every", "0.5"].map(String::from);
+        let mut child = listen_nats(&path, &url, &extra);
+        let (code, stderr) = ends_within(&mut child, Duration::from_secs(30), "no usable server");
+        assert_eq!(code, Some(1), "{url}: {stderr}");
+        assert!(started.elapsed() >= Duration::from_secs(3), "waited --nats-wait first");
+        let warning = stderr.lines().find(|l| l.contains("WARN") && l.contains(why));
+        assert!(warning.is_some(), "{url}: a warning says why: {stderr}");
+        assert!(stderr.contains(state), "{url}: the status lines say so: {stderr}");
+        assert!(stderr.contains("no NATS stream") && stderr.contains("exit code 1"), "{url}: {stderr}");
+        checks_healthy(&path);
+        let out = std::process::Command::new(common::bin()).arg("stats").arg(&path).arg("--json").output();
+        let stats: serde_json::Value = serde_json::from_slice(&out.expect("stats").stdout).expect("JSON");
+        assert_eq!(stats["listener_running"], false, "{stats}");
+        assert!(stats["listener_error"].as_str().is_some_and(|e| e.contains(why)), "{url}: {stats}");
+    }
+}
+
+/// The stream `listen --nats` bridges into is deleted: the link halts, and `listen` says so and
+/// exits 1 rather than go on taking batches that no head will ever apply; its file is closed
+/// cleanly.
+#[test]
+fn listen_stops_when_its_stream_is_deleted() -> Result<(), Error> {
+    use superfluid_warm::Snapshot;
+    use superfluid_warm::tools::engine_sim::{Publisher, SimEngine};
+    let dir = tempfile::tempdir().expect("dir");
+    let server = NatsServer::start(&dir.path().join("js"));
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let mut engine = SimEngine::new(16, 1 << 20, MODEL, None)?;
+    let path = dir.path().join("bridge.redb");
+    let engine_spec = format!("gpu-0={},replay={}", publisher.events, publisher.replay);
+    let extra = ["--engine", &engine_spec, "--status-every", "0.5", "--replay-timeout", "30"].map(String::from);
+    let mut child = listen_nats(&path, &server.url(), &extra);
+    let applied = || {
+        Snapshot::open(&path).ok().and_then(|s| s.stats().ok()).and_then(|s| s.engines.first().and_then(|e| e.last_seq))
+    };
+    let mut c = 0u32;
+    let mut publish = |engine: &mut SimEngine| {
+        publisher.publish(&engine.run(&prompt(c)), false).expect("publish");
+        c += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let started = Instant::now();
+    while applied().is_none_or(|s| s < 5) {
+        assert!(started.elapsed() < Duration::from_secs(60), "the bridge applies the stream");
+        publish(&mut engine);
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    runtime.block_on(async {
+        let js = async_nats::jetstream::new(async_nats::connect(server.url()).await.expect("a client"));
+        js.delete_stream("warm").await.expect("the stream is deleted");
+    });
+    let started = Instant::now();
+    while child.0.try_wait().ok().flatten().is_none() && started.elapsed() < Duration::from_secs(30) {
+        publish(&mut engine);
+    }
+    let (code, stderr) = ends_within(&mut child, Duration::from_secs(5), "the stream was deleted");
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("halted") && stderr.contains("was deleted"), "{stderr}");
+    assert!(stderr.contains("closed cleanly"), "{stderr}");
+    checks_healthy(&path);
+    Ok(())
+}

@@ -6,7 +6,7 @@ use pyo3::pybacked::{PyBackedBytes, PyBackedStr};
 use pyo3::types::PyBytes;
 use superfluid_warm as sw;
 
-use crate::errors::detached;
+use crate::errors::{Int, detached};
 
 /// One batch of an engine's KV cache events, decoded by ``decode_engine_batch``: its sequence
 /// number, its publish time and its events (``len(batch)``).
@@ -57,10 +57,11 @@ pub fn payload_bytes(payload: &Bound<'_, PyAny>) -> PyResult<PyBackedBytes> {
 #[pyfunction]
 pub fn decode_engine_batch(
     py: Python<'_>,
-    seq: u64,
+    seq: Int,
     payload: &Bound<'_, PyAny>,
     model: PyBackedStr,
 ) -> PyResult<EngineBatch> {
+    let seq = crate::errors::seq(seq).map_err(|e| e.into_py(py))?;
     let payload = payload_bytes(payload)?;
     let (bytes, model): (&[u8], &str) = (&payload, &model);
     let inner = detached(py, || Ok(sw::decode_engine_batch(seq, bytes, model)?))?;

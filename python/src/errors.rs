@@ -5,7 +5,7 @@
 use std::any::Any;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyOverflowError, PyRuntimeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use superfluid_warm::Error;
@@ -41,6 +41,7 @@ pub fn kind(e: &Error) -> &'static str {
         Error::ForeignPrefix { .. } => "ForeignPrefix",
         Error::LegacyJson { .. } => "LegacyJson",
         Error::InvalidName { .. } => "InvalidName",
+        Error::NulInName { .. } => "NulInName",
         Error::InvalidConfig { .. } => "InvalidConfig",
         Error::Corrupted { .. } => "Corrupted",
         Error::FileLost { .. } => "FileLost",
@@ -51,6 +52,7 @@ pub fn kind(e: &Error) -> &'static str {
         Error::Io { .. } => "Io",
         Error::Codec { .. } => "Codec",
         Error::Poisoned => "Poisoned",
+        Error::Forked { .. } => "Forked",
         Error::Unpublished { .. } => "Unpublished",
         Error::Engine { .. } => "Engine",
         Error::Sharing { .. } => "Sharing",
@@ -107,10 +109,50 @@ pub fn detached<T: Send>(py: Python<'_>, f: impl FnOnce() -> Result<T> + Send) -
     py.detach(|| guarded(f)).map_err(|e| e.into_py(py))
 }
 
-/// A count a setting takes: a negative one is refused as the library refuses one out of range.
-pub fn count(what: &'static str, value: i64) -> Result<u64> {
-    u64::try_from(value)
-        .map_err(|_| Failure::Invalid("InvalidConfig", format!("invalid setting: {what} {value} (at least 1)")))
+/// A Python int as an argument takes it: of any size, so that one out of range is refused by
+/// the binding's or the library's check (an `InvalidInputError` saying the range), never by the
+/// conversion (`OverflowError`). Beyond 128 bits it saturates, which is out of every range.
+#[derive(Clone, Copy, Debug)]
+pub struct Int(pub i128);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Int> {
+        match obj.extract::<i128>() {
+            Ok(v) => Ok(Int(v)),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+                Ok(Int(if obj.gt(0)? { i128::MAX } else { i128::MIN }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl std::fmt::Display for Int {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            i128::MAX => f.write_str("over 2**127"),
+            i128::MIN => f.write_str("under -2**127"),
+            v => write!(f, "{v}"),
+        }
+    }
+}
+
+/// A count a setting takes: a negative one is refused as the library refuses one out of range;
+/// one over `u64` is given as `u64::MAX`, which the library refuses with its own range.
+pub fn count(what: &'static str, value: Int) -> Result<u64> {
+    if value.0 < 0 {
+        return Err(Failure::Invalid("InvalidConfig", format!("invalid setting: {what} {value} (at least 1)")));
+    }
+    Ok(u64::try_from(value.0).unwrap_or(u64::MAX))
+}
+
+/// A batch number (a message's second frame): 0 to 2**64 - 1.
+pub fn seq(value: Int) -> Result<u64> {
+    u64::try_from(value.0).map_err(|_| {
+        Failure::Invalid("Engine", format!("engine events: batch number {value} is not one (0 to 2**64 - 1)"))
+    })
 }
 
 /// Milliseconds as a duration: finite and not negative.

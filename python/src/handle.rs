@@ -1,6 +1,9 @@
 //! An index handle shared by Python threads: the Rust object behind a lock, taken out by
-//! `close`, and every call made with the interpreter released.
+//! `close`, and every call made with the interpreter released. A handle belongs to the process
+//! that opened it: in a child made by `fork` (`multiprocessing`'s default on Linux) every call
+//! is refused before its lock is taken, and nothing of the parent's is closed or dropped.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{PoisonError, RwLock};
 
 use pyo3::exceptions::PyTypeError;
@@ -13,22 +16,50 @@ use crate::errors::{Failure, Result, detached};
 use crate::records::{Hit, Prefix};
 use crate::tokens::Tokens;
 
+/// This process's id as of the last fork the interpreter made (`after_in_child`, registered by
+/// the package's `__init__`) or handle opened: a handle opened in another process is a fork's
+/// copy. Read by every call, without a system call; a fork the interpreter does not see (one
+/// made in C) is still refused by the library's own check, after the handle's lock.
+static PROCESS: AtomicU32 = AtomicU32::new(0);
+
+/// Called in the child after every `os.fork` (`os.register_at_fork(after_in_child=...)`).
+#[pyfunction]
+pub fn _after_fork_in_child() {
+    PROCESS.store(std::process::id(), Ordering::Relaxed);
+}
+
 /// A Rust index (`Warm`, `Reader`, `SharedWarm`) shared by every Python thread: calls read it
 /// under a shared lock, with the interpreter released; `close` takes it out under the exclusive
 /// lock, once the calls in progress are done.
 pub struct Handle<T> {
     inner: RwLock<Option<T>>,
     what: &'static str,
+    /// The process that opened it.
+    pid: u32,
 }
 
 impl<T: Send + Sync> Handle<T> {
     pub fn new(index: T, what: &'static str) -> Handle<T> {
-        Handle { inner: RwLock::new(Some(index)), what }
+        let pid = std::process::id();
+        PROCESS.store(pid, Ordering::Relaxed);
+        Handle { inner: RwLock::new(Some(index)), what, pid }
+    }
+
+    /// `Ok` in the process that opened the handle; the library's `Forked` in a fork's child,
+    /// whose copy of the lock may be held forever by a thread that does not exist there.
+    fn in_owner(&self) -> Result<()> {
+        let here = PROCESS.load(Ordering::Relaxed);
+        if here == self.pid {
+            Ok(())
+        } else {
+            Err(Failure::Warm(sw::Error::Forked { opened_by: self.pid, used_by: here }))
+        }
     }
 
     /// `f` on the index, the interpreter released; [`Failure::Closed`] once it is closed.
     pub fn with<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&T) -> Result<R> + Send) -> PyResult<R> {
         detached(py, || {
+            self.in_owner()?;
             // A panic is caught inside the lock's scope (and reported), so the lock is never
             // poisoned by this binding; the index has its own poisoning.
             let guard = self.inner.read().unwrap_or_else(PoisonError::into_inner);
@@ -43,6 +74,7 @@ impl<T: Send + Sync> Handle<T> {
     /// closed already.
     pub fn close(&self, py: Python<'_>, close: impl FnOnce(T) -> Result<()> + Send) -> PyResult<()> {
         detached(py, || {
+            self.in_owner()?;
             let taken = self.inner.write().unwrap_or_else(PoisonError::into_inner).take();
             match taken {
                 Some(index) => close(index),
@@ -51,8 +83,19 @@ impl<T: Send + Sync> Handle<T> {
         })
     }
 
+    /// Closed, or a fork's copy (which can do nothing either).
     pub fn is_closed(&self) -> bool {
-        self.inner.read().unwrap_or_else(PoisonError::into_inner).is_none()
+        self.in_owner().is_err() || self.inner.read().unwrap_or_else(PoisonError::into_inner).is_none()
+    }
+}
+
+impl<T> Drop for Handle<T> {
+    fn drop(&mut self) {
+        if PROCESS.load(Ordering::Relaxed) != self.pid {
+            // A fork's copy, collected in the child: the index is the parent's to close.
+            let index = self.inner.get_mut().unwrap_or_else(PoisonError::into_inner).take();
+            std::mem::forget(index);
+        }
     }
 }
 

@@ -38,6 +38,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(warm::check_file, m)?)?;
     m.add_function(wrap_pyfunction!(warm::_replay_rust, m)?)?;
     m.add_function(wrap_pyfunction!(_panic, m)?)?;
+    m.add_function(wrap_pyfunction!(handle::_after_fork_in_child, m)?)?;
     #[cfg(feature = "nats")]
     {
         m.add_class::<shared::SharedWarm>()?;

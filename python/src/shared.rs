@@ -9,7 +9,7 @@ use pyo3::pybacked::PyBackedStr;
 use pyo3::types::PyType;
 use superfluid_warm as sw;
 
-use crate::errors::{count, detached, millis};
+use crate::errors::{Int, count, detached, millis};
 use crate::handle::{Ask, Handle, tenant};
 use crate::records::{self, Hit, Prefix, kwargs, record};
 use crate::tokens::tokens;
@@ -70,17 +70,17 @@ index_methods!(SharedWarm {
         url: PyBackedStr,
         stream: PyBackedStr,
         head: PyBackedStr,
-        capacity: Option<i64>,
-        nodes_per_prefix: Option<i64>,
-        node_cache_blocks: Option<i64>,
+        capacity: Option<Int>,
+        nodes_per_prefix: Option<Int>,
+        node_cache_blocks: Option<Int>,
         sync_window_ms: Option<f64>,
-        cache_bytes: Option<i64>,
+        cache_bytes: Option<Int>,
         check_integrity: bool,
         compact_on_close: bool,
         engine_grace_ms: Option<f64>,
         max_age_s: Option<f64>,
-        max_bytes: Option<i64>,
-        buffer_events: Option<i64>,
+        max_bytes: Option<Int>,
+        buffer_events: Option<Int>,
         publish_timeout_ms: Option<f64>,
     ) -> PyResult<SharedWarm> {
         let settings = Settings {
@@ -150,7 +150,7 @@ index_methods!(SharedWarm {
     /// As ``Warm.set_node_capacity``, for every head of the stream; returns once the change is
     /// in the stream, with the ``Ticket`` of its application here.
     #[pyo3(signature = (name, blocks))]
-    fn set_node_capacity(&self, py: Python<'_>, name: PyBackedStr, blocks: Option<i64>) -> PyResult<Ticket> {
+    fn set_node_capacity(&self, py: Python<'_>, name: PyBackedStr, blocks: Option<Int>) -> PyResult<Ticket> {
         let name: &str = &name;
         let inner = self.handle.with(py, |head| Ok(head.set_node_capacity(name, cache_blocks(blocks)?)?))?;
         Ok(Ticket { inner })
@@ -171,7 +171,9 @@ index_methods!(SharedWarm {
 
     /// Waits (at most ``timeout_s`` seconds) until this head has applied the stream up to
     /// sequence ``seq``; whether it has.
-    fn wait_applied(&self, py: Python<'_>, seq: u64, timeout_s: f64) -> PyResult<bool> {
+    fn wait_applied(&self, py: Python<'_>, seq: Int, timeout_s: f64) -> PyResult<bool> {
+        // A number past any the stream can reach is never applied; a negative one already is.
+        let seq = u64::try_from(seq.0.max(0)).unwrap_or(u64::MAX);
         self.handle.with(py, |head| Ok(head.wait_applied(seq, seconds("timeout", timeout_s)?)))
     }
 

@@ -9,18 +9,18 @@ use pyo3::types::PyType;
 use superfluid_warm as sw;
 
 use crate::engine::{EngineBatch, payload_bytes};
-use crate::errors::{Failure, Result, count, millis};
+use crate::errors::{Failure, Int, Result, count, millis, seq as batch_seq};
 use crate::handle::{Ask, Handle, tenant};
 use crate::records::{self, Hit, Prefix};
 use crate::tokens::tokens;
 
 /// The settings of `Warm.open` (and `SharedWarm.open`), as Python gives them.
 pub struct Settings {
-    pub capacity: Option<i64>,
-    pub nodes_per_prefix: Option<i64>,
-    pub node_cache_blocks: Option<i64>,
+    pub capacity: Option<Int>,
+    pub nodes_per_prefix: Option<Int>,
+    pub node_cache_blocks: Option<Int>,
     pub sync_window_ms: Option<f64>,
-    pub cache_bytes: Option<i64>,
+    pub cache_bytes: Option<Int>,
     pub check_integrity: bool,
     pub compact_on_close: bool,
     pub engine_grace_ms: Option<f64>,
@@ -60,12 +60,17 @@ impl Settings {
 
 /// A node cache size: `None`, or 1 to `MAX_CAPACITY` blocks (checked by the library; a negative
 /// one here).
-pub fn cache_blocks(blocks: Option<i64>) -> Result<Option<u64>> {
+pub fn cache_blocks(blocks: Option<Int>) -> Result<Option<u64>> {
     blocks
         .map(|b| {
-            u64::try_from(b).map_err(|_| {
-                Failure::Invalid("InvalidConfig", format!("invalid setting: node cache of {b} blocks (1 or more)"))
-            })
+            if b.0 < 0 {
+                return Err(Failure::Invalid(
+                    "InvalidConfig",
+                    format!("invalid setting: node cache of {b} blocks (1 or more)"),
+                ));
+            }
+            // Over u64: the library refuses it with its own range.
+            Ok(u64::try_from(b.0).unwrap_or(u64::MAX))
         })
         .transpose()
 }
@@ -223,11 +228,11 @@ index_methods!(Warm {
         _cls: &Bound<'_, PyType>,
         py: Python<'_>,
         path: PathBuf,
-        capacity: Option<i64>,
-        nodes_per_prefix: Option<i64>,
-        node_cache_blocks: Option<i64>,
+        capacity: Option<Int>,
+        nodes_per_prefix: Option<Int>,
+        node_cache_blocks: Option<Int>,
         sync_window_ms: Option<f64>,
-        cache_bytes: Option<i64>,
+        cache_bytes: Option<Int>,
         check_integrity: bool,
         compact_on_close: bool,
         engine_grace_ms: Option<f64>,
@@ -290,7 +295,7 @@ index_methods!(Warm {
     /// ``node_cache_blocks`` again), for nodes of different sizes; a smaller size drops its
     /// oldest blocks at once. Kept in the file; returns once durable.
     #[pyo3(signature = (name, blocks))]
-    fn set_node_capacity(&self, py: Python<'_>, name: PyBackedStr, blocks: Option<i64>) -> PyResult<()> {
+    fn set_node_capacity(&self, py: Python<'_>, name: PyBackedStr, blocks: Option<Int>) -> PyResult<()> {
         let name: &str = &name;
         self.handle.with(py, |warm| Ok(warm.set_node_capacity(name, cache_blocks(blocks)?)?))
     }
@@ -298,7 +303,7 @@ index_methods!(Warm {
     /// Sets (``None``: removes) the default size of a node's KV cache, as ``node_cache_blocks``
     /// does at open. Kept in the file; returns once durable.
     #[pyo3(signature = (blocks))]
-    fn set_node_cache_default(&self, py: Python<'_>, blocks: Option<i64>) -> PyResult<()> {
+    fn set_node_cache_default(&self, py: Python<'_>, blocks: Option<Int>) -> PyResult<()> {
         self.handle.with(py, |warm| Ok(warm.set_node_cache_default(cache_blocks(blocks)?)?))
     }
 
@@ -345,10 +350,11 @@ index_methods!(Warm {
         &self,
         py: Python<'py>,
         node: PyBackedStr,
-        seq: u64,
+        seq: Int,
         payload: &Bound<'py, PyAny>,
         model: PyBackedStr,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let seq = batch_seq(seq).map_err(|e| e.into_py(py))?;
         let payload = payload_bytes(payload)?;
         let (node, model, payload): (&str, &str, &[u8]) = (&node, &model, &payload);
         let outcome = self.handle.with(py, |warm| {
@@ -432,7 +438,7 @@ pub fn _replay_rust(
     path: PathBuf,
     model: String,
     prompts: Vec<Bound<'_, PyAny>>,
-    capacity: Option<i64>,
+    capacity: Option<Int>,
     sync_window_ms: Option<f64>,
     tenant: Option<&Bound<'_, PyAny>>,
     warm_nodes: bool,

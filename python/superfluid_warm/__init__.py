@@ -21,9 +21,12 @@ The index is the Rust crate ``superfluid-warm``; this package is its PyO3 bindin
 
 from __future__ import annotations
 
+import os as _os
+
 from ._errors import (
     ClosedError,
     EngineError,
+    ForkedError,
     IndexFileError,
     InvalidInputError,
     SharingError,
@@ -67,6 +70,12 @@ from ._native import (
 if HAS_NATS:
     from ._native import SharedWarm, Ticket
 
+from ._native import _after_fork_in_child
+
+# A handle belongs to the process that opened it: in a fork's child (``multiprocessing``'s default
+# start method on Linux) every call raises ``ForkedError`` and nothing of the parent's is touched.
+_os.register_at_fork(after_in_child=_after_fork_in_child)
+
 __all__ = [
     "Warm",
     "Reader",
@@ -89,6 +98,7 @@ __all__ = [
     "IndexFileError",
     "StorageError",
     "ClosedError",
+    "ForkedError",
     "EngineError",
     "SharingError",
     "HAS_NATS",

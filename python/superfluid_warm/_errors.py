@@ -8,11 +8,13 @@ it and open the file again; what was committed is there).
 ======================  ==========================================================================
 class                   kinds
 ======================  ==========================================================================
-InvalidInputError       ``InvalidName``, ``InvalidConfig``, ``ForeignPrefix`` (also a ValueError)
+InvalidInputError       ``InvalidName``, ``NulInName``, ``InvalidConfig``, ``ForeignPrefix`` (also a
+                        ValueError)
 IndexFileError          ``AlreadyOpen``, ``NewerSchema``, ``RetiredSchema``, ``UnknownFormat``,
                         ``Corrupted``, ``FileLost``, ``CrashedWriter``, ``LegacyJson``
 StorageError            ``Storage``, ``CommitFailed``, ``Io``, ``Thread``
 ClosedError             ``Closed``: the index (or reader, or head) was closed
+ForkedError             ``Forked``: a handle used in a child made by ``fork`` (``multiprocessing``)
 EngineError             ``Engine``: an engine's KV event batch that does not decode
 SharingError            ``Sharing``, ``Unpublished`` (``SharedWarm`` only)
 WarmError               anything else: ``Codec``, ``Poisoned``, ``Panic`` (a bug in Rust, caught
@@ -33,6 +35,7 @@ __all__ = [
     "IndexFileError",
     "StorageError",
     "ClosedError",
+    "ForkedError",
     "EngineError",
     "SharingError",
 ]
@@ -85,6 +88,13 @@ class ClosedError(WarmError):
     """The index (or reader, or head) was closed: open the file again."""
 
 
+class ForkedError(WarmError):
+    """A handle opened by another process, used in a child made by ``fork`` (``os.fork``,
+    ``multiprocessing`` with the ``fork`` start method): its threads and its file are the
+    parent's, so the call did nothing. Open the index in the child itself (``Reader.open``
+    reads it while the parent writes), or use the ``spawn`` start method."""
+
+
 class EngineError(WarmError):
     """An engine's KV cache event batch could not be decoded (nothing of it was applied)."""
 
@@ -96,6 +106,7 @@ class SharingError(WarmError):
 
 _BY_KIND: Dict[str, Type[WarmError]] = {
     "InvalidName": InvalidInputError,
+    "NulInName": InvalidInputError,
     "InvalidConfig": InvalidInputError,
     "ForeignPrefix": InvalidInputError,
     "AlreadyOpen": IndexFileError,
@@ -111,6 +122,7 @@ _BY_KIND: Dict[str, Type[WarmError]] = {
     "Io": StorageError,
     "Thread": StorageError,
     "Closed": ClosedError,
+    "Forked": ForkedError,
     "Engine": EngineError,
     "Sharing": SharingError,
     "Unpublished": SharingError,

@@ -255,6 +255,9 @@ def decode_engine_batch(seq: int, payload: Buffer, model: str) -> EngineBatch:
 def check_file(path: StrPath) -> FileCheck:
     """Checks the index file at ``path`` without writing it."""
 
+def _after_fork_in_child() -> None:
+    """Internal (``os.register_at_fork``): tells the handles that this process is a fork's child."""
+
 def _panic(message: str) -> None:
     """Internal (the tests): panics in Rust; raises ``WarmError`` of kind ``"Panic"``."""
 

@@ -193,3 +193,59 @@ def test_a_panic_in_rust_is_a_warm_error() -> None:
         sw._native._panic("on purpose")
     assert type(raised.value) is sw.WarmError and raised.value.kind == "Panic"
     assert "on purpose" in raised.value.message
+
+
+@pytest.mark.parametrize("huge", [2**64, 2**70, 2**200, -(2**70)])
+def test_ints_of_any_size_are_refused_as_warm_errors_not_overflow(tmp_path: Path, huge: int) -> None:
+    path = tmp_path / "w.redb"
+    for setting in ("capacity", "nodes_per_prefix", "node_cache_blocks"):
+        with pytest.raises(sw.InvalidInputError) as raised:
+            sw.Warm.open(path, **{setting: huge})
+        assert raised.value.kind == "InvalidConfig", setting
+    # Any cache size is a size (a negative one is refused): no OverflowError either way.
+    if huge < 0:
+        with pytest.raises(sw.InvalidInputError):
+            sw.Warm.open(path, cache_bytes=huge)
+    else:
+        sw.Warm.open(path, cache_bytes=huge).close()
+    with sw.Warm.open(path) as warm:
+        warm.ran("m", TOKENS, "node")
+        for call in (
+            lambda: warm.set_node_capacity("node", huge),
+            lambda: warm.set_node_cache_default(huge),
+        ):
+            with pytest.raises(sw.InvalidInputError) as raised:
+                call()
+            assert raised.value.kind == "InvalidConfig"
+        for seq in (-1, huge):
+            if 0 <= seq < 2**64:
+                continue
+            with pytest.raises(sw.EngineError) as engine:
+                warm.engine_payload("node", seq, b"", "m")
+            assert "batch number" in engine.value.message
+            with pytest.raises(sw.EngineError):
+                sw.decode_engine_batch(seq, b"", "m")
+        assert all(c.capacity is None for c in warm.stats().node_caches), "no size was set"
+        assert warm.warmest("m", TOKENS) == sw.Hit("node", 256), "nothing was lost"
+
+
+def test_a_nul_byte_in_a_name_is_refused(warm: sw.Warm) -> None:
+    for call in (
+        lambda: warm.ran("m", TOKENS, "no\x00de"),
+        lambda: warm.ran("mo\x00del", TOKENS, "node"),
+        lambda: warm.set_node_capacity("no\x00de", 16),
+        lambda: warm.forget_node("\x00"),
+    ):
+        with pytest.raises(sw.InvalidInputError) as raised:
+            call()
+        assert raised.value.kind == "NulInName" and "NUL" in raised.value.message
+    assert warm.stats().nodes == ()
+
+
+def test_already_open_names_no_rust_type(tmp_path: Path) -> None:
+    path = tmp_path / "w.redb"
+    with sw.Warm.open(path):
+        with pytest.raises(sw.IndexFileError) as raised:
+            sw.Warm.open(path)
+    assert raised.value.kind == "AlreadyOpen" and "Snapshot" not in raised.value.message
+    assert "Reader" in raised.value.message

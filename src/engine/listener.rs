@@ -7,16 +7,25 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::subscriber::{Endpoint, Message, Subscriber};
+use super::subscriber::{Endpoint, MAX_FRAME_BYTES, Message, Subscriber, host_port};
 use super::vllm::decode_engine_batch;
 use crate::error::{Error, Result};
+use crate::file::owner::Owner;
 use crate::index::engine_events::EngineSink;
-use crate::keys::Namespace;
+use crate::keys::{Namespace, check_node};
 use crate::store::engines::{EngineBatch, EngineOutcome};
 use crate::telemetry;
 
 /// How long a replay may take before the gap is taken as lost.
 pub const DEFAULT_REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a replay endpoint that did not answer is left alone first: the gaps meanwhile clear
+/// the node at once rather than wait for it again. Doubled at each failure, up to
+/// [`REPLAY_BACKOFF_MAX`]; an answer ends it.
+const REPLAY_BACKOFF_FIRST: Duration = Duration::from_secs(10);
+
+/// See [`REPLAY_BACKOFF_FIRST`].
+const REPLAY_BACKOFF_MAX: Duration = Duration::from_secs(300);
 
 /// How often a listening thread looks up from its socket (to see whether it should stop).
 const POLL: Duration = Duration::from_millis(100);
@@ -57,6 +66,8 @@ impl EngineEndpoint {
         if node.is_empty() || !events.contains("://") {
             return Err(bad("expected NAME=ENDPOINT, e.g. gpu-0=tcp://10.0.0.7:5557".into()));
         }
+        // Every batch would fail on it otherwise.
+        check_node(node).map_err(|e| bad(format!("{e}: give a shorter node name")))?;
         let mut endpoint = EngineEndpoint {
             node: node.to_string(),
             events: events.to_string(),
@@ -78,8 +89,90 @@ impl EngineEndpoint {
             return Err(bad("no model: add model=M, or give a default model".into()));
         }
         Namespace::new(&endpoint.model).map_err(|e| bad(e.to_string()))?;
+        let events = check_address(&endpoint.events, endpoint.bind).map_err(bad)?;
+        if let Some(replay) = &endpoint.replay {
+            let replay = check_address(replay, false).map_err(|e| bad(format!("replay: {e}")))?;
+            if replay.is_some() && replay == events {
+                return Err(bad("the replay endpoint is the event endpoint: give the engine's replay (ROUTER) \
+                     endpoint, another port (vLLM's `replay_endpoint`), or leave replay= out"
+                    .into()));
+            }
+        }
         Ok(endpoint)
     }
+
+    /// Parses every spec ([`EngineEndpoint::parse`]) and refuses two of the same node name
+    /// (each engine's stream would make the other's look restarted), naming both.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] saying what is wrong with a spec, or which two name one node.
+    pub fn parse_all<S: AsRef<str>>(specs: &[S], default_model: Option<&str>) -> Result<Vec<EngineEndpoint>> {
+        let engines =
+            specs.iter().map(|spec| EngineEndpoint::parse(spec.as_ref(), default_model)).collect::<Result<Vec<_>>>()?;
+        let specs: Vec<&str> = specs.iter().map(AsRef::as_ref).collect();
+        distinct(&engines, |i| specs.get(i).map_or_else(String::new, |s| (*s).to_string()))?;
+        Ok(engines)
+    }
+}
+
+/// Refuses two engines of one node name, naming both (as `spec` gives the `i`th).
+fn distinct(engines: &[EngineEndpoint], spec: impl Fn(usize) -> String) -> Result<()> {
+    let mut seen: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (i, engine) in engines.iter().enumerate() {
+        if let Some(&first) = seen.get(engine.node.as_str()) {
+            return Err(Error::InvalidConfig {
+                detail: format!(
+                    "engines {:?} and {:?} are both node {:?}: each stream would make the other look \
+                     restarted; give each engine its own node name",
+                    spec(first),
+                    spec(i),
+                    engine.node
+                ),
+            });
+        }
+        seen.insert(&engine.node, i);
+    }
+    Ok(())
+}
+
+/// What is wrong with a ZMQ address an engine spec names, if anything: a tcp address needs a
+/// host that resolves (an IPv6 one in brackets; `*` or an interface's name when bound) and a
+/// port of 1-65535. Other transports (`ipc://`, ...) are left to ZMQ. Gives the host (lower
+/// case) and port of a tcp address.
+fn check_address(address: &str, bind: bool) -> std::result::Result<Option<(String, u16)>, String> {
+    let Some((host, port)) = host_port(address) else {
+        return Ok(None);
+    };
+    let example = "e.g. tcp://10.0.0.7:5557, or tcp://[::1]:5557 for IPv6";
+    let port = port.parse::<u64>().ok().and_then(|p| u16::try_from(p).ok()).filter(|&p| p > 0).ok_or_else(|| {
+        let port = match port {
+            "" => "none".to_string(),
+            p if p.bytes().all(|b| b.is_ascii_digit()) => p.to_string(),
+            p => format!("{p:?}"),
+        };
+        format!("{address:?}: port {port} is not a port: give one of 1-65535 ({example})")
+    })?;
+    if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        // A scope (`%eth0`) may follow a link-local address.
+        let literal = v6.split_once('%').map_or(v6, |(a, _)| a);
+        return match literal.parse::<std::net::Ipv6Addr>() {
+            Ok(_) => Ok(Some((host.to_ascii_lowercase(), port))),
+            Err(_) => Err(format!("{address:?}: {v6:?} is not an IPv6 address ({example})")),
+        };
+    }
+    if host.contains(':') {
+        return Err(format!("{address:?}: an IPv6 address goes in brackets ({example})"));
+    }
+    if host.is_empty() {
+        return Err(format!("{address:?}: no host ({example})"));
+    }
+    let wildcard = bind && host == "*";
+    let interface = bind && std::path::Path::new("/sys/class/net").join(host).exists();
+    if !wildcard && !interface && std::net::ToSocketAddrs::to_socket_addrs(&(host, port)).is_err() {
+        let what = if bind { "no address or interface of this host" } else { "a host that does not resolve" };
+        return Err(format!("{address:?}: {host:?} is {what}: check the name, or give an IP address ({example})"));
+    }
+    Ok(Some((host.to_ascii_lowercase(), port)))
 }
 
 /// What one engine's listening thread has seen (`Listener::stats`).
@@ -101,6 +194,17 @@ pub struct ListenStats {
     /// Replays that did not cover their gap (started later than asked, timed out, or no replay
     /// endpoint): the node was cleared.
     pub replays_short: u64,
+    /// Gaps not replayed because the replay endpoint did not answer the last time and is left
+    /// alone for a while (see [`ListenStats::replay_backoff`]): the node was cleared at once,
+    /// rather than the engine's batches waiting for the replay timeout again.
+    pub replays_skipped: u64,
+    /// Seconds until the replay endpoint is asked again, after it did not answer in time
+    /// (nothing listening there, or a mute engine); `None` while it answers.
+    pub replay_backoff: Option<f64>,
+    /// Connections to the engine that ZMQ dropped for good (a frame over the 256 MiB cap: it
+    /// then never connects again by itself), each made again by the listener. What the engine
+    /// sent from that frame on was lost: the node was cleared at the next batch.
+    pub dropped: u64,
     /// Seconds since the last batch was received (`None`: none yet).
     pub silent_for: Option<f64>,
     /// Lag from publish (the engine's clock) to applied (this host's), in seconds: the median
@@ -122,6 +226,8 @@ const LAGS: usize = 1 << 16;
 struct Seen {
     stats: ListenStats,
     last: Option<Instant>,
+    /// The replay endpoint is not asked before this (it did not answer).
+    replay_after: Option<Instant>,
     lags: std::collections::VecDeque<f64>,
 }
 
@@ -133,6 +239,8 @@ pub struct Listener {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     stats: Vec<Shared>,
+    /// The process that started the threads: a fork's child has none of them to stop.
+    owner: Owner,
 }
 
 impl Listener {
@@ -140,6 +248,7 @@ impl Listener {
     /// [`crate::Warm`], or a sharing head's stream (`SharedWarm`).
     ///
     /// # Errors
+    /// [`Error::InvalidConfig`] for two engines of one node name (give each its own);
     /// [`Error::Engine`] for an endpoint ZMQ refuses (malformed, or it cannot be bound);
     /// [`Error::Thread`] if a thread cannot be started.
     pub fn start<S: EngineSink + 'static>(
@@ -147,9 +256,21 @@ impl Listener {
         engines: &[EngineEndpoint],
         replay_timeout: Duration,
     ) -> Result<Listener> {
+        Listener::start_with(sink, engines, replay_timeout, MAX_FRAME_BYTES)
+    }
+
+    /// [`Listener::start`], accepting frames of up to `max_frame` bytes.
+    fn start_with<S: EngineSink + 'static>(
+        sink: Arc<S>,
+        engines: &[EngineEndpoint],
+        replay_timeout: Duration,
+        max_frame: i64,
+    ) -> Result<Listener> {
+        distinct(engines, |i| engines.get(i).map_or_else(String::new, |e| format!("{}={}", e.node, e.events)))?;
         let sink: Arc<dyn EngineSink> = sink;
         let stop = Arc::new(AtomicBool::new(false));
-        let mut listener = Listener { stop: Arc::clone(&stop), threads: Vec::new(), stats: Vec::new() };
+        let mut listener =
+            Listener { stop: Arc::clone(&stop), threads: Vec::new(), stats: Vec::new(), owner: Owner::current() };
         for engine in engines {
             let endpoint = Endpoint {
                 events: engine.events.clone(),
@@ -157,7 +278,7 @@ impl Listener {
                 topic: engine.topic.clone(),
                 bind: engine.bind,
             };
-            let subscriber = Subscriber::open(endpoint).map_err(|e| Error::Engine {
+            let subscriber = Subscriber::open_with(endpoint, max_frame).map_err(|e| Error::Engine {
                 detail: format!("engine {}: {e}", engine.node),
                 source: Some(Arc::new(e)),
             })?;
@@ -174,6 +295,8 @@ impl Listener {
                 replay_timeout,
                 resync: false,
                 undecodable_warned: None,
+                dropped: 0,
+                replay_backoff: Duration::ZERO,
             };
             let stop = Arc::clone(&stop);
             telemetry::engine_listening(&engine.node);
@@ -194,6 +317,10 @@ impl Listener {
             .map(|seen| {
                 let mut stats = seen.stats.clone();
                 stats.silent_for = seen.last.map(|t| t.elapsed().as_secs_f64());
+                stats.replay_backoff = seen
+                    .replay_after
+                    .map(|t| t.saturating_duration_since(Instant::now()).as_secs_f64())
+                    .filter(|&left| left > 0.0);
                 let mut lags: Vec<f64> = seen.lags.iter().copied().collect();
                 lags.sort_by(f64::total_cmp);
                 let at = |q: f64| lags.get(((lags.len() as f64 - 1.0) * q).round() as usize).copied();
@@ -209,22 +336,29 @@ impl Listener {
         self.stats.iter().map(|s| s.lock().map_or(0, |seen| seen.stats.received)).collect()
     }
 
-    /// Stops every thread and waits for them (each within one poll of its socket).
+    /// Stops every thread and waits for them (each within one poll of its socket). In a fork's
+    /// child, which has none of them, it stops nothing and gives what the parent had seen.
     pub fn stop(mut self) -> Vec<ListenStats> {
+        self.halt();
+        self.stats()
+    }
+
+    fn halt(&mut self) {
+        if !self.owner.is_current() {
+            // A fork's child: the threads (and the flag they read) are the parent's.
+            std::mem::forget(std::mem::take(&mut self.threads));
+            return;
+        }
         self.stop.store(true, Ordering::Release);
         for handle in self.threads.drain(..) {
             let _ = handle.join();
         }
-        self.stats()
     }
 }
 
 impl Drop for Listener {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        for handle in self.threads.drain(..) {
-            let _ = handle.join();
-        }
+        self.halt();
     }
 }
 
@@ -239,6 +373,10 @@ struct One {
     resync: bool,
     /// When an undecodable message was last warned of.
     undecodable_warned: Option<Instant>,
+    /// Connections the subscriber had made again after ZMQ dropped them, as last seen.
+    dropped: u64,
+    /// How long the replay endpoint is left alone after its last failure (zero: it answers).
+    replay_backoff: Duration,
 }
 
 impl One {
@@ -277,10 +415,19 @@ impl One {
             .next(POLL)
             .map_err(|e| Error::Engine { detail: e.to_string(), source: Some(Arc::new(e)) })?;
         let (malformed, connected) = (self.subscriber.malformed(), self.subscriber.connected());
+        let dropped = self.subscriber.dropped();
+        if dropped > self.dropped {
+            // A frame over the cap (or one breaking the protocol): it and what came after it
+            // until the connection was made again are lost, and no replay can give a frame the
+            // replay socket would drop too. The next batch starts the stream again.
+            self.dropped = dropped;
+            self.resync = true;
+            telemetry::engine_connection_dropped(&self.engine.node, &self.engine.events);
+        }
         let mut was = connected;
         self.note(|s| {
             was = s.connected;
-            (s.malformed, s.connected) = (malformed, connected);
+            (s.malformed, s.connected, s.dropped) = (malformed, connected, dropped);
         });
         // The gauge starts at 0 (`engine_listening`), as `connected` does: a change is reported.
         if was != connected {
@@ -312,9 +459,28 @@ impl One {
     /// Covers a gap before `live` by a replay from `from`; what it does not cover clears the
     /// node, and `live` starts its stream again.
     fn cover(&mut self, from: u64, live: &EngineBatch) -> Result<()> {
+        let backing_off = self.stats.lock().is_ok_and(|s| s.replay_after.is_some_and(|t| Instant::now() < t));
+        if self.engine.replay.is_some() && backing_off {
+            // It did not answer lately: the node starts again here, without waiting for it.
+            self.note(|s| s.replays_skipped += 1);
+            telemetry::engine_replay_skipped(&self.engine.node, from);
+            return self.sink.engine_resync(&self.engine.node, live);
+        }
         self.note(|s| s.replays += 1);
         let replayed = match self.engine.replay {
-            Some(_) => self.subscriber.replay(from, self.replay_timeout).ok(),
+            Some(_) => match self.subscriber.replay(from, self.replay_timeout) {
+                Ok(replayed) => {
+                    self.replay_backoff = Duration::ZERO;
+                    self.set_replay_after(None);
+                    Some(replayed)
+                }
+                Err(e) => {
+                    self.replay_backoff = (self.replay_backoff * 2).clamp(REPLAY_BACKOFF_FIRST, REPLAY_BACKOFF_MAX);
+                    self.set_replay_after(Instant::now().checked_add(self.replay_backoff));
+                    telemetry::engine_replay_failed(&self.engine.node, &e.to_string(), self.replay_backoff);
+                    None
+                }
+            },
             None => None,
         };
         let Some(replayed) = replayed.filter(|r| !r.messages.is_empty()) else {
@@ -344,6 +510,13 @@ impl One {
         // A replayed batch that did not decode was a hole of the replay, handled above.
         self.resync = false;
         Ok(())
+    }
+
+    /// The replay endpoint is not asked before `after` (`None`: it is asked at the next gap).
+    fn set_replay_after(&self, after: Option<Instant>) {
+        if let Ok(mut seen) = self.stats.lock() {
+            seen.replay_after = after;
+        }
     }
 
     /// A message as the library's batch; `None` (counted, and the next batch resyncs) if it
@@ -385,9 +558,110 @@ mod tests {
             (e.replay.as_deref(), e.topic.as_deref(), e.bind, e.model.as_str()),
             (Some("tcp://10.0.0.7:5558"), Some("kv@"), true, "m")
         );
-        assert_eq!(EngineEndpoint::parse("a=tcp://h:1,model=x", None).map(|e| e.model).ok(), Some("x".into()));
+        assert_eq!(EngineEndpoint::parse("a=tcp://127.0.0.1:1,model=x", None).map(|e| e.model).ok(), Some("x".into()));
         for bad in ["gpu-0", "=tcp://h:1", "a=h:1", "a=tcp://h:1,color=red", "a=tcp://h:1"] {
             assert!(matches!(EngineEndpoint::parse(bad, None), Err(Error::InvalidConfig { .. })), "{bad}");
         }
+    }
+
+    /// Specs that can never work are refused when parsed, saying what is wrong: a node name
+    /// no batch can be applied under, no port or one out of range, an unresolvable host, an
+    /// IPv6 address outside brackets, a replay endpoint that is the event endpoint.
+    #[test]
+    fn specs_that_can_never_work_are_refused() {
+        let long = format!("{}=tcp://127.0.0.1:5557", "n".repeat(300));
+        let refused = [
+            (long.as_str(), "shorter node name"),
+            ("a=tcp://127.0.0.1:0", "port 0 is not a port"),
+            ("a=tcp://127.0.0.1:99999", "port 99999 is not a port"),
+            ("a=tcp://127.0.0.1", "port none is not a port"),
+            ("a=tcp://127.0.0.1:*", "port \"*\" is not a port"),
+            ("a=tcp://no-such-host.invalid:5557", "does not resolve"),
+            ("a=tcp://::1:5557", "in brackets"),
+            ("a=tcp://[::g]:5557", "not an IPv6 address"),
+            ("a=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5557", "the replay endpoint is the event endpoint"),
+            ("a=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:70000", "replay: \"tcp://127.0.0.1:70000\": port"),
+            ("a=tcp://no-such-interface-0:5557,bind", "no address or interface"),
+        ];
+        for (spec, why) in refused {
+            match EngineEndpoint::parse(spec, Some("m")) {
+                Err(Error::InvalidConfig { detail }) => assert!(detail.contains(why), "{spec}: {detail}"),
+                other => panic!("{spec}: {other:?}"),
+            }
+        }
+        for good in [
+            "a=tcp://[::1]:5557,replay=tcp://[::1]:5558",
+            "a=tcp://localhost:5557",
+            "a=tcp://127.0.0.1:65535",
+            "a=tcp://*:5557,bind",
+            "a=tcp://lo:5557,bind",
+            "a=tcp://[fe80::1%lo]:5557",
+            "a=ipc:///tmp/engine.sock",
+        ] {
+            assert!(EngineEndpoint::parse(good, Some("m")).is_ok(), "{good}");
+        }
+    }
+
+    /// A live frame over the size cap (a smaller cap here than 256 MiB): ZMQ drops the
+    /// connection and would never make it again. The listener connects again, counts it, says
+    /// it is connected only while it is, and the node starts again at the next batch (cleared:
+    /// the frame is lost); what follows is applied.
+    #[cfg(feature = "tools")]
+    #[test]
+    fn a_frame_over_the_cap_is_counted_and_the_engine_followed_again() -> Result<()> {
+        use crate::ReadIndex;
+        use crate::tools::engine_sim::{Publisher, SimEngine};
+        let dir = tempfile::tempdir().map_err(|e| Error::InvalidConfig { detail: e.to_string() })?;
+        let warm = Arc::new(crate::Warm::open(dir.path().join("cap.redb"))?);
+        let publisher = Publisher::new(Duration::ZERO)?;
+        let spec = format!("gpu-0={},replay={}", publisher.events, publisher.replay);
+        let engines = [EngineEndpoint::parse(&spec, Some("m"))?];
+        let listener = Listener::start_with(Arc::clone(&warm), &engines, Duration::from_secs(30), 16 << 10)?;
+        let mut engine = SimEngine::new(16, 1 << 20, "m", None)?;
+        let prompt =
+            |i: u32, blocks: u32| -> Vec<u32> { (0..64 * blocks).map(|t| 100_000 + t + i * 100_000).collect() };
+        let applied = |n: u32| warm.warmest("m", &prompt(n, 3)).is_ok_and(|h| h.is_some());
+        let dropped = |listener: &Listener| listener.stats().first().map_or(0, |s| s.dropped);
+        // One small batch every 50 ms until `done` (a subscriber not joined yet loses them).
+        let mut n = 0;
+        let mut pace = |engine: &mut SimEngine, done: &dyn Fn(u32) -> bool| -> Result<u32> {
+            let start = Instant::now();
+            loop {
+                assert!(start.elapsed() < Duration::from_secs(60), "timed out");
+                n += 1;
+                publisher.publish(&engine.run(&prompt(n, 3)), false)?;
+                std::thread::sleep(Duration::from_millis(50));
+                if done(n) {
+                    return Ok(n);
+                }
+            }
+        };
+        let first = pace(&mut engine, &applied)?;
+        let big = engine.run(&prompt(1000, 100));
+        publisher.publish(&big, false)?;
+        std::thread::sleep(Duration::from_millis(100));
+        pace(&mut engine, &|n| dropped(&listener) == 1 && applied(n))?;
+        let stats = listener.stop();
+        let stats = stats.first().expect("the engine's stats");
+        let counts = warm.engine_stats()?.first().map(|s| s.counts.clone()).expect("a stream");
+        assert_eq!((stats.dropped, counts.lost), (1, 1), "{stats:?} {counts:?}");
+        assert!(stats.connected, "{stats:?}");
+        assert_eq!(warm.warmest("m", &prompt(1000, 100))?, None, "the frame over the cap was never applied");
+        assert!(!applied(first), "cleared: the index knows less than the engine");
+        Ok(())
+    }
+
+    /// Two specs of one node name are refused, naming both (by the CLI's parse, and by
+    /// `Listener::start` for a library's own endpoints).
+    #[test]
+    fn two_engines_of_one_node_are_refused_naming_both() {
+        let specs = ["gpu-0=tcp://127.0.0.1:5557", "gpu-1=tcp://127.0.0.1:5559", "gpu-0=tcp://127.0.0.1:5561"];
+        match EngineEndpoint::parse_all(&specs, Some("m")) {
+            Err(Error::InvalidConfig { detail }) => {
+                assert!(detail.contains(specs[0]) && detail.contains(specs[2]), "{detail}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(EngineEndpoint::parse_all(&specs[..2], Some("m")).map(|e| e.len()).ok(), Some(2));
     }
 }

@@ -21,9 +21,15 @@ use std::time::{Duration, Instant};
 /// the sum ZMQ drops silently, which the caller sees as a gap in `seq`.
 const RECEIVE_HWM: i32 = 100_000;
 
-/// Largest frame accepted, in bytes; a peer sending more is disconnected by ZMQ (and a
-/// connecting socket reconnects). Real batches are well under a megabyte.
-const MAX_FRAME_BYTES: i64 = 256 << 20;
+/// Largest frame accepted, in bytes; a peer sending more is disconnected by ZMQ, which then
+/// never connects to it again by itself (a protocol error): the subscriber connects again
+/// ([`Subscriber::dropped`]). Real batches are well under a megabyte.
+pub(crate) const MAX_FRAME_BYTES: i64 = 256 << 20;
+
+/// How long after a connection of the SUB socket (connecting) is lost ZMQ has to say it tries
+/// again (it says so at once) before the subscriber takes the connection as dropped for good
+/// and connects again itself.
+const DROPPED_AFTER: Duration = Duration::from_millis(500);
 
 /// Longest wait between two reconnection attempts to an engine that is down, in milliseconds
 /// (ZMQ starts at 100 ms and doubles up to this).
@@ -140,6 +146,15 @@ pub(crate) struct Subscriber {
     /// Connections of the SUB socket that are up (handshakes done, not yet disconnected), by
     /// the file descriptor libzmq's events name.
     peers: std::collections::HashSet<u32>,
+    /// Connections made (TCP up) whose handshake is not done yet, oldest first (libzmq's
+    /// handshake event names no file descriptor: it is the oldest's).
+    handshaking: std::collections::VecDeque<u32>,
+    /// Largest frame accepted, in bytes.
+    max_frame: i64,
+    /// When a connection was lost (connecting) without ZMQ saying it tries again since.
+    lost_at: Option<Instant>,
+    /// Connections ZMQ dropped for good and the subscriber made again ([`Self::dropped`]).
+    dropped: u64,
 }
 
 impl fmt::Debug for Subscriber {
@@ -153,25 +168,44 @@ impl fmt::Debug for Subscriber {
 }
 
 impl Subscriber {
-    /// Opens the SUB socket, subscribes to the topic prefix and connects to (or binds) the
-    /// event endpoint. Connecting succeeds whether or not the engine is up yet: ZMQ keeps
-    /// trying in the background, and reconnects (resubscribing) after an engine restart.
+    /// [`Self::open_with`] the default cap ([`MAX_FRAME_BYTES`]).
+    ///
+    /// # Errors
+    /// As [`Self::open_with`].
+    #[cfg(test)]
+    pub(crate) fn open(endpoint: Endpoint) -> Result<Subscriber, Error> {
+        Subscriber::open_with(endpoint, MAX_FRAME_BYTES)
+    }
+
+    /// Opens the SUB socket, accepting frames of up to `max_frame` bytes, subscribes to the
+    /// topic prefix and connects to (or binds) the event endpoint. Connecting succeeds whether
+    /// or not the engine is up yet: ZMQ keeps trying in the background, and reconnects
+    /// (resubscribing) after an engine restart; a connection ZMQ drops for good is made again
+    /// here ([`Self::dropped`]).
     ///
     /// # Errors
     /// [`Error::Zmq`] when the endpoint is malformed or cannot be bound.
-    pub(crate) fn open(endpoint: Endpoint) -> Result<Subscriber, Error> {
+    pub(crate) fn open_with(endpoint: Endpoint, max_frame: i64) -> Result<Subscriber, Error> {
         let fail = |op| {
             let events = endpoint.events.clone();
             move |source| Error::Zmq { op, endpoint: events, source }
         };
         let sub = context().socket(zmq::SUB).map_err(fail("socket"))?;
-        configure(&sub).map_err(fail("setsockopt"))?;
+        configure(&sub, max_frame).map_err(fail("setsockopt"))?;
+        sub.set_ipv6(needs_ipv6(&endpoint.events)).map_err(fail("setsockopt"))?;
         let prefix = endpoint.topic.as_deref().unwrap_or("");
         sub.set_subscribe(prefix.as_bytes()).map_err(fail("subscribe"))?;
         // The monitor is set before the socket connects, so that it sees the first handshake.
         static MONITORS: AtomicU64 = AtomicU64::new(0);
         let address = format!("inproc://superfluid-warm-monitor-{}", MONITORS.fetch_add(1, Ordering::Relaxed));
-        let events = (zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() | zmq::SocketEvent::DISCONNECTED.to_raw()) as i32;
+        let events = [
+            zmq::SocketEvent::CONNECTED,
+            zmq::SocketEvent::ACCEPTED,
+            zmq::SocketEvent::HANDSHAKE_SUCCEEDED,
+            zmq::SocketEvent::DISCONNECTED,
+            zmq::SocketEvent::CONNECT_RETRIED,
+        ];
+        let events = events.iter().fold(0, |all, e| all | e.to_raw()) as i32;
         sub.monitor(&address, events).map_err(fail("monitor"))?;
         let monitor = context().socket(zmq::PAIR).map_err(fail("socket"))?;
         monitor.set_linger(0).map_err(fail("setsockopt"))?;
@@ -181,7 +215,18 @@ impl Subscriber {
         } else {
             sub.connect(&endpoint.events).map_err(fail("connect"))?;
         }
-        Ok(Subscriber { endpoint, sub, dealer: None, malformed: 0, monitor: Some(monitor), peers: Default::default() })
+        Ok(Subscriber {
+            endpoint,
+            sub,
+            dealer: None,
+            malformed: 0,
+            monitor: Some(monitor),
+            peers: Default::default(),
+            handshaking: Default::default(),
+            max_frame,
+            lost_at: None,
+            dropped: 0,
+        })
     }
 
     #[cfg(test)]
@@ -206,22 +251,50 @@ impl Subscriber {
         !self.peers.is_empty()
     }
 
-    /// Takes the monitor's events that have arrived: each handshake is a connection up, each
-    /// disconnection one down.
+    /// Connections of the SUB socket that ZMQ dropped for good (a frame over the size cap, or
+    /// one that broke the protocol: it then never connects again by itself) and the subscriber
+    /// made again. What was sent on such a connection from its dropped frame on is lost.
+    pub(crate) fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// Takes the monitor's events that have arrived: each connection made waits for its
+    /// handshake, each handshake is a connection up, each disconnection one down. A connection
+    /// (connecting) lost without ZMQ saying it tries again was dropped for good: it is made
+    /// again here.
     fn watch(&mut self) {
         let Some(monitor) = self.monitor.as_ref() else { return };
         while let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
             // libzmq's monitor message: the event (u16) and a value (u32), in the host's order,
-            // then the peer's address.
+            // then the peer's address. The value of a connection made or lost is its file
+            // descriptor; a handshake's is 0.
             // (A failed handshake is disconnected too: only a connection that was up goes down.)
             let head = frames.first().and_then(|f| f.get(..6)).and_then(|b| <[u8; 6]>::try_from(b).ok());
             let Some([e0, e1, v0, v1, v2, v3]) = head else { continue };
             let (event, fd) = (u16::from_ne_bytes([e0, e1]), u32::from_ne_bytes([v0, v1, v2, v3]));
-            if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
-                self.peers.insert(fd);
+            if event == zmq::SocketEvent::CONNECTED.to_raw() || event == zmq::SocketEvent::ACCEPTED.to_raw() {
+                self.handshaking.push_back(fd);
+                self.lost_at = None;
+            } else if event == zmq::SocketEvent::HANDSHAKE_SUCCEEDED.to_raw() {
+                if let Some(fd) = self.handshaking.pop_front() {
+                    self.peers.insert(fd);
+                }
             } else if event == zmq::SocketEvent::DISCONNECTED.to_raw() {
                 self.peers.remove(&fd);
+                self.handshaking.retain(|&h| h != fd);
+                if !self.endpoint.bind {
+                    self.lost_at = Some(Instant::now());
+                }
+            } else if event == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+                self.lost_at = None;
             }
+        }
+        if self.lost_at.is_some_and(|t| t.elapsed() >= DROPPED_AFTER) {
+            self.lost_at = None;
+            self.dropped = self.dropped.saturating_add(1);
+            // Connected again from scratch; if this fails, the next loss tries again.
+            let _ = self.sub.disconnect(&self.endpoint.events);
+            let _ = self.sub.connect(&self.endpoint.events);
         }
     }
 
@@ -276,7 +349,8 @@ impl Subscriber {
             Some(dealer) => dealer,
             None => {
                 let dealer = context().socket(zmq::DEALER).map_err(fail("socket"))?;
-                configure(&dealer).map_err(fail("setsockopt"))?;
+                configure(&dealer, self.max_frame).map_err(fail("setsockopt"))?;
+                dealer.set_ipv6(needs_ipv6(address)).map_err(fail("setsockopt"))?;
                 dealer.connect(address).map_err(fail("connect"))?;
                 dealer
             }
@@ -313,6 +387,29 @@ impl Subscriber {
     }
 }
 
+/// A tcp address's host and port, as ZMQ reads them (`tcp://[source;]host:port`); `None` for
+/// another transport.
+pub(crate) fn host_port(address: &str) -> Option<(&str, &str)> {
+    let rest = address.strip_prefix("tcp://")?;
+    let rest = rest.rsplit_once(';').map_or(rest, |(_, r)| r);
+    Some(rest.rsplit_once(':').unwrap_or((rest, "")))
+}
+
+/// Whether a socket for `address` needs IPv6 on (`ZMQ_IPV6`, off by default: libzmq then takes
+/// `[::1]` for an interface's name): a tcp address whose host is an IPv6 address in brackets,
+/// or a name that resolves to IPv6 addresses only. Not on for every address: a name such as
+/// `localhost` could then resolve to `::1` while the engine listens on 127.0.0.1 only.
+fn needs_ipv6(address: &str) -> bool {
+    let Some((host, port)) = host_port(address) else { return false };
+    if host.starts_with('[') {
+        return true;
+    }
+    let port = port.parse::<u16>().unwrap_or(0);
+    std::net::ToSocketAddrs::to_socket_addrs(&(host, port))
+        .map(|addrs| addrs.collect::<Vec<_>>())
+        .is_ok_and(|addrs| !addrs.is_empty() && addrs.iter().all(std::net::SocketAddr::is_ipv6))
+}
+
 /// One ZMQ context (one I/O thread) for every subscriber of the process, made on first use.
 fn context() -> zmq::Context {
     static CONTEXT: OnceLock<zmq::Context> = OnceLock::new();
@@ -338,11 +435,12 @@ impl Drop for Subscriber {
 }
 
 /// The options every socket gets: no lingering on close (unsent requests are worthless then),
-/// bounded frames and queue, capped reconnection backoff, heartbeats to notice dead peers.
-fn configure(socket: &zmq::Socket) -> zmq::Result<()> {
+/// frames of up to `max_frame` bytes, a bounded queue, capped reconnection backoff, heartbeats
+/// to notice dead peers.
+fn configure(socket: &zmq::Socket, max_frame: i64) -> zmq::Result<()> {
     socket.set_linger(0)?;
     socket.set_rcvhwm(RECEIVE_HWM)?;
-    socket.set_maxmsgsize(MAX_FRAME_BYTES)?;
+    socket.set_maxmsgsize(max_frame)?;
     socket.set_reconnect_ivl_max(RECONNECT_MAX_MS)?;
     socket.set_heartbeat_ivl(HEARTBEAT_MS)?;
     socket.set_heartbeat_timeout(HEARTBEAT_TIMEOUT_MS)?;
@@ -534,6 +632,64 @@ mod tests {
         publish(&publisher, b"", 0, b"batch");
         let m = next_real(&mut sub);
         assert_eq!((m.topic, m.seq, m.payload), (Vec::new(), 0, b"batch".to_vec()));
+    }
+
+    /// IPv6 addresses (`tcp://[::1]:P`), connecting and bound: libzmq needs IPv6 on the socket
+    /// (without it, a connect hears nothing and a bind fails "No such device").
+    #[test]
+    fn receives_over_ipv6_connecting_and_bound() {
+        let ctx = zmq::Context::new();
+        let publisher = ctx.socket(zmq::PUB).expect("socket");
+        publisher.set_linger(0).expect("linger");
+        publisher.set_ipv6(true).expect("ipv6");
+        publisher.bind("tcp://[::1]:*").expect("bind on ::1");
+        let address = publisher.get_last_endpoint().expect("endpoint").expect("utf-8 endpoint");
+        let mut sub = Subscriber::open(endpoint(&address)).expect("open");
+        join(&publisher, &mut sub, b"");
+        publish(&publisher, b"", 0, b"batch");
+        assert_eq!(next_real(&mut sub).seq, 0);
+        let port = std::net::TcpListener::bind("[::1]:0").and_then(|l| l.local_addr()).expect("a free port").port();
+        let mut sub =
+            Subscriber::open(Endpoint { bind: true, ..endpoint(&format!("tcp://[::1]:{port}")) }).expect("bind");
+        let publisher = ctx.socket(zmq::PUB).expect("socket");
+        publisher.set_linger(0).expect("linger");
+        publisher.set_ipv6(true).expect("ipv6");
+        publisher.connect(&format!("tcp://[::1]:{port}")).expect("the engine connects");
+        join(&publisher, &mut sub, b"");
+        publish(&publisher, b"", 7, b"batch");
+        assert_eq!(next_real(&mut sub).seq, 7);
+        assert!(needs_ipv6("tcp://[::1]:5557") && !needs_ipv6("tcp://127.0.0.1:5557") && !needs_ipv6("ipc:///x"));
+    }
+
+    /// A frame over the size cap: ZMQ drops the connection and would never make it again; the
+    /// subscriber sees it lost, says so, connects again, and hears what comes next. An engine
+    /// that goes away is not such a drop (ZMQ connects again by itself).
+    #[test]
+    fn a_frame_over_the_cap_drops_the_connection_and_it_is_made_again() {
+        let ctx = zmq::Context::new();
+        let (publisher, address) = bound(&ctx, zmq::PUB);
+        let mut sub = Subscriber::open_with(endpoint(&address), 1000).expect("open");
+        join(&publisher, &mut sub, b"");
+        assert!(sub.connected());
+        publish(&publisher, b"", 0, &[7; 5000]);
+        let deadline = Instant::now() + PATIENCE;
+        while sub.dropped() == 0 {
+            assert!(Instant::now() < deadline, "the drop was never seen");
+            assert_eq!(sub.next(Duration::from_millis(50)).expect("next"), None, "nothing over the cap");
+        }
+        join(&publisher, &mut sub, b"");
+        publish(&publisher, b"", 1, b"after");
+        assert_eq!(next_real(&mut sub).seq, 1);
+        assert!(sub.connected() && sub.dropped() == 1);
+        // The engine goes away: not connected, and not a drop.
+        drop(publisher);
+        let deadline = Instant::now() + PATIENCE;
+        while sub.connected() {
+            assert!(Instant::now() < deadline, "still connected to an engine that went away");
+            sub.next(Duration::from_millis(50)).expect("next");
+        }
+        sub.next(DROPPED_AFTER * 2).expect("next");
+        assert_eq!(sub.dropped(), 1, "ZMQ connects again by itself");
     }
 
     #[test]

@@ -6,6 +6,7 @@ pub(crate) mod check;
 pub(crate) mod compact;
 pub(crate) mod index_file;
 pub(crate) mod lock;
+pub(crate) mod owner;
 pub(crate) mod seal;
 pub(crate) mod snapshot;
 pub(crate) mod verify;

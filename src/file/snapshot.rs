@@ -204,7 +204,8 @@ impl Snapshot {
     ///
     /// # Errors
     /// [`Error::CrashedWriter`] if the writer that had it open died without closing it (open it
-    /// for writing once to recover it); [`Error::UnknownFormat`], [`Error::NewerSchema`],
+    /// for writing once to recover it); [`Error::BeingCreated`] if a head is creating the file
+    /// and has not made it an index yet (retry); [`Error::UnknownFormat`], [`Error::NewerSchema`],
     /// [`Error::RetiredSchema`], [`Error::Corrupted`], [`Error::Io`] or [`Error::Storage`]
     /// otherwise.
     pub fn open(path: impl AsRef<Path>) -> Result<Snapshot> {
@@ -242,6 +243,13 @@ impl Snapshot {
                 (false, true)
             }
         };
+        // A head holds the file but it is not an index (yet): a head that is creating it, and
+        // has not made its tables. (One refusing a foreign file holds it as briefly: a retry
+        // then gets the real answer.)
+        let being_created = |e: Error| match e {
+            Error::UnknownFormat { .. } if head_live => Error::BeingCreated { path: path.to_path_buf() },
+            e => e,
+        };
         let db: ReadOnlyDatabase = redb::Builder::new()
             .set_concurrency_mode(ConcurrencyMode::SingleWriter)
             .set_cache_size(16 << 20)
@@ -249,14 +257,14 @@ impl Snapshot {
             .map_err(|e| match e {
                 // redb refuses a file left unclean when no writer holds it: a crash.
                 redb::DatabaseError::RepairAborted => Error::CrashedWriter { pid: None },
-                e => open_error(path, e),
+                e => being_created(open_error(path, e)),
             })?;
         let txn = db.begin_read().map_err(redb_err("starting a read"))?;
         let meta_table = txn.open_table(META).map_err(|e| match e {
-            redb::TableError::TableDoesNotExist(_) => Error::unknown_format("no meta table"),
+            redb::TableError::TableDoesNotExist(_) => being_created(Error::unknown_format("no meta table")),
             e => redb_err("opening the meta table")(e),
         })?;
-        let meta = read_meta(&meta_table)?.ok_or_else(|| Error::unknown_format("no meta record"))?;
+        let meta = read_meta(&meta_table)?.ok_or_else(|| being_created(Error::unknown_format("no meta record")))?;
         schema::check(&meta)?;
         let nodes = read_nodes(&txn.open_table(NODES).map_err(redb_err("opening nodes"))?)?;
         // Schema 2 and 3 files (which only a writer upgrades) have neither table.

@@ -16,6 +16,7 @@ use super::presence::Filters;
 use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
+use crate::file::owner::Owner;
 use crate::file::{compact, seal};
 use crate::keys::{BlockKey, Scheme};
 use crate::store::tables::{OTHERS, PREFIXES};
@@ -56,6 +57,8 @@ pub(crate) struct Inner {
     pub durable_position: AtomicU64,
     /// The number of the queue's figures last recorded (see [`record_queue`]).
     pub queue_recorded: Mutex<u64>,
+    /// The process that opened the file: no other (a fork's child) may touch it.
+    pub owner: Owner,
 }
 
 /// Holds the head's lock of its file; when dropped, after redb has closed the file, seals it

@@ -5,7 +5,9 @@
 use super::front::Front;
 use super::warm::Warm;
 use crate::error::Result;
-use crate::keys::{MAX_NODE_BYTES, check_len};
+use crate::keys::check_node;
+#[cfg(feature = "nats")]
+use crate::store::engines::Applied;
 use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome, EngineStats};
 use crate::telemetry;
 
@@ -27,7 +29,8 @@ impl Warm {
     /// # Errors
     /// [`crate::Error::InvalidName`] for an empty or over-long node name; as [`Warm::ran`] otherwise.
     pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.in_owner()?;
+        check_node(node)?;
         self.wait_for_engine_room()?;
         let (outcome, _) = self.change_now(
             0,
@@ -55,7 +58,8 @@ impl Warm {
     /// # Errors
     /// As [`Warm::engine_batch`].
     pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.in_owner()?;
+        check_node(node)?;
         self.wait_for_engine_room()?;
         self.change_now(
             0,
@@ -74,7 +78,7 @@ impl Warm {
     /// stream order): as [`Warm::engine_batch`], and a batch after a gap starts the stream again
     /// ([`Warm::engine_resync`]): every head decides the same from the same stream.
     pub(crate) fn engine_batch_at(&self, node: &str, batch: &EngineBatch, position: u64) -> Result<()> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        check_node(node)?;
         self.wait_for_engine_room()?;
         self.change_now(
             position,
@@ -97,11 +101,22 @@ impl Warm {
 
     /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
     /// time), if any.
-    #[cfg(any(feature = "nats", feature = "tools"))]
+    #[cfg(all(feature = "nats", feature = "tools", feature = "engines"))]
     pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
+        self.in_owner()?;
         let front = self.front()?;
         let id = front.decided.nodes.current(node);
         Ok(id.and_then(|id| front.decided.engines.position(id)))
+    }
+
+    /// Where node `node`'s engine stream stands ([`Warm::engine_position`]) and the last batches
+    /// it applied: what a sharing head forwarding its batches follows from.
+    #[cfg(feature = "nats")]
+    pub(crate) fn engine_followed(&self, node: &str) -> Result<(Option<(u64, f64)>, Applied)> {
+        self.in_owner()?;
+        let front = self.front()?;
+        let Some(id) = front.decided.nodes.current(node) else { return Ok((None, Applied::default())) };
+        Ok((front.decided.engines.position(id), front.decided.engines.applied(id)))
     }
 
     /// The engine streams: where each stands, what each node holds, and the counts, as of the
@@ -110,6 +125,7 @@ impl Warm {
     /// # Errors
     /// [`crate::Error::Poisoned`] after a panic in another caller.
     pub fn engine_stats(&self) -> Result<Vec<EngineStats>> {
+        self.in_owner()?;
         let front = self.front()?;
         let nodes = &front.decided.nodes;
         Ok(front.decided.engines.stats(|id| nodes.name(id)))

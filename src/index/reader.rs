@@ -12,6 +12,7 @@ use super::others::OthersCache;
 use super::read_index::ReadIndex;
 use super::warm::Hit;
 use crate::error::{Error, Result, redb_err};
+use crate::file::owner::Owner;
 use crate::file::snapshot::Snapshot;
 use crate::keys::{Namespace, Prefix, Scheme};
 use crate::store::schema;
@@ -27,6 +28,9 @@ pub struct Reader {
     others: Mutex<OthersCache>,
     scheme: Scheme,
     legacy: bool,
+    /// The process that opened it: a fork's child finds its locks as the parent's threads left
+    /// them, so it is refused ([`Error::Forked`]).
+    owner: Owner,
     /// The snapshot the answers are read from (its lock keeps a head from rewriting the file
     /// under a reader of a closed one).
     _snapshot: Snapshot,
@@ -68,7 +72,7 @@ impl Reader {
         // Every node a block keeps is read: how many a head keeps is its own setting.
         let others = Mutex::new(OthersCache::of(&view.tables));
         let front = Front::new(decided, view, MAX_NODES_PER_PREFIX);
-        Ok(Reader { front: Mutex::new(front), others, scheme, legacy, _snapshot: snapshot })
+        Ok(Reader { front: Mutex::new(front), others, scheme, legacy, owner: Owner::current(), _snapshot: snapshot })
     }
 }
 
@@ -78,6 +82,7 @@ impl ReadIndex for Reader {
     }
 
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        self.owner.check()?;
         answer::same_scheme(self.scheme, prefix)?;
         answer::answer_with(&self.front, &self.others, prefix, false, |front, read| {
             answer::warmest(front, None, prefix, read)
@@ -85,6 +90,7 @@ impl ReadIndex for Reader {
     }
 
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        self.owner.check()?;
         answer::same_scheme(self.scheme, prefix)?;
         answer::answer_with(&self.front, &self.others, prefix, true, |front, read| {
             answer::warm_nodes(front, None, prefix, read)

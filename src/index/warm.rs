@@ -30,7 +30,8 @@ use super::presence::Filters;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
-use crate::keys::{BlockKey, MAX_NODE_BYTES, Namespace, Prefix, Scheme, check_len, legacy_key};
+use crate::file::owner::Owner;
+use crate::keys::{BlockKey, Namespace, Prefix, Scheme, check_node, legacy_key};
 use crate::store::caches::{NodeCacheStats, named_pairs};
 use crate::store::effect::Effect;
 use crate::store::engines::Medium;
@@ -199,6 +200,7 @@ impl Warm {
             window,
             opened,
             db,
+            owner: Owner::current(),
             // Only a file verified at open may be sealed: a seal vouches for every byte.
             sealer: Sealer {
                 lock,
@@ -226,6 +228,15 @@ impl Warm {
     /// A prefix must be hashed in this file's scheme: another scheme's keys would never match.
     fn same_scheme(&self, prefix: &Prefix) -> Result<()> {
         answer::same_scheme(self.inner.scheme, prefix)
+    }
+
+    /// `Ok` in the process that opened the index: every public call checks it before it takes
+    /// a lock (a fork's child would find them as the parent's threads left them).
+    ///
+    /// # Errors
+    /// [`Error::Forked`] in a child made by `fork`.
+    pub(crate) fn in_owner(&self) -> Result<()> {
+        self.inner.owner.check()
     }
 
     pub(super) fn front(&self) -> Result<MutexGuard<'_, Front>> {
@@ -269,7 +280,8 @@ impl Warm {
     /// [`Warm::ran_prefix`], applying a shared event at stream sequence `position` (0: a head's
     /// own `ran`); the position is committed with it.
     pub(crate) fn ran_at(&self, prefix: &Prefix, node: &str, position: u64) -> Result<()> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.in_owner()?;
+        check_node(node)?;
         self.same_scheme(prefix)?;
         if prefix.blocks.is_empty() {
             return Ok(());
@@ -422,7 +434,8 @@ impl Warm {
     /// Queues a forget of `name` (answers leave it out at once), applying a shared event at
     /// stream sequence `position` (0: a head's own); durable with the next commit.
     pub(crate) fn forget_at(&self, name: &str, position: u64) -> Result<()> {
-        check_len("node", name.len(), MAX_NODE_BYTES)?;
+        self.in_owner()?;
+        check_node(name)?;
         {
             let mut front = self.front()?;
             while front.importing {
@@ -481,6 +494,7 @@ impl Warm {
     /// change is decided (a cache kept from now on starts from a scan of the file, which then
     /// holds every change decided before) and committed on its own.
     fn change_caches(&self, name: Option<&str>, blocks: Option<u64>, position: u64) -> Result<()> {
+        self.in_owner()?;
         let mut back = self.back()?;
         self.front()?.importing = true;
         let mut decided = false;
@@ -588,6 +602,7 @@ impl Warm {
     /// [`Error::Storage`] if the commit fails: what was committed before is intact, and the
     /// `ran`s since stay answered and are retried by the next commit.
     pub fn sync(&self) -> Result<()> {
+        self.in_owner()?;
         flush(&self.inner, Flush::Commit)
     }
 
@@ -608,6 +623,7 @@ impl Warm {
     /// # Errors
     /// [`Error::Storage`] if the commit fails.
     pub fn import(&self, file: &LegacyJson) -> Result<ImportReport> {
+        self.in_owner()?;
         let mut back = self.back()?;
         // Changes wait for the import; after it, what was decided is read again from the file
         // as the import committed it (with everything before it).
@@ -677,6 +693,7 @@ impl Warm {
     /// # Errors
     /// [`Error::Storage`] if writing the queue fails (those `ran`s are kept and retried).
     pub fn stats(&self) -> Result<Stats> {
+        self.in_owner()?;
         flush(&self.inner, Flush::Write)?;
         let front = self.front()?;
         let (published, nodes) = (&front.view.published, &front.decided.nodes);
@@ -707,6 +724,7 @@ impl Warm {
     }
 
     fn shutdown(&mut self) -> Result<()> {
+        self.in_owner()?;
         if let Ok(mut front) = self.inner.front.lock() {
             front.closing = true;
         }
@@ -743,6 +761,7 @@ impl Warm {
     /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
     /// yet back from the stream), then the memtable and the last commit: one read path.
     pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Option<Hit>> {
+        self.in_owner()?;
         self.same_scheme(prefix)?;
         let (front, others) = (&self.inner.front, &self.inner.others);
         let hit =
@@ -753,6 +772,7 @@ impl Warm {
 
     /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
     pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
+        self.in_owner()?;
         self.same_scheme(prefix)?;
         let (front, others) = (&self.inner.front, &self.inner.others);
         let hits = answer::answer_with(front, others, prefix, true, |front, read| {
@@ -765,6 +785,13 @@ impl Warm {
 
 impl Drop for Warm {
     fn drop(&mut self) {
+        if !self.inner.owner.is_current() {
+            // A fork's copy: the file, its locks and the commit thread are the parent's. Closing
+            // redb here would write the parent's file from a stale state, so nothing is dropped.
+            std::mem::forget(Arc::clone(&self.inner));
+            std::mem::forget(self.flusher.take());
+            return;
+        }
         // Best effort: a caller who needs to know uses `close`.
         let _ = self.shutdown();
     }
@@ -776,7 +803,7 @@ impl Drop for Warm {
 /// [`Error::InvalidName`] for an empty or over-long name; [`Error::InvalidConfig`] for a size of
 /// 0 blocks or more than [`MAX_CAPACITY`].
 pub(crate) fn check_node_capacity(name: &str, blocks: Option<u64>) -> Result<()> {
-    check_len("node", name.len(), MAX_NODE_BYTES)?;
+    check_node(name)?;
     check_cache_size(blocks)
 }
 

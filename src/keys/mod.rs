@@ -13,7 +13,7 @@ pub(crate) use chain::{ChainState, Scheme};
 #[cfg(feature = "tools")]
 pub(crate) use legacy::fnv_chain;
 pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};
-pub(crate) use namespace::check_len;
+pub(crate) use namespace::check_node;
 pub use namespace::{MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, Namespace};
 pub use prefix::Prefix;
 

@@ -72,7 +72,7 @@ impl Namespace {
     }
 
     fn build(model: &str, tenant: Option<&[u8]>) -> Result<Namespace> {
-        check_len("model", model.len(), MAX_MODEL_BYTES)?;
+        check_name("model", model, MAX_MODEL_BYTES)?;
         let mut material = Vec::with_capacity(16 + model.len() + tenant.map_or(0, <[u8]>::len));
         material.extend_from_slice(&(model.len() as u64).to_le_bytes());
         material.extend_from_slice(model.as_bytes());
@@ -154,4 +154,25 @@ pub(crate) fn check_len(what: &'static str, len: usize, max: usize) -> Result<()
         return Err(Error::InvalidName { what, len, max });
     }
     Ok(())
+}
+
+/// Checks a name of text (a model's, a node's): 1 to `max` bytes, without a NUL byte (a C
+/// string, a log line or a label would cut it short there).
+///
+/// # Errors
+/// [`Error::InvalidName`] if it is empty or over `max`; [`Error::NulInName`] for a NUL byte.
+pub(crate) fn check_name(what: &'static str, name: &str, max: usize) -> Result<()> {
+    check_len(what, name.len(), max)?;
+    match name.bytes().position(|b| b == 0) {
+        Some(at) => Err(Error::NulInName { what, at }),
+        None => Ok(()),
+    }
+}
+
+/// [`check_name`] for a node's name.
+///
+/// # Errors
+/// As [`check_name`].
+pub(crate) fn check_node(name: &str) -> Result<()> {
+    check_name("node", name, MAX_NODE_BYTES)
 }

@@ -18,8 +18,8 @@ use crate::index::engine_events::EngineSink;
 use crate::index::pending::Pending;
 use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
-use crate::keys::{MAX_NODE_BYTES, Namespace, Prefix, check_len};
-use crate::store::engines::{EngineBatch, EngineOutcome, EngineStats, Follows};
+use crate::keys::{Namespace, Prefix, check_node};
+use crate::store::engines::{Applied, EngineBatch, EngineOutcome, EngineStats, Follows};
 use crate::telemetry;
 
 /// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers
@@ -89,8 +89,9 @@ pub struct SharedWarm {
     outbox_dropped: AtomicBool,
 }
 
-/// Per node, the last engine batch a head published (number, publish time).
-type Forwarded = HashMap<String, Option<(u64, f64)>>;
+/// Per node, the last engine batch a head published (number, publish time), and the last ones
+/// it published or its file applied (a copy of one is not published again).
+type Forwarded = HashMap<String, (Option<(u64, f64)>, Applied)>;
 
 impl std::fmt::Debug for SharedWarm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -154,7 +155,8 @@ impl SharedWarm {
     /// # Errors
     /// As [`SharedWarm::ran`].
     pub fn ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<Ticket> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.shared.warm.in_owner()?;
+        check_node(node)?;
         let ns = prefix.namespace();
         let what = What::Ran {
             model: ns.model().to_string(),
@@ -179,7 +181,7 @@ impl SharedWarm {
     /// # Errors
     /// As [`SharedWarm::sync`].
     pub fn forget_node(&self, name: &str) -> Result<()> {
-        check_len("node", name.len(), MAX_NODE_BYTES)?;
+        check_node(name)?;
         self.send(What::Forget { node: name.to_string() }, |pending, local| pending.forget(local, name))?;
         self.sync()
     }
@@ -202,6 +204,7 @@ impl SharedWarm {
     }
 
     fn send(&self, what: What, answer: impl FnOnce(&mut OwnEvents, u64)) -> Result<Ticket> {
+        self.shared.warm.in_owner()?;
         // Numbered under the pending lock, so that the outbox (and the stream) has them in
         // number order, as the pending events compare them.
         let mut pending = self.shared.pending();
@@ -234,6 +237,7 @@ impl SharedWarm {
     /// the link's last error (nothing listening at the URL, JetStream not enabled on the
     /// server, ...), else that the server did not answer in time.
     pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        self.shared.warm.in_owner()?;
         let started = Instant::now();
         self.wait_until(timeout, |status| status.consuming);
         let status = self.shared.status();
@@ -284,6 +288,10 @@ impl SharedWarm {
 
     /// Waits until `done` holds, or `ended` (then never), at most `timeout`; whether `done` held.
     fn wait(&self, timeout: Duration, ended: impl Fn(&Status) -> bool, mut done: impl FnMut(&Status) -> bool) -> bool {
+        if self.shared.warm.in_owner().is_err() {
+            // A fork's child: the link is the parent's, nothing progresses here.
+            return false;
+        }
         let deadline = Instant::now() + timeout;
         let mut status = self.shared.status();
         loop {
@@ -315,6 +323,7 @@ impl SharedWarm {
     /// after the publish timeout (they are kept and published when the server answers), with
     /// what the link found wrong meanwhile; as [`Warm::sync`].
     pub fn sync(&self) -> Result<()> {
+        self.shared.warm.in_owner()?;
         let started = Instant::now();
         let timeout = self.shared.sharing.publish_timeout;
         // The events made before this call, not those made while it waits.
@@ -385,6 +394,7 @@ impl SharedWarm {
     /// # Errors
     /// As [`Warm::close`].
     pub fn close(mut self) -> Result<()> {
+        self.shared.warm.in_owner()?;
         self.stop();
         let shared = Arc::clone(&self.shared);
         drop(self);
@@ -414,7 +424,7 @@ impl SharedWarm {
     }
 
     /// Where node `node`'s engine stream stands in this head's file: the last batch applied.
-    #[cfg(feature = "tools")]
+    #[cfg(all(feature = "tools", feature = "engines"))]
     pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
         self.shared.warm.engine_position(node)
     }
@@ -434,16 +444,18 @@ impl SharedWarm {
 /// on every head.
 impl EngineSink for SharedWarm {
     fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.shared.warm.in_owner()?;
+        check_node(node)?;
         let mut forwarded = self.shared_lock_forwarded()?;
         if self.outbox_dropped.swap(false, Ordering::AcqRel) {
             forwarded.clear();
         }
-        let last = match forwarded.get(node) {
-            Some(&last) => last,
-            None => self.shared.warm.engine_position(node)?,
-        };
-        let outcome = match Follows::after(last, batch) {
+        if !forwarded.contains_key(node) {
+            let followed = self.shared.warm.engine_followed(node)?;
+            forwarded.insert(node.to_string(), followed);
+        }
+        let follows = forwarded.get(node).map(|(last, applied)| Follows::after(*last, applied, batch));
+        let outcome = match follows.unwrap_or_else(|| Follows::after(None, &Applied::default(), batch)) {
             Follows::Next | Follows::Restart => EngineOutcome::Applied,
             Follows::Copy => return Ok(EngineOutcome::Duplicate),
             Follows::Gap { from } => {
@@ -455,17 +467,25 @@ impl EngineSink for SharedWarm {
             }
         };
         self.forward(node, batch)?;
-        forwarded.insert(node.to_string(), Some((batch.seq, batch.ts)));
+        mark_forwarded(&mut forwarded, node, batch);
         Ok(outcome)
     }
 
     fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
-        check_len("node", node.len(), MAX_NODE_BYTES)?;
+        self.shared.warm.in_owner()?;
+        check_node(node)?;
         let mut forwarded = self.shared_lock_forwarded()?;
         self.forward(node, batch)?;
-        forwarded.insert(node.to_string(), Some((batch.seq, batch.ts)));
+        mark_forwarded(&mut forwarded, node, batch);
         Ok(())
     }
+}
+
+/// Node `node`'s `batch` is forwarded: the last, and remembered (a copy of it is not forwarded).
+fn mark_forwarded(forwarded: &mut Forwarded, node: &str, batch: &EngineBatch) {
+    let (last, applied) = forwarded.entry(node.to_string()).or_default();
+    *last = Some((batch.seq, batch.ts));
+    applied.push(batch);
 }
 
 impl SharedWarm {
@@ -483,6 +503,7 @@ impl ReadIndex for SharedWarm {
     /// As a [`Warm`]'s, with this head's own events not yet back from the stream answered
     /// first, as the newest memtable.
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
+        self.shared.warm.in_owner()?;
         let pending = self.shared.pending();
         self.shared.warm.warmest_with(prefix, own(&pending))
     }
@@ -490,6 +511,7 @@ impl ReadIndex for SharedWarm {
     /// As a [`Warm`]'s, with this head's own events not yet back from the stream (listed first
     /// among equal lengths: they are the newest).
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
+        self.shared.warm.in_owner()?;
         let pending = self.shared.pending();
         self.shared.warm.warm_nodes_with(prefix, own(&pending))
     }
@@ -502,6 +524,13 @@ fn own(pending: &OwnEvents) -> Option<&dyn Pending> {
 
 impl Drop for SharedWarm {
     fn drop(&mut self) {
+        if self.shared.warm.in_owner().is_err() {
+            // A fork's child: the link, its runtime and the file are the parent's (see `Warm`'s
+            // drop); nothing is stopped or dropped here.
+            std::mem::forget(Arc::clone(&self.shared));
+            std::mem::forget(self.link.take());
+            return;
+        }
         self.stop();
     }
 }

@@ -30,7 +30,7 @@
 //! `engine_blocks/v6`, key `(node id, engine hash)`: the same without bit 3, with `clock: u64`
 //! after `refs` (read from schema 6 files, and by the upgrade).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -167,32 +167,72 @@ pub enum EngineOutcome {
 
 /// How a batch follows the last one applied of its stream (`last`: its number and publish
 /// time): the one rule for a head applying batches and for a sharing head forwarding them.
+///
+/// Only numbers and the batches remembered ([`Applied`]) tell it, never the clock: an engine
+/// that restarts may publish with a clock behind the old process's (an NTP step, a move to
+/// another host), and its batches are not copies for that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Follows {
     /// The next one (or the first of a stream, numbered 0).
     Next,
-    /// A number already applied, published no later than the last: a copy of that batch; or a
-    /// later number published before the last: a batch of an earlier engine process.
+    /// One of the batches applied last, exactly (its number and publish time): a copy of it (a
+    /// replay's overlap, a live batch a replay already gave, another head's late copy).
     Copy,
-    /// A number already applied, published later: a new engine process counting from 0 again.
+    /// A number at or before the last applied that is no batch applied: a new engine process
+    /// counting from 0 again, whatever its clock says.
     Restart,
     /// Batches are missing before it: replay from `from` (the last applied, or 0).
     Gap { from: u64 },
 }
 
 impl Follows {
-    pub(crate) fn after(last: Option<(u64, f64)>, batch: &EngineBatch) -> Follows {
-        match last {
-            None if batch.seq == 0 => Follows::Next,
-            None => Follows::Gap { from: 0 },
-            Some((last, _)) if batch.seq == last.wrapping_add(1) => Follows::Next,
-            Some((last, ts)) if batch.seq <= last && batch.ts <= ts => Follows::Copy,
-            Some((last, _)) if batch.seq <= last => Follows::Restart,
-            // A later number published before the last batch applied: from an engine process
-            // before the one applied now (a late copy, another head's), not a gap of this one.
-            Some((_, ts)) if batch.ts < ts => Follows::Copy,
-            Some((last, _)) => Follows::Gap { from: last },
+    pub(crate) fn after(last: Option<(u64, f64)>, applied: &Applied, batch: &EngineBatch) -> Follows {
+        let Some((last, last_ts)) = last else {
+            return match batch.seq {
+                0 => Follows::Next,
+                _ => Follows::Gap { from: 0 },
+            };
+        };
+        if batch.seq == last.wrapping_add(1) {
+            return Follows::Next;
         }
+        let copy = (batch.seq == last && batch.ts.to_bits() == last_ts.to_bits()) || applied.holds(batch);
+        match () {
+            () if copy => Follows::Copy,
+            () if batch.seq <= last => Follows::Restart,
+            () => Follows::Gap { from: last },
+        }
+    }
+}
+
+/// How many of a stream's last batches applied are remembered ([`Applied`]): more than a replay
+/// gives back or the live batches that come while it is answered, at an engine's rate.
+const REMEMBERED: usize = 4096;
+
+/// The last batches applied of a stream (number and publish time, the last
+/// [`REMEMBERED`]), across its engine's restarts: what tells a copy of one from a batch of a
+/// restarted engine with the same number (memory only; after an open, only the stream's
+/// position is known, see [`Follows::after`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Applied {
+    /// (number, publish time's bits), oldest first.
+    recent: VecDeque<(u64, u64)>,
+}
+
+impl Applied {
+    /// Remembers `batch` as applied (the oldest remembered is forgotten past [`REMEMBERED`]).
+    pub(crate) fn push(&mut self, batch: &EngineBatch) {
+        if self.recent.len() == REMEMBERED {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((batch.seq, batch.ts.to_bits()));
+    }
+
+    /// Whether `batch` is one of those remembered, exactly.
+    pub(crate) fn holds(&self, batch: &EngineBatch) -> bool {
+        let id = (batch.seq, batch.ts.to_bits());
+        // Newest first: a copy is most often of a batch just applied.
+        self.recent.iter().rev().any(|&r| r == id)
     }
 }
 
@@ -283,6 +323,8 @@ struct Stream {
     /// Memory only: claims (`ran`s) on the node at or below this clock are not answered (a
     /// removal or clear since, or the grace window passed).
     claim_floor: u64,
+    /// Memory only: the last batches applied, to tell copies from a restarted engine's.
+    applied: Applied,
 }
 
 /// A node holding a block of ours.
@@ -334,10 +376,16 @@ impl Engines {
     }
 
     /// Where node `node`'s stream stands: the last batch applied (number, publish time).
-    #[cfg(any(feature = "nats", feature = "tools"))]
+    #[cfg(feature = "nats")]
     pub(crate) fn position(&self, node: u32) -> Option<(u64, f64)> {
         let s = self.streams.get(&node)?;
         s.record.last.map(|seq| (seq, s.record.last_ts))
+    }
+
+    /// The last batches node `node`'s stream applied (see [`Applied`]).
+    #[cfg(feature = "nats")]
+    pub(crate) fn applied(&self, node: u32) -> Applied {
+        self.streams.get(&node).map(|s| s.applied.clone()).unwrap_or_default()
     }
 
     /// Node `node`'s stream's counts (all 0 before its first batch).
@@ -419,9 +467,9 @@ impl Engines {
         self.clock = clock;
         // A node's first batch: from now on its engine says what it holds, and its `ran`s
         // before are no longer answered.
-        let record =
-            &self.streams.entry(node).or_insert_with(|| Stream { claim_floor: clock, ..Stream::default() }).record;
-        let outcome = match Follows::after(record.last.map(|l| (l, record.last_ts)), batch) {
+        let stream = self.streams.entry(node).or_insert_with(|| Stream { claim_floor: clock, ..Stream::default() });
+        let (record, applied) = (&stream.record, &stream.applied);
+        let outcome = match Follows::after(record.last.map(|l| (l, record.last_ts)), applied, batch) {
             Follows::Next => EngineOutcome::Applied,
             Follows::Copy => EngineOutcome::Duplicate,
             Follows::Restart => {
@@ -487,6 +535,7 @@ impl Engines {
             s.record.last = Some(batch.seq);
             s.record.last_ts = batch.ts;
             s.record.counts.batches += 1;
+            s.applied.push(batch);
             self.effects.push(Effect::EngineStream { node, row: Arc::new(s.record.clone()), clock: self.clock });
         }
     }
@@ -1322,17 +1371,56 @@ mod tests {
         assert_eq!(e.tier(&key, 0), None, "nothing is left");
     }
 
+    /// Copies are told by identity (number and publish time of a batch applied), never by the
+    /// clock: a number going back is a restart whatever its publish time, a number ahead a gap.
     #[test]
-    fn a_later_number_of_an_earlier_process_is_a_copy_not_a_gap() {
+    fn copies_are_batches_applied_and_a_number_going_back_is_a_restart_whatever_the_clock() {
         let b = |seq, ts| EngineBatch { seq, ts, events: Vec::new() };
+        let mut applied = Applied::default();
+        for seq in 0..=5 {
+            applied.push(&b(seq, 5.0 + seq as f64));
+        }
         let last = Some((5, 10.0));
-        assert_eq!(Follows::after(last, &b(6, 11.0)), Follows::Next);
-        assert_eq!(Follows::after(last, &b(9, 11.0)), Follows::Gap { from: 5 });
-        assert_eq!(Follows::after(last, &b(9, 9.0)), Follows::Copy, "published before the last applied");
-        assert_eq!(Follows::after(last, &b(3, 10.0)), Follows::Copy);
-        assert_eq!(Follows::after(last, &b(0, 12.0)), Follows::Restart);
-        assert_eq!(Follows::after(None, &b(0, 1.0)), Follows::Next);
-        assert_eq!(Follows::after(None, &b(4, 1.0)), Follows::Gap { from: 0 });
+        assert_eq!(Follows::after(last, &applied, &b(6, 11.0)), Follows::Next);
+        assert_eq!(Follows::after(last, &applied, &b(9, 11.0)), Follows::Gap { from: 5 });
+        assert_eq!(Follows::after(last, &applied, &b(5, 10.0)), Follows::Copy, "the last one again");
+        assert_eq!(Follows::after(last, &applied, &b(3, 8.0)), Follows::Copy, "a replay's overlap");
+        assert_eq!(Follows::after(last, &Applied::default(), &b(5, 10.0)), Follows::Copy, "after an open");
+        assert_eq!(Follows::after(last, &applied, &b(0, 12.0)), Follows::Restart);
+        // A new process whose clock is behind the old one's: a restart, not copies.
+        assert_eq!(Follows::after(last, &applied, &b(0, -50.0)), Follows::Restart);
+        assert_eq!(Follows::after(last, &applied, &b(3, 9.0)), Follows::Restart, "same number, not that batch");
+        assert_eq!(Follows::after(last, &applied, &b(9, 9.0)), Follows::Gap { from: 5 }, "ahead, clock behind");
+        assert_eq!(Follows::after(None, &applied, &b(0, 1.0)), Follows::Next);
+        assert_eq!(Follows::after(None, &applied, &b(4, 1.0)), Follows::Gap { from: 0 });
+        // A late copy of the old process's batch after the restart is still a copy.
+        applied.push(&b(0, -50.0));
+        assert_eq!(Follows::after(Some((0, -50.0)), &applied, &b(4, 9.0)), Follows::Copy);
+    }
+
+    /// An engine restarts with its clock 60 s behind the old process's: the node is cleared
+    /// and the new process's batches applied, none taken for a copy; the window stays bounded.
+    #[test]
+    fn a_restart_with_the_clock_behind_clears_the_node() {
+        let tokens: Vec<u32> = (0..128).collect();
+        let mut e = Engines::default();
+        let at = |seq, ts, events| EngineBatch { seq, ts, events };
+        e.batch(Scheme::TreeChain, 0, &at(0, 1000.0, vec![stored(None, &[1, 2], &tokens, 64)]), 1);
+        for seq in 1..10 {
+            e.batch(Scheme::TreeChain, 0, &at(seq, 1000.0 + seq as f64, vec![]), 1 + seq);
+        }
+        assert_eq!(held_prefix(&e, &tokens), 2);
+        for seq in 0..10 {
+            let out = e.batch(Scheme::TreeChain, 0, &at(seq, 950.0 + seq as f64, vec![]), 20 + seq);
+            assert_eq!(out, EngineOutcome::Applied, "seq {seq}");
+        }
+        assert_eq!(held_prefix(&e, &tokens), 0, "the old process's blocks are gone");
+        let counts = &e.streams.get(&0).expect("a stream").record.counts;
+        assert_eq!((counts.restarts, counts.duplicate_batches), (1, 0));
+        for seq in 10..(REMEMBERED as u64 + 20) {
+            e.batch(Scheme::TreeChain, 0, &at(seq, 960.0 + seq as f64, vec![]), 30 + seq);
+        }
+        assert_eq!(e.streams.get(&0).map(|s| s.applied.recent.len()), Some(REMEMBERED));
     }
 
     #[test]

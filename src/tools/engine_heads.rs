@@ -26,6 +26,13 @@ pub struct Side {
     pub claimed_tokens: u64,
     /// Tokens that node's engine held of the prompt (whole blocks of 64, from two).
     pub cached_tokens: u64,
+    /// Requests asked of a head that had applied every batch the chosen node's engine had
+    /// published: their claims are the index's own, not what lag hides from it.
+    pub settled_requests: usize,
+    /// Of `claimed_tokens`, those of the settled requests.
+    pub settled_claimed_tokens: u64,
+    /// Of `cached_tokens`, those of the settled requests.
+    pub settled_cached_tokens: u64,
     /// Prompt tokens given to each node.
     pub load: Vec<u64>,
     /// Lag from an engine's publish to a head's listener having it (applied, or for the
@@ -212,10 +219,18 @@ fn side(
             .filter_map(|h| names.iter().position(|n| *n == h.node).map(|n| (n, h.tokens)))
             .collect();
         let (chosen, claimed) = choose_among(config, &load, &found, tokens.len());
+        // Asked after the answer: a batch applied since only makes the head less behind.
+        let settled = head.applied(nth(&names, chosen)?)? == *nth(&sent, chosen)?;
         let sim = nth_mut(&mut sims, chosen)?;
         let whole = sim.holds(&tokens) / BLOCK_TOKENS * BLOCK_TOKENS;
+        let cached = if whole >= MIN_BLOCKS * BLOCK_TOKENS { whole as u64 } else { 0 };
         out.claimed_tokens += claimed as u64;
-        out.cached_tokens += if whole >= MIN_BLOCKS * BLOCK_TOKENS { whole as u64 } else { 0 };
+        out.cached_tokens += cached;
+        if settled {
+            out.settled_requests += 1;
+            out.settled_claimed_tokens += claimed as u64;
+            out.settled_cached_tokens += cached;
+        }
         head.ran(&prefix, nth(&names, chosen)?)?;
         let batch = sim.run(&tokens);
         nth(&publishers, chosen)?.publish(&batch, false)?;

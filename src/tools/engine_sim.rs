@@ -14,6 +14,63 @@ use crate::{EngineBatch, EngineEvent, EngineStored, Error, Medium, Namespace, Re
 
 /// Batches an engine keeps for replays (vLLM's `buffer_steps`).
 pub const REPLAY_BUFFER: usize = 10_000;
+/// Bytes of batches an engine keeps for replays, besides their count. vLLM's buffer holds
+/// `buffer_steps` engine steps of a few blocks each; a simulated batch is a whole request's new
+/// blocks (up to ~100 KiB), so a count alone kept gigabytes over the conversation trace.
+pub const REPLAY_BUFFER_BYTES: usize = 8 << 20;
+
+/// What an engine keeps for replays: its newest items, at most [`REPLAY_BUFFER`] of them and
+/// [`REPLAY_BUFFER_BYTES`] (the newest is always kept).
+#[derive(Debug)]
+pub struct Kept<T> {
+    items: VecDeque<(T, usize)>,
+    bytes: usize,
+}
+
+impl<T> Default for Kept<T> {
+    fn default() -> Self {
+        Kept { items: VecDeque::new(), bytes: 0 }
+    }
+}
+
+impl<T> Kept<T> {
+    /// Keeps `item` of `bytes` bytes; the oldest go past either bound.
+    pub fn push(&mut self, item: T, bytes: usize) {
+        self.items.push_back((item, bytes));
+        self.bytes += bytes;
+        while self.items.len() > 1 && (self.items.len() > REPLAY_BUFFER || self.bytes > REPLAY_BUFFER_BYTES) {
+            if let Some((_, b)) = self.items.pop_front() {
+                self.bytes -= b;
+            }
+        }
+    }
+
+    /// The newest.
+    pub fn back(&self) -> Option<&T> {
+        self.items.back().map(|(item, _)| item)
+    }
+
+    /// Oldest first.
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.items.iter().map(|(item, _)| item)
+    }
+
+    /// Forgets every item (a restarted engine's buffer starts empty).
+    pub fn clear(&mut self) {
+        self.items.clear();
+        self.bytes = 0;
+    }
+}
+
+/// About what a batch takes in memory: its token ids and hashes.
+fn batch_bytes(batch: &EngineBatch) -> usize {
+    let event = |e: &EngineEvent| match e {
+        EngineEvent::Stored(s) => 64 + 4 * s.tokens.len() + 8 * s.hashes.len(),
+        EngineEvent::Removed { hashes, .. } => 32 + 8 * hashes.len(),
+        _ => 16,
+    };
+    32 + batch.events.iter().map(event).sum::<usize>()
+}
 
 /// A block's engine hash: its parent's and its tokens' (vLLM chains a hash of each block with
 /// its parent's; this is another hash, with the same structure).
@@ -52,8 +109,11 @@ pub struct SimEngine {
     seq: u64,
     /// Restarts so far (each new process publishes later than the last).
     restarts: u64,
+    /// Seconds its clock is off the host's (negative: behind), from a restart with its clock
+    /// stepped ([`SimEngine::restart_with_clock`]).
+    clock_offset: f64,
     /// The batches this process published that a replay can still give.
-    pub published: VecDeque<EngineBatch>,
+    pub published: Kept<EngineBatch>,
     /// Every block this process stored (evicted since or not).
     stored: std::collections::HashSet<u64>,
     /// The offload tier (CPU memory) a block evicted from the GPU moves to: its capacity in
@@ -80,7 +140,8 @@ impl SimEngine {
             namespace: Namespace::new(model)?,
             seq: 0,
             restarts: 0,
-            published: VecDeque::new(),
+            clock_offset: 0.0,
+            published: Kept::default(),
             stored: std::collections::HashSet::new(),
             offload_capacity: 0,
             offloaded: HashMap::new(),
@@ -211,12 +272,9 @@ impl SimEngine {
     pub fn publish(&mut self, events: Vec<EngineEvent>) -> EngineBatch {
         let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         // A later process always publishes later (its clock, as vLLM's `time.time()`).
-        let batch = EngineBatch { seq: self.seq, ts: ts + self.restarts as f64, events };
+        let batch = EngineBatch { seq: self.seq, ts: ts + self.restarts as f64 + self.clock_offset, events };
         self.seq += 1;
-        self.published.push_back(batch.clone());
-        if self.published.len() > REPLAY_BUFFER {
-            self.published.pop_front();
-        }
+        self.published.push(batch.clone(), batch_bytes(&batch));
         batch
     }
 
@@ -230,6 +288,13 @@ impl SimEngine {
         self.offloaded.clear();
         self.offload_by_tick.clear();
         self.restarts += 1;
+    }
+
+    /// A restart ([`SimEngine::restart`]) whose new process's clock is `step` seconds off the
+    /// old one's (negative: behind, as after an NTP step or a move to another host).
+    pub fn restart_with_clock(&mut self, step: f64) {
+        self.restart();
+        self.clock_offset += step;
     }
 
     /// Whether this process stored every block of the first `n` tokens of `tokens` at some
@@ -356,7 +421,7 @@ fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), 
 }
 
 /// Everything a publisher can still replay: (seq, payload).
-type Buffer = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
+type Buffer = Arc<Mutex<Kept<(u64, Vec<u8>)>>>;
 
 /// vLLM's publisher on loopback: a PUB for live batches (`[topic, seq, payload]`) and a ROUTER
 /// that answers a replay request (`[b"", start]`) with every buffered batch from `start` on
@@ -391,18 +456,32 @@ impl Publisher {
     /// # Errors
     /// [`Error::InvalidConfig`] if ZMQ cannot bind (a port taken) or start.
     pub fn at(replay_delay: Duration, ports: Option<(u16, u16)>) -> Result<Publisher> {
-        let address = |port: Option<u16>| {
-            port.map_or_else(|| "tcp://127.0.0.1:*".to_string(), |p| format!("tcp://127.0.0.1:{p}"))
-        };
+        Publisher::on("127.0.0.1", replay_delay, ports)
+    }
+
+    /// As [`Publisher::new`], on IPv6's loopback (`tcp://[::1]:P`).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] if ZMQ cannot bind (no IPv6 here) or start.
+    pub fn ipv6(replay_delay: Duration) -> Result<Publisher> {
+        Publisher::on("[::1]", replay_delay, None)
+    }
+
+    fn on(host: &str, replay_delay: Duration, ports: Option<(u16, u16)>) -> Result<Publisher> {
+        let address =
+            |port: Option<u16>| port.map_or_else(|| format!("tcp://{host}:*"), |p| format!("tcp://{host}:{p}"));
+        let ipv6 = host.starts_with('[');
         let context = zmq::Context::new();
         let socket = context.socket(zmq::PUB).map_err(zmq_err("PUB"))?;
         socket.set_linger(0).map_err(zmq_err("linger"))?;
+        socket.set_ipv6(ipv6).map_err(zmq_err("ipv6"))?;
         socket.set_sndhwm(1_000_000).map_err(zmq_err("hwm"))?;
         socket.bind(&address(ports.map(|p| p.0))).map_err(zmq_err("bind"))?;
         let events = socket.get_last_endpoint().map_err(zmq_err("endpoint"))?.unwrap_or_default();
         let router = context.socket(zmq::ROUTER).map_err(zmq_err("ROUTER"))?;
         router.set_linger(0).map_err(zmq_err("linger"))?;
         router.set_rcvtimeo(50).map_err(zmq_err("timeout"))?;
+        router.set_ipv6(ipv6).map_err(zmq_err("ipv6"))?;
         router.bind(&address(ports.map(|p| p.1))).map_err(zmq_err("bind"))?;
         let replay = router.get_last_endpoint().map_err(zmq_err("endpoint"))?.unwrap_or_default();
         let buffer: Buffer = Arc::default();
@@ -423,10 +502,7 @@ impl Publisher {
     pub fn publish(&self, batch: &EngineBatch, lost: bool) -> Result<()> {
         let payload = encode(batch);
         if let Ok(mut buffer) = self.buffer.lock() {
-            buffer.push_back((batch.seq, payload.clone()));
-            if buffer.len() > REPLAY_BUFFER {
-                buffer.pop_front();
-            }
+            buffer.push((batch.seq, payload.clone()), payload.len());
         }
         if !lost {
             let frames: [&[u8]; 3] = [b"", &batch.seq.to_be_bytes(), &payload];

@@ -180,6 +180,10 @@ struct ReplayArgs {
     /// Tokens of load difference that count as imbalance (balanced).
     #[arg(long, default_value_t = Config::default().balance_abs)]
     balance_abs: u64,
+    /// The most tokens a node is given over the replay, as a multiple of the least loaded
+    /// node's, plus one prompt (balanced; at least 1).
+    #[arg(long, default_value_t = Config::default().max_imbalance, value_parser = at_least_one)]
+    max_imbalance: f64,
     /// Keep the index in this file (default: a temporary file, removed after).
     #[arg(long)]
     db: Option<PathBuf>,
@@ -290,6 +294,14 @@ fn share(text: &str) -> Result<f64, String> {
     }
 }
 
+fn at_least_one(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v >= 1.0 && v.is_finite() => Ok(v),
+        Ok(v) => Err(format!("{v} is not a ratio of at least 1")),
+        Err(e) => Err(format!("{e}: give a ratio of at least 1")),
+    }
+}
+
 impl ReplayArgs {
     fn config(&self) -> Config {
         Config {
@@ -298,6 +310,7 @@ impl ReplayArgs {
             window: usize::try_from(self.window).unwrap_or(usize::MAX),
             min_share: self.min_share,
             balance_abs: self.balance_abs,
+            max_imbalance: self.max_imbalance,
             baseline: !self.no_baseline,
             vocab: self.vocab,
             node_cache_blocks: self.node_cache_blocks.map(|n| usize::try_from(n).unwrap_or(usize::MAX)),
@@ -392,7 +405,8 @@ pub fn main() -> ExitCode {
         Err(e) => {
             eprintln!("superfluid-warm: {e}");
             match e {
-                CliError::Refused(_) => ExitCode::from(UNHEALTHY),
+                // A file a crashed head left is a problem found (as `check` reports it).
+                CliError::Refused(_) | CliError::Index(Error::CrashedWriter { .. }) => ExitCode::from(UNHEALTHY),
                 _ => ExitCode::FAILURE,
             }
         }
@@ -493,6 +507,7 @@ fn ask(
     let text = std::fs::read_to_string(prompts)
         .map_err(|e| CliError::Refused(format!("cannot read the prompts {}: {e}", prompts.display())))?;
     let reader = Reader::open(path)?;
+    let mut nowhere = false;
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let tokens: Vec<u32> = serde_json::from_str(line).map_err(|e| {
             CliError::Refused(format!(
@@ -502,6 +517,7 @@ fn ask(
             ))
         })?;
         let hits = reader.warm_nodes_prefix(&reader.prefix(&namespace, &tokens))?;
+        nowhere |= hits.is_empty();
         let line = match json {
             true => json!({
                 "line": i + 1, "tokens": tokens.len(),
@@ -519,6 +535,18 @@ fn ask(
             ),
         };
         writeln!(out, "{line}").map_err(CliError::Output)?;
+    }
+    // A typo in the model name answers "warm nowhere" for every prompt: say so.
+    if nowhere {
+        let models = Snapshot::open(path)?.models()?;
+        if !models.contains(model) {
+            let known: Vec<&str> = models.iter().map(String::as_str).collect();
+            eprintln!(
+                "superfluid-warm: {} holds no block of model `{model}`; its models: {}",
+                path.display(),
+                if known.is_empty() { "none".to_string() } else { known.join(", ") }
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

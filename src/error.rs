@@ -44,6 +44,17 @@ pub enum Error {
         /// The file.
         path: PathBuf,
     },
+    /// A head cannot write the index's folder or its side file (`<file>.seal`): a read-only disk
+    /// or folder, or a file of another user. A head writes both; a [`crate::Reader`] reads the
+    /// file without writing.
+    NotWritable {
+        /// The index file.
+        path: PathBuf,
+        /// Its side file.
+        side: PathBuf,
+        /// What the system said.
+        source: Arc<std::io::Error>,
+    },
     /// A [`crate::Prefix`] hashed in another scheme than the index file's (made by
     /// [`crate::Prefix::new`] or by another `Warm`): its keys could never match.
     ForeignPrefix {
@@ -200,6 +211,14 @@ impl fmt::Display for Error {
                 "{} is being created by a head that has not finished making it an index; retry in a moment",
                 path.display()
             ),
+            Error::NotWritable { path, side, source } => write!(
+                f,
+                "{} cannot be opened for writing: its side file {} cannot be written ({source}); a head writes \
+                 the index and its side file in the same folder: make them writable, or read the index with a \
+                 `Reader`",
+                path.display(),
+                side.display()
+            ),
             Error::UnknownFormat { detail, .. } => write!(
                 f,
                 "not an index this build can open ({detail}); check the path, or start a new index in another file"
@@ -320,7 +339,9 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Storage { source, .. } => Some(source.as_ref()),
-            Error::Io { source, .. } | Error::Thread { source } => Some(source.as_ref()),
+            Error::Io { source, .. } | Error::Thread { source } | Error::NotWritable { source, .. } => {
+                Some(source.as_ref())
+            }
             Error::CommitFailed { source } => Some(source.as_ref()),
             Error::Codec { source, .. } => Some(source.as_ref()),
             Error::UnknownFormat { source, .. } => source.as_deref().map(|e| e as &(dyn std::error::Error + 'static)),

@@ -1010,8 +1010,23 @@ fn ask_answers_from_the_last_commit_of_a_closed_or_live_file() -> Result<(), sup
         assert_eq!(lines[6]["warm_nodes"], serde_json::json!([]), "a prompt under two blocks");
     };
     check(&ask("live"), "live");
+    // gpu-1's engine alone holds a prompt of model `e`: a model is known by its engine blocks too.
+    let mut other = SimEngine::new(16, 1 << 16, "e", None)?;
+    warm.engine_batch("gpu-1", &other.run(&prompts[0]))?;
     warm.close()?;
     check(&ask("closed"), "closed");
+    // A prompt warm nowhere of a model the file holds is not a typo; one of a model it never
+    // held is told so, naming the models it has.
+    let asked = |model: &str| {
+        let p = path.to_str().expect("utf-8");
+        let out = run(&["ask", p, "--model", model, "--prompts", file.to_str().expect("utf-8")]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stderr)
+    };
+    assert_eq!(asked("m"), "", "a known model");
+    assert_eq!(asked("e"), "", "a model only an engine holds");
+    let typo = asked("mm");
+    assert!(typo.contains("holds no block of model `mm`") && typo.contains("its models: e, m"), "{typo}");
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "[1, -2]\n").expect("bad prompts");
     let out = run(&["ask", path.to_str().expect("utf-8"), "--model", "m", "--prompts", bad.to_str().expect("utf-8")]);

@@ -6,12 +6,14 @@
 mod common;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use common::Rng;
-use superfluid_warm::tools::engine_sim::{SimEngine as Engine, engine_hash};
+use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine, engine_hash};
 use superfluid_warm::{
-    EngineBatch, EngineEvent, EngineOutcome, EngineStored, Error, Hit, Medium, Namespace, ReadIndex, Warm,
+    EngineBatch, EngineEndpoint, EngineEvent, EngineOutcome, EngineStored, Error, Hit, Listener, Medium, Namespace,
+    ReadIndex, Warm,
 };
 
 /// Applies a batch as a listener does: on a gap, replays from where the index asks (or, if the
@@ -264,5 +266,50 @@ fn a_restart_with_its_clock_behind_is_seen() -> Result<(), Error> {
     assert_eq!(warm.engine_batch("gpu-0", &last)?, EngineOutcome::Duplicate);
     assert_eq!(warm.engine_stats()?[0].counts.restarts, 1);
     warm.close()?;
+    Ok(())
+}
+
+/// A live frame over the size cap (a smaller cap here than 256 MiB): ZMQ drops the
+/// connection and would never make it again. The listener connects again, counts it, says
+/// it is connected only while it is, and the node starts again at the next batch (cleared:
+/// the frame is lost); what follows is applied.
+#[test]
+fn a_frame_over_the_cap_is_counted_and_the_engine_followed_again() -> Result<(), Error> {
+    let dir = tempfile::tempdir().map_err(|e| Error::InvalidConfig { detail: e.to_string() })?;
+    let warm = Arc::new(Warm::open(dir.path().join("cap.redb"))?);
+    let publisher = Publisher::new(Duration::ZERO)?;
+    let spec = format!("gpu-0={},replay={}", publisher.events, publisher.replay);
+    let engines = [EngineEndpoint::parse(&spec, Some("m"))?];
+    let listener = Listener::start_with(Arc::clone(&warm), &engines, Duration::from_secs(30), 16 << 10)?;
+    let mut engine = Engine::new(16, 1 << 20, "m", None)?;
+    let prompt = |i: u32, blocks: u32| -> Vec<u32> { (0..64 * blocks).map(|t| 100_000 + t + i * 100_000).collect() };
+    let applied = |n: u32| warm.warmest("m", &prompt(n, 3)).is_ok_and(|h| h.is_some());
+    let dropped = |listener: &Listener| listener.stats().first().map_or(0, |s| s.dropped);
+    // One small batch every 50 ms until `done` (a subscriber not joined yet loses them).
+    let mut n = 0;
+    let mut pace = |engine: &mut Engine, done: &dyn Fn(u32) -> bool| -> Result<u32, Error> {
+        let start = Instant::now();
+        loop {
+            assert!(start.elapsed() < Duration::from_secs(60), "timed out");
+            n += 1;
+            publisher.publish(&engine.run(&prompt(n, 3)), false)?;
+            std::thread::sleep(Duration::from_millis(50));
+            if done(n) {
+                return Ok(n);
+            }
+        }
+    };
+    let first = pace(&mut engine, &applied)?;
+    let big = engine.run(&prompt(1000, 100));
+    publisher.publish(&big, false)?;
+    std::thread::sleep(Duration::from_millis(100));
+    pace(&mut engine, &|n| dropped(&listener) == 1 && applied(n))?;
+    let stats = listener.stop();
+    let stats = stats.first().expect("the engine's stats");
+    let counts = warm.engine_stats()?.first().map(|s| s.counts.clone()).expect("a stream");
+    assert_eq!((stats.dropped, counts.lost), (1, 1), "{stats:?} {counts:?}");
+    assert!(stats.connected, "{stats:?}");
+    assert_eq!(warm.warmest("m", &prompt(1000, 100))?, None, "the frame over the cap was never applied");
+    assert!(!applied(first), "cleared: the index knows less than the engine");
     Ok(())
 }

@@ -12,7 +12,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("file", &["error", "keys", "store", "telemetry"]),
     ("index", &["error", "keys", "store", "file", "telemetry"]),
     ("share", &["error", "keys", "store", "index", "telemetry"]),
-    ("engine", &["error", "keys", "store", "index", "telemetry"]),
+    ("engine", &["error", "keys", "store", "file", "index", "telemetry"]),
     ("tools", &["error", "keys", "store", "share", "engine"]),
 ];
 /// Layers that may also use the public API (any root re-export of `lib.rs`).

@@ -45,6 +45,8 @@ pub fn kind(e: &Error) -> &'static str {
         Error::InvalidConfig { .. } => "InvalidConfig",
         Error::Corrupted { .. } => "Corrupted",
         Error::FileLost { .. } => "FileLost",
+        Error::BeingCreated { .. } => "BeingCreated",
+        Error::NotWritable { .. } => "NotWritable",
         Error::CrashedWriter { .. } => "CrashedWriter",
         Error::Storage { .. } => "Storage",
         Error::CommitFailed { .. } => "CommitFailed",

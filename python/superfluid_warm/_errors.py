@@ -11,7 +11,8 @@ class                   kinds
 InvalidInputError       ``InvalidName``, ``NulInName``, ``InvalidConfig``, ``ForeignPrefix`` (also a
                         ValueError)
 IndexFileError          ``AlreadyOpen``, ``NewerSchema``, ``RetiredSchema``, ``UnknownFormat``,
-                        ``Corrupted``, ``FileLost``, ``CrashedWriter``, ``LegacyJson``
+                        ``Corrupted``, ``FileLost``, ``CrashedWriter``, ``LegacyJson``,
+                        ``BeingCreated`` (retry), ``NotWritable``
 StorageError            ``Storage``, ``CommitFailed``, ``Io``, ``Thread``
 ClosedError             ``Closed``: the index (or reader, or head) was closed
 ForkedError             ``Forked``: a handle used in a child made by ``fork`` (``multiprocessing``)
@@ -115,6 +116,8 @@ _BY_KIND: Dict[str, Type[WarmError]] = {
     "UnknownFormat": IndexFileError,
     "Corrupted": IndexFileError,
     "FileLost": IndexFileError,
+    "BeingCreated": IndexFileError,
+    "NotWritable": IndexFileError,
     "CrashedWriter": IndexFileError,
     "LegacyJson": IndexFileError,
     "Storage": StorageError,

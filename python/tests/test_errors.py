@@ -108,6 +108,14 @@ def test_settings_out_of_range_are_invalid_config(tmp_path: Path, warm: sw.Warm)
         warm.warmest("m", TOKENS, tenant=42)  # type: ignore[arg-type]
 
 
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs sysfs, which refuses even root a new file")
+def test_a_folder_that_cannot_be_written_is_named_with_the_index() -> None:
+    with pytest.raises(sw.IndexFileError) as raised:
+        sw.Warm.open("/sys/superfluid-warm-test.redb")
+    assert raised.value.kind == "NotWritable"
+    assert "/sys/superfluid-warm-test.redb.seal" in raised.value.message and "Reader" in raised.value.message
+
+
 def test_files_that_are_not_an_index_are_refused(tmp_path: Path) -> None:
     junk = tmp_path / "junk.redb"
     junk.write_bytes(b"this is not a redb file at all" * 200)

@@ -39,7 +39,8 @@ impl HeadLock {
     /// # Errors
     /// [`Error::AlreadyOpen`] if another head (in this process or another) has it;
     /// [`Error::FileLost`] if the side file says a head wrote the file but it is missing or
-    /// empty; [`Error::Io`] if `path` is not a regular file, its folder does not exist, or the
+    /// empty; [`Error::NotWritable`] if the system will not let this process write the side
+    /// file; [`Error::Io`] if `path` is not a regular file, its folder does not exist, or the
     /// side file cannot be opened or locked.
     pub(crate) fn acquire(path: &Path) -> Result<HeadLock> {
         let side_path = seal_path(path);
@@ -60,9 +61,11 @@ impl HeadLock {
         // Made here, or found: only the process that made it may remove it (once it holds it).
         let (side, made) = match open(true) {
             Ok(side) => (side, true),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => (open(false).map_err(io)?, false),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                (open(false).map_err(|e| cannot_write(path, &side_path, e))?, false)
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(no_folder(path, e)),
-            Err(e) => return Err(io(e)),
+            Err(e) => return Err(cannot_write(path, &side_path, e)),
         };
         let mut lock = HeadLock { side, created: None };
         let started = Instant::now();
@@ -194,6 +197,17 @@ pub(crate) fn process_has_open(pid: u32, path: &Path) -> bool {
 /// cleanly or not).
 ///
 /// # Errors
+/// [`Error::NotWritable`] for a side file the system will not let this process write (a
+/// read-only disk or folder, another user's file); [`Error::Io`] for any other failure.
+fn cannot_write(path: &Path, side: &Path, e: std::io::Error) -> Error {
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied | std::io::ErrorKind::ReadOnlyFilesystem => {
+            Error::NotWritable { path: path.to_path_buf(), side: side.to_path_buf(), source: std::sync::Arc::new(e) }
+        }
+        _ => Error::io(side.to_path_buf(), e),
+    }
+}
+
 /// [`Error::Io`] if the side file exists but cannot be read or locked.
 pub(crate) fn no_head(path: &Path) -> Result<Option<ReadGuard>> {
     let side_path = seal_path(path);
@@ -216,6 +230,27 @@ mod tests {
     #![allow(clippy::indexing_slicing)]
 
     use super::*;
+
+    /// A side file the system refuses (a read-only disk, another user's folder) is named with
+    /// the index, and says what a head needs and how to read it instead.
+    #[test]
+    fn a_side_file_that_cannot_be_written_names_the_index_too() {
+        let (path, side) = (Path::new("/data/warm.redb"), Path::new("/data/warm.redb.seal"));
+        for kind in [std::io::ErrorKind::PermissionDenied, std::io::ErrorKind::ReadOnlyFilesystem] {
+            let e = cannot_write(path, side, std::io::Error::from(kind));
+            let message = e.to_string();
+            assert!(matches!(e, Error::NotWritable { .. }), "{kind:?}: {e:?}");
+            assert!(message.starts_with("/data/warm.redb cannot be opened for writing"), "{message}");
+            assert!(message.contains("/data/warm.redb.seal") && message.contains("Reader"), "{message}");
+        }
+        let other = cannot_write(path, side, std::io::Error::from(std::io::ErrorKind::Interrupted));
+        assert!(matches!(other, Error::Io { .. }), "{other:?}");
+        // Where the system refuses even root (sysfs), a head's open says so.
+        if Path::new("/sys/kernel").is_dir() {
+            let refused = HeadLock::acquire(Path::new("/sys/superfluid-warm-test.redb"));
+            assert!(matches!(refused, Err(Error::NotWritable { .. })), "{:?}", refused.err());
+        }
+    }
 
     #[test]
     fn a_head_excludes_other_heads_and_readers_see_it() {

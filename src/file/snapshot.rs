@@ -456,6 +456,21 @@ impl Snapshot {
         })
     }
 
+    /// The models the file holds blocks of: those its entries were keyed in, and those of the
+    /// first blocks engines hold.
+    ///
+    /// # Errors
+    /// As [`Snapshot::visit_engine_blocks`].
+    pub fn models(&self) -> Result<std::collections::BTreeSet<String>> {
+        let mut models: std::collections::BTreeSet<String> =
+            self.namespaces.values().map(|n| n.model.clone()).collect();
+        self.visit_engine_blocks(|block| {
+            models.extend(block.model);
+            true
+        })?;
+        Ok(models)
+    }
+
     /// Counts, per node, and the settings.
     ///
     /// # Errors

@@ -35,6 +35,11 @@ pub struct Config {
     /// `Balanced`: the cluster is imbalanced when max − min load exceeds this many tokens (and
     /// max > 1.5 × min).
     pub balance_abs: u64,
+    /// `Balanced`: the bound on the tokens given to each node over the whole replay. A warm
+    /// node is taken only while its total stays within this many times the least total, and
+    /// otherwise the least total node is, so by construction the most loaded node's total
+    /// never exceeds this many times the least one's plus one prompt, whatever the workload.
+    pub max_imbalance: f64,
     /// The model the requests are for.
     pub model: String,
     /// Also drive the 0.1.7 design with the same decisions and time it.
@@ -63,6 +68,7 @@ impl Default for Config {
             window: 256,
             min_share: 0.4,
             balance_abs: 65_536,
+            max_imbalance: 1.1,
             model: "mooncake-conversation".into(),
             baseline: true,
             vocab: None,
@@ -222,16 +228,22 @@ fn no_such_node(i: usize, nodes: usize) -> Error {
     Error::InvalidConfig { detail: format!("node {i} in a replay of {nodes} nodes") }
 }
 
-/// Sliding-window load per node.
+/// Sliding-window load per node, and the tokens each was given in all.
 pub(super) struct Load {
     per_node: Vec<u64>,
     recent: VecDeque<(usize, u64)>,
     window: usize,
+    total: Vec<u64>,
 }
 
 impl Load {
     pub(super) fn new(config: &Config) -> Load {
-        Load { per_node: vec![0; config.nodes], recent: VecDeque::new(), window: config.window.max(1) }
+        Load {
+            per_node: vec![0; config.nodes],
+            recent: VecDeque::new(),
+            window: config.window.max(1),
+            total: vec![0; config.nodes],
+        }
     }
 
     /// Adds `tokens` run on `node`; the oldest addition leaves the window.
@@ -240,6 +252,7 @@ impl Load {
     /// [`Error::InvalidConfig`] for a node not in the cluster (nothing is added).
     pub(super) fn add(&mut self, node: usize, tokens: u64) -> Result<()> {
         *nth_mut(&mut self.per_node, node)? += tokens;
+        *nth_mut(&mut self.total, node)? += tokens;
         self.recent.push_back((node, tokens));
         if self.recent.len() > self.window
             && let Some((n, t)) = self.recent.pop_front()
@@ -253,6 +266,27 @@ impl Load {
 
     fn least(&self) -> usize {
         self.per_node.iter().enumerate().min_by_key(|&(n, &load)| (load, n)).map_or(0, |(n, _)| n)
+    }
+
+    /// Whether giving `node` a prompt of `tokens` keeps its total within `max_imbalance` times
+    /// the least total.
+    fn within(&self, node: usize, tokens: usize, max_imbalance: f64) -> bool {
+        let least = self.total.iter().copied().min().unwrap_or(0) as f64;
+        self.total.get(node).is_some_and(|&t| (t + tokens as u64) as f64 <= max_imbalance * least)
+    }
+
+    /// The node with the least recent load among those [`Load::within`] the bound; if none is,
+    /// the node with the least total. Either way the bound holds after the prompt: the node
+    /// stays within it, or the least total grows by one prompt.
+    fn least_within(&self, tokens: usize, max_imbalance: f64) -> usize {
+        (0..self.per_node.len())
+            .filter(|&n| self.within(n, tokens, max_imbalance))
+            .filter_map(|n| self.per_node.get(n).map(|&l| (l, n)))
+            .min()
+            .map_or_else(
+                || self.total.iter().enumerate().min_by_key(|&(n, &t)| (t, n)).map_or(0, |(n, _)| n),
+                |(_, n)| n,
+            )
     }
 
     fn imbalanced(&self, abs: u64) -> bool {
@@ -316,34 +350,27 @@ pub(super) fn prompt(config: &Config, request: &Request) -> Vec<u32> {
 }
 
 /// The node the policy gives a request of `tokens` tokens whose warm nodes are `warm` (node,
-/// tokens; longest first): `Warmest` the first; `Balanced`, unless the cluster is imbalanced,
-/// the least loaded whose warm prefix covers `min_share` of the prompt. Returns the node and the
-/// tokens it has warm.
+/// tokens; longest first): `Warmest` the first (the least loaded if none); `Balanced`, unless
+/// the cluster is imbalanced, the least loaded whose warm prefix covers `min_share` of the
+/// prompt, and either way only a node within `max_imbalance` ([`Load::least_within`] if none
+/// is). Returns the node and the tokens it has warm.
 pub(super) fn choose_among(config: &Config, load: &Load, warm: &[(usize, usize)], tokens: usize) -> (usize, usize) {
     let warm_len = |node: usize| warm.iter().find(|w| w.0 == node).map_or(0, |w| w.1);
+    let least = || load.least_within(tokens, config.max_imbalance);
     let chosen = match config.policy {
-        Policy::Warmest => choose(config, load, warm.first().copied(), tokens),
-        Policy::Balanced if load.imbalanced(config.balance_abs) => load.least(),
+        Policy::Warmest => warm.first().map_or_else(|| load.least(), |w| w.0),
+        Policy::Balanced if load.imbalanced(config.balance_abs) => least(),
         Policy::Balanced => warm
             .iter()
-            .filter(|&&(_, len)| len as f64 >= config.min_share * tokens as f64)
+            .filter(|&&(node, len)| {
+                len as f64 >= config.min_share * tokens as f64 && load.within(node, tokens, config.max_imbalance)
+            })
             // (A node without a load, never given, is not one to route to.)
             .filter_map(|&(node, _)| load.per_node.get(node).map(|&l| (l, node)))
             .min()
-            .map_or_else(|| load.least(), |(_, node)| node),
+            .map_or_else(least, |(_, node)| node),
     };
     (chosen, warm_len(chosen))
-}
-
-/// The node the policy gives a request of `tokens` tokens, warm on `warm_node` (node, tokens).
-fn choose(config: &Config, load: &Load, warm_node: Option<(usize, usize)>, tokens: usize) -> usize {
-    match (config.policy, warm_node) {
-        (Policy::Warmest, Some((node, _))) => node,
-        (Policy::Warmest, None) => load.least(),
-        (Policy::Balanced, _) if load.imbalanced(config.balance_abs) => load.least(),
-        (Policy::Balanced, Some((node, len))) if len as f64 >= config.min_share * tokens as f64 => node,
-        (Policy::Balanced, _) => load.least(),
-    }
 }
 
 /// What the index answered of a prompt.
@@ -689,7 +716,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                         let chosen = {
                             let mut guard = shared.lock().map_err(|_| Error::Poisoned)?;
                             let (load, report) = &mut *guard;
-                            let chosen = choose(config, load, warm_node, tokens.len());
+                            let chosen = choose_among(config, load, warm_node.as_slice(), tokens.len()).0;
                             if let Some((_, len)) = warm_node.filter(|&(node, _)| node == chosen) {
                                 report.warm_tokens += len as u64;
                                 report.warm_requests += 1;
@@ -739,7 +766,7 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
                                 .warmest(&config.model, &tokens)
                                 .and_then(|(node, len)| names.iter().position(|n| n == node).map(|n| (n, len)));
                             let mut load = load.lock().map_err(|_| Error::Poisoned)?;
-                            let chosen = choose(config, &load, warm_node, tokens.len());
+                            let chosen = choose_among(config, &load, warm_node.as_slice(), tokens.len()).0;
                             load.add(chosen, tokens.len() as u64)?;
                             drop(load);
                             model.ran(&config.model, &tokens, nth(names, chosen)?);

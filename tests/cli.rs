@@ -73,7 +73,11 @@ fn dump_reads_the_file_while_another_process_writes_it_then_reports_the_crash() 
     child.kill().expect("SIGKILL the writer");
     child.wait().expect("reaped");
     let out = run(&["dump", p]);
-    assert_eq!(out.status.code(), Some(2), "a crashed file is a problem found (as `check` exits), not an empty listing");
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a crashed file is a problem found (as `check` exits), not an empty listing"
+    );
     assert!(text(&out.stderr).contains("crashed"), "{}", text(&out.stderr));
     assert!(!text(&out.stderr).contains("panicked"));
     assert!(text(&out.stderr).contains("check --repair"), "says what to run: {}", text(&out.stderr));

@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use superfluid_warm::ReadIndex;
 
-use common::backend::{Disk, crash_images};
+use common::backend::{Disk, Op, crash_images};
 use common::{Conversations, Rng, db_path, tempdir, torture, torture_writer};
 use superfluid_warm::tools::baseline::Baseline;
 use superfluid_warm::{Error, Hit, IndexFile, OpenCheck, Snapshot, Warm};
@@ -261,5 +261,77 @@ fn power_loss_leaves_a_prefix_of_the_history(capacity: Option<u64>) -> Result<()
         ops.len()
     );
     assert!(crash_points > 80);
+    Ok(())
+}
+
+/// Power loss inside an engine batch of 140,000 blocks, which is committed in parts, at every
+/// sync: the file answers as of whole batches (the one before, or the huge one), or, if it was
+/// left between two parts, knows the node to hold nothing, never a part of the batch without
+/// the removals of its rest.
+#[test]
+fn power_loss_inside_a_huge_engine_batch_leaves_whole_batches_or_nothing() -> Result<(), Error> {
+    use superfluid_warm::{EngineBatch, EngineEvent, EngineStored, Medium, Namespace};
+    let disk = Disk::default();
+    let mut builder = Warm::builder();
+    builder.sync_window(Duration::ZERO);
+    let warm = builder.open_with_backend(disk.backend())?;
+    let ns = Namespace::of("m", None)?;
+    let blocks = 100u64;
+    let tokens = |p: u64| -> Vec<u32> { (0..16 * blocks).map(|t| (p * 16 * blocks + t) as u32).collect() };
+    let stored = |p: u64| {
+        EngineEvent::Stored(EngineStored {
+            parent: None,
+            hashes: (0..blocks).map(|b| p * 1_000 + b + 1).collect(),
+            tokens: tokens(p),
+            block_size: 16,
+            medium: Medium::Gpu,
+            namespace: Some(ns.clone()),
+        })
+    };
+    // Prompt 0 first, whole; the huge batch stores 1,400 more and then cuts prompt 0 in half.
+    warm.engine_batch("gpu-0", &EngineBatch { seq: 0, ts: 1.0, events: vec![stored(0)] })?;
+    warm.sync()?;
+    let start = {
+        let mut state = disk.state();
+        state.record = true;
+        state.durable.clone()
+    };
+    let mut events: Vec<EngineEvent> = (1..=1_400).map(stored).collect();
+    events.push(EngineEvent::Removed { hashes: vec![51], medium: Medium::Gpu });
+    warm.engine_batch("gpu-0", &EngineBatch { seq: 1, ts: 2.0, events })?;
+    warm.close()?;
+    let ops = disk.state().ops.clone();
+    let syncs: Vec<usize> = ops.iter().enumerate().filter(|(_, op)| matches!(op, Op::Sync)).map(|(k, _)| k).collect();
+    // What a prompt is answered: gpu-0's tokens.
+    let answer = |warm: &Warm, p: u64| -> Result<usize, Error> {
+        Ok(warm.warm_nodes("m", &tokens(p))?.first().map_or(0, |h| h.tokens))
+    };
+    let full = 16 * blocks as usize;
+    let dir = tempdir();
+    let (mut images, mut between) = (0, 0);
+    for &k in &syncs {
+        for (which, image) in crash_images(&start, &ops, k + 1).into_iter().enumerate().take(2) {
+            images += 1;
+            let path = dir.path().join(format!("crash-{k}-{which}.redb"));
+            std::fs::write(&path, &image).expect("write image");
+            let warm = Warm::open(&path)?;
+            let last = warm.engine_stats()?.first().and_then(|s| s.last_seq);
+            let got: Vec<usize> = [0, 1, 700, 1_400].into_iter().map(|p| answer(&warm, p)).collect::<Result<_, _>>()?;
+            let want = match last {
+                Some(0) => vec![full, 0, 0, 0],
+                Some(1) => vec![768, full, full, full],
+                None => {
+                    between += 1;
+                    vec![0, 0, 0, 0]
+                }
+                other => panic!("crash at op {k}: last batch {other:?}"),
+            };
+            assert_eq!(got, want, "crash at op {k} ({which}), last batch {last:?}");
+            warm.close()?;
+            std::fs::remove_file(&path).expect("remove");
+        }
+    }
+    println!("power loss in a huge engine batch: {} syncs, {images} images, {between} between parts", syncs.len());
+    assert!(between > 0, "some image was left between two parts");
     Ok(())
 }

@@ -313,3 +313,61 @@ fn a_frame_over_the_cap_is_counted_and_the_engine_followed_again() -> Result<(),
     assert!(!applied(first), "cleared: the index knows less than the engine");
     Ok(())
 }
+
+/// A batch of 140,000 blocks (1,400 prompts, then removals of a block in 100 of them) is applied
+/// in parts by `engine_batch`: answered and written as the same events applied as 1,400 small
+/// batches, before and after a reopen, and the stream goes on from it.
+#[test]
+fn a_huge_batch_is_applied_in_parts_as_small_batches_are() -> Result<(), Error> {
+    let dir = tempfile::tempdir().map_err(|e| Error::InvalidConfig { detail: e.to_string() })?;
+    let ns = Namespace::of("m", None)?;
+    let (prompts, blocks) = (1_400u64, 100u64);
+    let hash = |p: u64, b: u64| p * 1_000 + b + 1;
+    let tokens = |p: u64| -> Vec<u32> { (0..16 * blocks).map(|t| (p * 16 * blocks + t) as u32).collect() };
+    let stored = |p: u64| {
+        EngineEvent::Stored(EngineStored {
+            parent: None,
+            hashes: (0..blocks).map(|b| hash(p, b)).collect(),
+            tokens: tokens(p),
+            block_size: 16,
+            medium: Medium::Gpu,
+            namespace: Some(ns.clone()),
+        })
+    };
+    let removed = EngineEvent::Removed { hashes: (0..100).map(|p| hash(p * 7, 50)).collect(), medium: Medium::Gpu };
+    let mut events: Vec<EngineEvent> = (0..prompts).map(stored).collect();
+    events.push(removed.clone());
+    let huge = EngineBatch { seq: 0, ts: 1.0, events };
+    let whole = Warm::open(dir.path().join("whole.redb"))?;
+    assert_eq!(whole.engine_batch("gpu-0", &huge)?, EngineOutcome::Applied);
+    let small = Warm::open(dir.path().join("small.redb"))?;
+    for p in 0..prompts {
+        let batch = EngineBatch { seq: p, ts: 1.0 + p as f64, events: vec![stored(p)] };
+        assert_eq!(small.engine_batch("gpu-0", &batch)?, EngineOutcome::Applied);
+    }
+    let last = EngineBatch { seq: prompts, ts: 2_000.0, events: vec![removed] };
+    assert_eq!(small.engine_batch("gpu-0", &last)?, EngineOutcome::Applied);
+    let sample: Vec<u64> = (0..prompts).step_by(13).chain([0, 7, 693, prompts - 1]).collect();
+    let held = |warm: &Warm| -> Result<Vec<usize>, Error> {
+        sample.iter().map(|&p| Ok(warm.warm_nodes("m", &tokens(p))?.first().map_or(0, |h| h.tokens))).collect()
+    };
+    let want = held(&small)?;
+    assert!(want.iter().filter(|&&t| t == 50 * 16 / 64 * 64).count() >= 2, "removals cut prompts: {want:?}");
+    assert!(want.contains(&(16 * blocks as usize)), "whole prompts held: {want:?}");
+    assert_eq!(held(&whole)?, want, "answered as small batches");
+    let counts = |warm: &Warm| -> Result<(u64, u64, usize), Error> {
+        let stats = warm.engine_stats()?;
+        let s = stats.first().ok_or(Error::Poisoned)?;
+        Ok((s.counts.stored, s.counts.removed, s.engine_blocks))
+    };
+    assert_eq!(counts(&whole)?, counts(&small)?);
+    whole.close()?;
+    let whole = Warm::open(dir.path().join("whole.redb"))?;
+    assert_eq!(held(&whole)?, want, "the same after a reopen");
+    assert_eq!(whole.engine_stats()?.first().and_then(|s| s.last_seq), Some(0), "the batch is the stream's last");
+    let next = EngineBatch { seq: 1, ts: 3_000.0, events: vec![] };
+    assert_eq!(whole.engine_batch("gpu-0", &next)?, EngineOutcome::Applied, "the stream goes on from it");
+    whole.close()?;
+    small.close()?;
+    Ok(())
+}

@@ -206,10 +206,15 @@ def test_a_panic_in_rust_is_a_warm_error() -> None:
 @pytest.mark.parametrize("huge", [2**64, 2**70, 2**200, -(2**70)])
 def test_ints_of_any_size_are_refused_as_warm_errors_not_overflow(tmp_path: Path, huge: int) -> None:
     path = tmp_path / "w.redb"
-    for setting in ("capacity", "nodes_per_prefix", "node_cache_blocks"):
+    settings: List[Callable[[], sw.Warm]] = [
+        lambda: sw.Warm.open(path, capacity=huge),
+        lambda: sw.Warm.open(path, nodes_per_prefix=huge),
+        lambda: sw.Warm.open(path, node_cache_blocks=huge),
+    ]
+    for setting in settings:
         with pytest.raises(sw.InvalidInputError) as raised:
-            sw.Warm.open(path, **{setting: huge})
-        assert raised.value.kind == "InvalidConfig", setting
+            setting()
+        assert raised.value.kind == "InvalidConfig"
     # Any cache size is a size (a negative one is refused): no OverflowError either way.
     if huge < 0:
         with pytest.raises(sw.InvalidInputError):
@@ -218,10 +223,11 @@ def test_ints_of_any_size_are_refused_as_warm_errors_not_overflow(tmp_path: Path
         sw.Warm.open(path, cache_bytes=huge).close()
     with sw.Warm.open(path) as warm:
         warm.ran("m", TOKENS, "node")
-        for call in (
+        calls: List[Callable[[], object]] = [
             lambda: warm.set_node_capacity("node", huge),
             lambda: warm.set_node_cache_default(huge),
-        ):
+        ]
+        for call in calls:
             with pytest.raises(sw.InvalidInputError) as raised:
                 call()
             assert raised.value.kind == "InvalidConfig"
@@ -238,12 +244,13 @@ def test_ints_of_any_size_are_refused_as_warm_errors_not_overflow(tmp_path: Path
 
 
 def test_a_nul_byte_in_a_name_is_refused(warm: sw.Warm) -> None:
-    for call in (
+    calls: List[Callable[[], object]] = [
         lambda: warm.ran("m", TOKENS, "no\x00de"),
         lambda: warm.ran("mo\x00del", TOKENS, "node"),
         lambda: warm.set_node_capacity("no\x00de", 16),
         lambda: warm.forget_node("\x00"),
-    ):
+    ]
+    for call in calls:
         with pytest.raises(sw.InvalidInputError) as raised:
             call()
         assert raised.value.kind == "NulInName" and "NUL" in raised.value.message

@@ -24,7 +24,8 @@ MODEL = "fork"
 
 def prompt(i: int) -> npt.NDArray[np.uint32]:
     """Four blocks no other write uses."""
-    return (np.arange(256, dtype=np.uint32) + np.uint32(i * 1009)) ^ np.uint32(i << 12)
+    tokens: npt.NDArray[np.uint32] = (np.arange(256, dtype=np.uint32) + np.uint32(i * 1009)) ^ np.uint32(i << 12)
+    return tokens
 
 
 def child(index: Any, queue: Any) -> None:

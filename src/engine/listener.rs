@@ -445,7 +445,11 @@ impl One {
             seen.stats.received += 1;
             seen.last = Some(Instant::now());
         }
-        let Some(batch) = self.batch(&message) else { return Ok(()) };
+        let batch = self.batch(&message);
+        // The frame is not needed once decoded: a large batch's frame is not held while it is
+        // applied.
+        drop(message);
+        let Some(batch) = batch else { return Ok(()) };
         if std::mem::take(&mut self.resync) {
             return self.sink.engine_resync(&self.engine.node, &batch);
         }

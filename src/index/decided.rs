@@ -18,7 +18,7 @@ use crate::keys::Scheme;
 use crate::keys::{BlockKey, Namespace};
 use crate::store::caches::NodeCaches;
 use crate::store::effect::Effect;
-use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome, Engines, read_engines};
+use crate::store::engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS, read_engines};
 use crate::store::records::{MAX_CLOCK, read_meta, read_nodes};
 use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODES, RETIRED, STATE};
 use crate::store::writer::{by_node, read_floor};
@@ -168,18 +168,29 @@ impl Decided {
         !self.nodes.is_retired(node) && clock > self.caches.floor(node) && clock > self.engines.claim_floor(node)
     }
 
-    /// Decides one batch of node `name`'s engine events (see [`Engines::batch`]).
+    /// Decides one batch of node `name`'s engine events (see [`Engines::batch_part`]): the
+    /// whole of a small batch; of a batch of more than [`PART_BLOCKS`] blocks, a part, or the
+    /// next part after `from`. Returns the outcome, where the rest starts (`None`: the batch is
+    /// done) and the effects.
     ///
     /// # Errors
     /// As [`Decided::ran`]. Nothing is decided then.
-    pub(crate) fn engine_batch(&mut self, name: &str, batch: &EngineBatch) -> Result<(EngineOutcome, Vec<Effect>)> {
+    pub(crate) fn engine_batch(
+        &mut self,
+        name: &str,
+        batch: &EngineBatch,
+        from: Option<Cursor>,
+    ) -> Result<(EngineOutcome, Option<Cursor>, Vec<Effect>)> {
         let clock = next_clock(self.clock)?;
         let mut effects = Vec::new();
         let (id, _) = self.nodes.id(name, &mut effects)?;
         self.clock = clock;
-        let outcome = self.engines.batch(self.scheme, id, batch, clock);
+        let (outcome, rest) = match from {
+            None => self.engines.batch_part(self.scheme, id, batch, clock, PART_BLOCKS),
+            Some(from) => (EngineOutcome::Applied, self.engines.rest(self.scheme, id, batch, clock, from, PART_BLOCKS)),
+        };
         effects.append(&mut self.engines.take_effects());
-        Ok((outcome, effects))
+        Ok((outcome, rest, effects))
     }
 
     /// Node `name`'s engine stream's counts and the engine blocks it holds (0 without a stream).
@@ -191,18 +202,19 @@ impl Decided {
     }
 
     /// Decides that node `name`'s engine cannot replay what came before `batch`: what the node
-    /// held is dropped and `batch` starts its stream again.
+    /// held is dropped and `batch` starts its stream again (in parts, as
+    /// [`Decided::engine_batch`]: the rest goes on there).
     ///
     /// # Errors
     /// As [`Decided::ran`]. Nothing is decided then.
-    pub(crate) fn engine_resync(&mut self, name: &str, batch: &EngineBatch) -> Result<Vec<Effect>> {
+    pub(crate) fn engine_resync(&mut self, name: &str, batch: &EngineBatch) -> Result<(Option<Cursor>, Vec<Effect>)> {
         let clock = next_clock(self.clock)?;
         let mut effects = Vec::new();
         let (id, _) = self.nodes.id(name, &mut effects)?;
         self.clock = clock;
-        self.engines.resync(self.scheme, id, batch, clock);
+        let rest = self.engines.resync_part(self.scheme, id, batch, clock, PART_BLOCKS);
         effects.append(&mut self.engines.take_effects());
-        Ok(effects)
+        Ok((rest, effects))
     }
 
     /// Decides a `ran` of `blocks` by `node`: `runs` are the blocks of the prompt already live,

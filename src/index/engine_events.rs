@@ -8,7 +8,7 @@ use crate::error::Result;
 use crate::keys::check_node;
 #[cfg(feature = "nats")]
 use crate::store::engines::Applied;
-use crate::store::engines::{EngineBatch, EngineCounts, EngineOutcome, EngineStats};
+use crate::store::engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, EngineStats, PART_BLOCKS, ends_within};
 use crate::telemetry;
 
 impl Warm {
@@ -23,31 +23,20 @@ impl Warm {
     /// The batch is decided at once (answers see it when this returns) and committed with the
     /// stream's position, atomically, like a `ran` ([`Warm::sync`] waits for it). While the
     /// engine rows not yet committed pass 16 MiB, it first waits for the commit thread (a
-    /// commit, at most about a sync window); a `ran` does not. A batch that
-    /// does not follow the last one applied is not applied: see [`EngineOutcome`].
+    /// commit, at most about a sync window); a `ran` does not. A batch of more than 65,536
+    /// blocks is decided and committed in parts of that many, waiting so before each, so that
+    /// its memory while it waits for commits is a part's: a head that closes or crashes between
+    /// two parts finds the node's stream unfinished when it opens the file, and knows the node
+    /// to hold nothing until its engine's next batch starts the stream again (as after a lost
+    /// batch). A batch that does not follow the last one applied is not applied: see
+    /// [`EngineOutcome`].
     ///
     /// # Errors
     /// [`crate::Error::InvalidName`] for an empty or over-long node name; as [`Warm::ran`] otherwise.
     pub fn engine_batch(&self, node: &str, batch: &EngineBatch) -> Result<EngineOutcome> {
         self.in_owner()?;
         check_node(node)?;
-        self.wait_for_engine_room()?;
-        let (outcome, _) = self.change_now(
-            0,
-            |front| {
-                let before = front.decided.engine_counts(node);
-                let (outcome, effects) = front.decided.engine_batch(node, batch)?;
-                Ok(((outcome, Counted::since(front, node, before)), effects))
-            },
-            |(outcome, counted)| {
-                let gap = match *outcome {
-                    EngineOutcome::Gap { from } => Some(from),
-                    _ => None,
-                };
-                counted.record(node, batch.seq, gap);
-            },
-        )?;
-        Ok(outcome)
+        self.apply_engine_batch(node, batch, Start::Follow, 0)
     }
 
     /// Node `node`'s engine cannot give the batches before `batch` (a replay started later
@@ -60,17 +49,7 @@ impl Warm {
     pub fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
         self.in_owner()?;
         check_node(node)?;
-        self.wait_for_engine_room()?;
-        self.change_now(
-            0,
-            |front| {
-                let before = front.decided.engine_counts(node);
-                let effects = front.decided.engine_resync(node, batch)?;
-                Ok((Counted::since(front, node, before), effects))
-            },
-            |counted| counted.record(node, batch.seq, None),
-        )?;
-        Ok(())
+        self.apply_engine_batch(node, batch, Start::Resync, 0).map(drop)
     }
 
     #[cfg(feature = "nats")]
@@ -79,24 +58,69 @@ impl Warm {
     /// ([`Warm::engine_resync`]): every head decides the same from the same stream.
     pub(crate) fn engine_batch_at(&self, node: &str, batch: &EngineBatch, position: u64) -> Result<()> {
         check_node(node)?;
-        self.wait_for_engine_room()?;
-        self.change_now(
-            position,
-            |front| {
-                let before = front.decided.engine_counts(node);
-                let (outcome, mut effects) = front.decided.engine_batch(node, batch)?;
-                let gap = match outcome {
-                    EngineOutcome::Gap { from } => {
-                        effects.extend(front.decided.engine_resync(node, batch)?);
-                        Some(from)
-                    }
-                    _ => None,
-                };
-                Ok(((gap, Counted::since(front, node, before)), effects))
-            },
-            |(gap, counted)| counted.record(node, batch.seq, *gap),
-        )?;
-        Ok(())
+        self.apply_engine_batch(node, batch, Start::FollowOrResync, position).map(drop)
+    }
+
+    /// Decides `batch` part by part ([`PART_BLOCKS`] blocks each; a batch of fewer is one
+    /// part), each queued for the commit thread as its own change after waiting for its room,
+    /// so that a huge batch holds no more memory than a part's while it waits to be committed.
+    /// Answers see each part once it is decided. The stream `position` goes with the last part
+    /// only: a sharing head's batch is acknowledged once all of it is. Returns the first part's
+    /// outcome (the batch's).
+    fn apply_engine_batch(
+        &self,
+        node: &str,
+        batch: &EngineBatch,
+        start: Start,
+        position: u64,
+    ) -> Result<EngineOutcome> {
+        let mut from: Option<Cursor> = None;
+        let mut first: Option<(EngineOutcome, Option<u64>, EngineCounts)> = None;
+        loop {
+            self.wait_for_engine_room()?;
+            let last = ends_within(batch, from.unwrap_or_default(), PART_BLOCKS);
+            let (outcome, gap, rest, counted) = self.change_now(
+                if last { position } else { 0 },
+                |front| {
+                    let before = front.decided.engine_counts(node);
+                    let decided = &mut front.decided;
+                    let (outcome, gap, rest, effects) = match (from, start) {
+                        (Some(_), _) | (None, Start::Follow) => {
+                            let (outcome, rest, effects) = decided.engine_batch(node, batch, from)?;
+                            let gap = match outcome {
+                                EngineOutcome::Gap { from } => Some(from),
+                                _ => None,
+                            };
+                            (outcome, gap, rest, effects)
+                        }
+                        (None, Start::Resync) => {
+                            let (rest, effects) = decided.engine_resync(node, batch)?;
+                            (EngineOutcome::Applied, None, rest, effects)
+                        }
+                        #[cfg(feature = "nats")]
+                        (None, Start::FollowOrResync) => match decided.engine_batch(node, batch, None)? {
+                            (outcome @ EngineOutcome::Gap { from }, _, mut effects) => {
+                                let (rest, resynced) = decided.engine_resync(node, batch)?;
+                                effects.extend(resynced);
+                                (outcome, Some(from), rest, effects)
+                            }
+                            (outcome, rest, effects) => (outcome, None, rest, effects),
+                        },
+                    };
+                    Ok(((outcome, gap, rest, Counted::since(front, node, before)), effects))
+                },
+                |_| {},
+            )?;
+            let (outcome, gap, before) = first.get_or_insert_with(|| (outcome, gap, counted.before.clone())).clone();
+            match rest {
+                Some(rest) => from = Some(rest),
+                None => {
+                    // Recorded once, for the whole batch.
+                    Counted { before, ..counted }.record(node, batch.seq, gap);
+                    return Ok(outcome);
+                }
+            }
+        }
     }
 
     /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
@@ -130,6 +154,18 @@ impl Warm {
         let nodes = &front.decided.nodes;
         Ok(front.decided.engines.stats(|id| nodes.name(id)))
     }
+}
+
+/// How a batch's first part is decided.
+#[derive(Clone, Copy)]
+enum Start {
+    /// As the next batch of its stream ([`Warm::engine_batch`]).
+    Follow,
+    /// As its stream's new start ([`Warm::engine_resync`]).
+    Resync,
+    /// As the next, or after a gap as the new start (a sharing head's).
+    #[cfg(feature = "nats")]
+    FollowOrResync,
 }
 
 /// An engine change's counts before and after it, taken under the front lock and recorded

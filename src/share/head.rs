@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use super::event::{EVENT_VERSION, Event, Origin, What, WireBatch};
 use super::link::{self, Shared, Status, unix_ns};
 use super::outbox::{Out, Outbox};
-use super::pending::OwnEvents;
+use super::pending::{OwnEvents, OwnView};
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
@@ -504,22 +504,29 @@ impl ReadIndex for SharedWarm {
     /// first, as the newest memtable.
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
         self.shared.warm.in_owner()?;
-        let pending = self.shared.pending();
-        self.shared.warm.warmest_with(prefix, own(&pending))
+        let own = self.own_view(prefix);
+        self.shared.warm.warmest_with(prefix, own.as_ref().map(|o| o as &dyn Pending))
     }
 
     /// As a [`Warm`]'s, with this head's own events not yet back from the stream (listed first
     /// among equal lengths: they are the newest).
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
         self.shared.warm.in_owner()?;
-        let pending = self.shared.pending();
-        self.shared.warm.warm_nodes_with(prefix, own(&pending))
+        let own = self.own_view(prefix);
+        self.shared.warm.warm_nodes_with(prefix, own.as_ref().map(|o| o as &dyn Pending))
     }
 }
 
-/// The head's own unapplied events as the read path's newest memtable, if it has any.
-fn own(pending: &OwnEvents) -> Option<&dyn Pending> {
-    (!pending.is_empty()).then_some(pending as &dyn Pending)
+impl SharedWarm {
+    /// The head's own unapplied events as the read path's newest memtable for `prefix`, if it
+    /// has any: copied under their lock, which is released before the file is read (a `ran`
+    /// and the link's settling wait on it).
+    fn own_view(&self, prefix: &Prefix) -> Option<OwnView> {
+        let pending = self.shared.pending();
+        #[cfg(test)]
+        let _held = crate::index::view_read::probe::held();
+        (!pending.is_empty()).then(|| pending.view_of(prefix.keys()))
+    }
 }
 
 impl Drop for SharedWarm {
@@ -532,5 +539,50 @@ impl Drop for SharedWarm {
             return;
         }
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::SharedWarm;
+    use crate::index::view_read::probe;
+    use crate::{ReadIndex, Sharing, Warm};
+
+    use crate::share::test_nats as nats;
+
+    /// A sharing head's answers read the file with no lock held: not the callers' lock, and
+    /// not the lock of its own events not yet back from the stream (its `ran`s and the link's
+    /// settling wait on that one). Conversations moving between nodes, four nodes a block,
+    /// answered while their own events are in flight and after they are applied.
+    #[test]
+    fn a_sharing_head_reads_no_file_under_a_lock() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let server = nats::NatsServer::start(&dir.path().join("nats"));
+        let mut builder = Warm::builder();
+        builder.nodes_per_prefix(4).sync_window(Duration::from_millis(1));
+        let head = SharedWarm::open(&builder, dir.path().join("h.redb"), Sharing::nats(&server.url(), "probe", "h"))?;
+        head.wait_ready(Duration::from_secs(30))?;
+        let prompt = |c: u32, turn: u32| -> Vec<u32> { (0..64 * (2 + turn)).map(|t| t * 7 + c * 100_003).collect() };
+        let mut warm_answers = 0;
+        for turn in 0..10u32 {
+            for c in 0..6u32 {
+                let tokens = prompt(c, turn);
+                let nodes = head.warm_nodes("m", &tokens)?;
+                let best = head.warmest("m", &tokens)?;
+                warm_answers += usize::from(best.is_some()) + usize::from(!nodes.is_empty());
+                head.ran("m", &tokens, &format!("n{}", (c + turn / 3) % 5))?;
+            }
+            if turn % 2 == 1 {
+                head.sync()?;
+            }
+        }
+        let (free, held) = probe::reads();
+        assert!(warm_answers > 0, "the conversations were answered warm");
+        assert!(free > 0, "the committed view was read");
+        assert_eq!(held, 0, "reads of the file under a lock ({free} with none held)");
+        head.close()?;
+        Ok(())
     }
 }

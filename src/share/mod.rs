@@ -10,3 +10,9 @@ mod sharing;
 
 pub use head::{ShareStats, SharedWarm, Ticket};
 pub use sharing::{DEFAULT_BUFFER_EVENTS, Sharing};
+
+/// The sharing tests' NATS server (`tests/common/nats.rs`), for this module's own tests.
+#[cfg(test)]
+#[allow(dead_code, clippy::indexing_slicing, missing_docs)]
+#[path = "../../tests/common/nats.rs"]
+mod test_nats;

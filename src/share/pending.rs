@@ -98,6 +98,56 @@ impl OwnEvents {
     }
 }
 
+impl OwnEvents {
+    /// What these events answer for `keys` (a prompt's), copied out so that the prompt is
+    /// answered with the lock of the events released: the file is never read under it.
+    pub(crate) fn view_of(&self, keys: &[BlockKey]) -> OwnView {
+        let mut view = OwnView {
+            keys: HashMap::new(),
+            forgets: self.forgets.iter().map(|(_, n)| Arc::clone(n)).collect(),
+            names: self.names.clone(),
+        };
+        for key in keys {
+            let Some(newest) = self.newest(key) else { continue };
+            let mut writes = Vec::new();
+            self.writes(key, &mut writes);
+            view.keys.insert(*key, (newest, writes));
+        }
+        view
+    }
+}
+
+/// A write: its node and clock.
+type Write = (u32, u64);
+
+/// A head's own unapplied events as they answer one prompt's keys ([`OwnEvents::view_of`]).
+pub(crate) struct OwnView {
+    /// Per key: the newest write still answered, and every write still answered.
+    keys: HashMap<BlockKey, (Write, Vec<Write>)>,
+    forgets: Vec<Arc<str>>,
+    names: Vec<Arc<str>>,
+}
+
+impl Pending for OwnView {
+    fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
+        self.keys.get(key).map(|(newest, _)| *newest)
+    }
+
+    fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) -> bool {
+        let Some((_, writes)) = self.keys.get(key) else { return false };
+        into.extend_from_slice(writes);
+        writes.len() > 1
+    }
+
+    fn forgets(&self, name: &str) -> bool {
+        self.forgets.iter().any(|n| &**n == name)
+    }
+
+    fn name(&self, node: u32) -> Option<&str> {
+        self.names.get(node.checked_sub(PENDING_NODES)? as usize).map(|n| n.as_ref())
+    }
+}
+
 impl Pending for OwnEvents {
     fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
         let newest = self.writes.newest(key)?;

@@ -205,6 +205,39 @@ impl Follows {
     }
 }
 
+/// Blocks one part of a batch applies at most (an event without blocks counts as one): a
+/// larger batch is decided and committed in parts, so that what waits for a commit (the
+/// decision's rows, the writer's batch, redb's dirty pages) stays bounded in bytes whatever an
+/// engine sends in one batch. A part of 16-token blocks is about 4 MiB of tokens.
+pub(crate) const PART_BLOCKS: usize = 1 << 16;
+
+/// Whether what is left of `batch` from `from` fits in `budget` blocks, counted as
+/// [`Engines::batch_part`] counts them: an event's blocks (in a medium the index follows), or
+/// one for an event without.
+pub(crate) fn ends_within(batch: &EngineBatch, from: Cursor, budget: usize) -> bool {
+    let cost = |event: &EngineEvent, block: usize| match event {
+        EngineEvent::Stored(s) if s.medium.tier().is_some() => s.hashes.len().saturating_sub(block).max(1),
+        EngineEvent::Removed { hashes, medium } if medium.tier().is_some() => hashes.len().saturating_sub(block).max(1),
+        _ => 1,
+    };
+    let mut left = budget;
+    for (i, event) in batch.events.iter().enumerate().skip(from.event) {
+        let block = if i == from.event { from.block } else { 0 };
+        match left.checked_sub(cost(event, block)) {
+            Some(rest) => left = rest,
+            None => return false,
+        }
+    }
+    true
+}
+
+/// Where applying a batch stands: its next event, and that event's next block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Cursor {
+    event: usize,
+    block: usize,
+}
+
 /// How many of a stream's last batches applied are remembered ([`Applied`]): more than a replay
 /// gives back or the live batches that come while it is answered, at an engine's rate.
 const REMEMBERED: usize = 4096;
@@ -463,7 +496,21 @@ impl Engines {
 
     /// Decides one batch of node `node`'s engine at `clock`: in order, or a duplicate, or a gap,
     /// or the first batch of a restarted engine (everything the node held is dropped first).
+    #[cfg(test)]
     pub(crate) fn batch(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) -> EngineOutcome {
+        self.batch_part(scheme, node, batch, clock, usize::MAX).0
+    }
+
+    /// [`Engines::batch`], applying at most `budget` blocks of it: the rest, if any, is where
+    /// [`Engines::rest`] goes on.
+    pub(crate) fn batch_part(
+        &mut self,
+        scheme: Scheme,
+        node: u32,
+        batch: &EngineBatch,
+        clock: u64,
+        budget: usize,
+    ) -> (EngineOutcome, Option<Cursor>) {
         self.clock = clock;
         // A node's first batch: from now on its engine says what it holds, and its `ran`s
         // before are no longer answered.
@@ -475,26 +522,55 @@ impl Engines {
             Follows::Restart => {
                 self.count_only(node, |c| c.restarts += 1);
                 self.clear(node, clock);
-                return self.batch(scheme, node, batch, clock);
+                return self.batch_part(scheme, node, batch, clock, budget);
             }
             Follows::Gap { from } => EngineOutcome::Gap { from },
         };
-        match outcome {
-            EngineOutcome::Applied => self.apply(scheme, node, batch, clock),
-            EngineOutcome::Duplicate => self.count(node, |c| c.duplicate_batches += 1),
-            EngineOutcome::Gap { .. } => self.count(node, |c| c.gaps += 1),
-        }
-        outcome
+        let rest = match outcome {
+            EngineOutcome::Applied => self.apply(scheme, node, batch, clock, Cursor::default(), budget),
+            EngineOutcome::Duplicate => {
+                self.count(node, |c| c.duplicate_batches += 1);
+                None
+            }
+            EngineOutcome::Gap { .. } => {
+                self.count(node, |c| c.gaps += 1);
+                None
+            }
+        };
+        (outcome, rest)
     }
 
     /// Decides that node `node`'s engine cannot give what came before `batch`: everything the
-    /// node held is dropped, and `batch` is applied as the stream's new start.
-    pub(crate) fn resync(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) {
+    /// node held is dropped, and `batch` is applied as the stream's new start, at most `budget`
+    /// blocks of it (as [`Engines::batch_part`]).
+    pub(crate) fn resync_part(
+        &mut self,
+        scheme: Scheme,
+        node: u32,
+        batch: &EngineBatch,
+        clock: u64,
+        budget: usize,
+    ) -> Option<Cursor> {
         self.clock = clock;
         self.streams.entry(node).or_insert_with(|| Stream { claim_floor: clock, ..Stream::default() });
         self.count(node, |c| c.lost += 1);
         self.clear(node, clock);
-        self.apply(scheme, node, batch, clock);
+        self.apply(scheme, node, batch, clock, Cursor::default(), budget)
+    }
+
+    /// Goes on applying a batch [`Engines::batch_part`] or [`Engines::resync_part`] left at
+    /// `from`, at most `budget` blocks more.
+    pub(crate) fn rest(
+        &mut self,
+        scheme: Scheme,
+        node: u32,
+        batch: &EngineBatch,
+        clock: u64,
+        from: Cursor,
+        budget: usize,
+    ) -> Option<Cursor> {
+        self.clock = clock;
+        self.apply(scheme, node, batch, clock, from, budget)
     }
 
     /// Decides node `node`'s stream gone (the node was forgotten): its blocks and its row go.
@@ -513,23 +589,58 @@ impl Engines {
         }
     }
 
-    fn apply(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, clock: u64) {
-        for event in &batch.events {
-            match event {
+    /// Applies `batch`'s events from `from` on, at most `budget` blocks (an event without
+    /// blocks counts as one); after its last event, the batch is the stream's last. Returns
+    /// where it stopped if it did not finish: the stream is then written as unfinished
+    /// (no last batch), so that a file closed or crashed before the rest is applied says so
+    /// ([`Engines::drop_unfinished`]).
+    fn apply(
+        &mut self,
+        scheme: Scheme,
+        node: u32,
+        batch: &EngineBatch,
+        clock: u64,
+        from: Cursor,
+        budget: usize,
+    ) -> Option<Cursor> {
+        let mut at = from;
+        let mut left = budget;
+        while let Some(event) = batch.events.get(at.event) {
+            if left == 0 {
+                self.unfinished(node);
+                return Some(at);
+            }
+            let (done, whole) = match event {
                 EngineEvent::Stored(s) => match s.medium.tier() {
-                    Some(tier) => self.store(scheme, node, s, clock, tier),
-                    None => self.count_only(node, |c| c.other_medium += 1),
+                    Some(tier) => {
+                        let end = self.store(scheme, node, s, clock, tier, (at.block, left));
+                        (end - at.block, end >= s.hashes.len())
+                    }
+                    None => {
+                        self.count_only(node, |c| c.other_medium += 1);
+                        (1, true)
+                    }
                 },
                 EngineEvent::Removed { hashes, medium } => match medium.tier() {
                     Some(tier) => {
-                        for &h in hashes {
+                        let end = hashes.len().min(at.block.saturating_add(left));
+                        for &h in hashes.get(at.block..end).unwrap_or_default() {
                             self.remove(node, h, clock, tier);
                         }
+                        (end - at.block, end >= hashes.len())
                     }
-                    None => self.count_only(node, |c| c.other_medium += 1),
+                    None => {
+                        self.count_only(node, |c| c.other_medium += 1);
+                        (1, true)
+                    }
                 },
-                EngineEvent::Cleared => self.clear(node, clock),
-            }
+                EngineEvent::Cleared => {
+                    self.clear(node, clock);
+                    (1, true)
+                }
+            };
+            left = left.saturating_sub(done.max(1));
+            at = if whole { Cursor { event: at.event + 1, block: 0 } } else { Cursor { block: at.block + done, ..at } };
         }
         if let Some(s) = self.streams.get_mut(&node) {
             s.record.last = Some(batch.seq);
@@ -537,6 +648,15 @@ impl Engines {
             s.record.counts.batches += 1;
             s.applied.push(batch);
             self.effects.push(Effect::EngineStream { node, row: Arc::new(s.record.clone()), clock: self.clock });
+        }
+        None
+    }
+
+    /// Writes node `node`'s stream as in the middle of a batch: no last batch, beside blocks.
+    fn unfinished(&mut self, node: u32) {
+        if let Some(s) = self.streams.get(&node) {
+            let record = StreamRecord { last: None, ..s.record.clone() };
+            self.effects.push(Effect::EngineStream { node, row: Arc::new(record), clock: self.clock });
         }
     }
 
@@ -575,13 +695,26 @@ impl Engines {
         }
     }
 
-    fn store(&mut self, scheme: Scheme, node: u32, stored: &EngineStored, clock: u64, tier: u8) {
+    /// Stores the blocks of `stored` from `from` on, at most `budget` of them (the event's own
+    /// checks and counts are made at its first block). Returns the index after the last block
+    /// it took (every block of an event refused as a whole).
+    fn store(
+        &mut self,
+        scheme: Scheme,
+        node: u32,
+        stored: &EngineStored,
+        clock: u64,
+        tier: u8,
+        (from, budget): (usize, usize),
+    ) -> usize {
         let size = stored.block_size as usize;
-        let Some(stream) = self.streams.get_mut(&node) else { return };
+        let all = stored.hashes.len();
+        let end = all.min(from.saturating_add(budget));
+        let Some(stream) = self.streams.get_mut(&node) else { return all };
         if tier > 0 && stored.tokens.is_empty() {
             // An offloading connector's store names blocks first stored on the GPU, without their
             // tokens: a copy of a block this index holds, or nothing it can key.
-            for &hash in &stored.hashes {
+            for &hash in stored.hashes.get(from..end).unwrap_or_default() {
                 let Some(i) = stream.blocks.find(hash) else {
                     stream.record.counts.other_medium += 1;
                     continue;
@@ -592,30 +725,37 @@ impl Engines {
                 let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
                 self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
             }
-            return;
+            return end;
         }
-        // A block its own parent (no engine sends one) would make a cycle of the chain.
-        let loops =
-            stored.hashes.iter().zip(std::iter::once(stored.parent).chain(stored.hashes.iter().map(|&h| Some(h))));
-        let looped = loops.clone().any(|(&h, p)| p == Some(h));
-        if size == 0 || stored.tokens.len() != size.saturating_mul(stored.hashes.len()) || looped {
-            stream.record.counts.malformed += 1;
-            return;
+        let aligned = size > 0 && BLOCK_TOKENS.is_multiple_of(size);
+        if from == 0 {
+            // A block its own parent (no engine sends one) would make a cycle of the chain.
+            let loops =
+                stored.hashes.iter().zip(std::iter::once(stored.parent).chain(stored.hashes.iter().map(|&h| Some(h))));
+            let looped = loops.clone().any(|(&h, p)| p == Some(h));
+            if size == 0 || stored.tokens.len() != size.saturating_mul(all) || looped {
+                stream.record.counts.malformed += 1;
+                return all;
+            }
+            if stored.namespace.is_none() {
+                stream.record.counts.unkeyed += 1;
+            }
+            if !aligned {
+                stream.record.counts.unaligned += all as u64;
+            }
+            if let Some(p) = stored.parent
+                && stream.blocks.find(p).is_none()
+            {
+                stream.record.counts.unknown_parents += 1;
+            }
         }
-        if stored.namespace.is_none() {
-            stream.record.counts.unkeyed += 1;
-        }
-        let aligned = BLOCK_TOKENS.is_multiple_of(size);
-        if !aligned {
-            stream.record.counts.unaligned += stored.hashes.len() as u64;
-        }
-        if let Some(p) = stored.parent
-            && stream.blocks.find(p).is_none()
-        {
-            stream.record.counts.unknown_parents += 1;
-        }
-        let mut parent = stored.parent;
-        for (&hash, tokens) in stored.hashes.iter().zip(stored.tokens.chunks_exact(size)) {
+        // The block before the first one taken: the event's parent, or its block before.
+        let mut parent = match from.checked_sub(1) {
+            None => stored.parent,
+            Some(before) => stored.hashes.get(before).copied(),
+        };
+        let blocks = stored.hashes.iter().zip(stored.tokens.chunks_exact(size.max(1))).take(end).skip(from);
+        for (&hash, tokens) in blocks {
             stream.record.counts.stored += 1;
             if let Some(i) = stream.blocks.find(hash) {
                 if stream.blocks.get(i).is_some_and(|b| copies(b, tier) > 0) {
@@ -656,6 +796,7 @@ impl Engines {
             }
             parent = Some(hash);
         }
+        end
     }
 
     fn remove(&mut self, node: u32, hash: u64, clock: u64, tier: u8) {
@@ -708,6 +849,7 @@ impl Engines {
             let (node, hash, row) = item?;
             engines.add_row(node, hash, row);
         }
+        engines.drop_unfinished();
         engines.attach_all(scheme);
         Ok(engines)
     }
@@ -732,6 +874,23 @@ impl Engines {
             b.refs = row.refs.max(1);
             b.offload = row.offload;
             b.opaque = row.opaque;
+        }
+    }
+
+    /// Drops what a stream written in the middle of a batch holds (no last batch, beside
+    /// blocks: a head closed or crashed before it applied the rest): a part of a batch may
+    /// miss removals of the rest, so the node is known to hold nothing (the index may know less
+    /// than the engine, never more) and its engine starts its stream again, as after a lost
+    /// batch. Its rows go with the next engine change.
+    fn drop_unfinished(&mut self) {
+        for (&node, s) in &mut self.streams {
+            if s.record.last.is_none() && s.blocks.len() > 0 {
+                s.blocks.clear();
+                s.namespaces.clear();
+                s.ours = 0;
+                s.record.counts.lost += 1;
+                self.effects.push(Effect::EngineClear { node, stream: Some(Arc::new(s.record.clone())) });
+            }
         }
     }
 
@@ -770,6 +929,7 @@ pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: 
         engines.add_row(node, hash, row);
         true
     })?;
+    engines.drop_unfinished();
     engines.attach_all(scheme);
     Ok(engines)
 }
@@ -1221,6 +1381,8 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::indexing_slicing)]
+    use std::collections::BTreeMap;
+
     use super::*;
 
     fn ns() -> Namespace {
@@ -1272,6 +1434,112 @@ mod tests {
         // Stored again, everything below it is reachable again.
         e.batch(Scheme::TreeChain, 0, &batch(4, vec![stored(Some(105), &[106], &tokens[96..112], 16)]), 5);
         assert_eq!(held_prefix(&e, &tokens), 3);
+    }
+
+    /// Block rows as written: (node, hash) to (store clock, row).
+    type Rows = BTreeMap<(u32, u64), (u64, Arc<[u8]>)>;
+
+    /// The rows and stream rows `effects` leave, written in order as the writer writes them.
+    fn written(effects: Vec<Effect>, rows: &mut Rows, streams: &mut BTreeMap<u32, StreamRecord>) {
+        for effect in effects {
+            match effect {
+                Effect::EngineBlock { node, clock, hash, row: Some(row) } => {
+                    rows.insert((node, hash), (clock, row));
+                }
+                Effect::EngineBlock { node, hash, row: None, .. } => {
+                    rows.remove(&(node, hash));
+                }
+                Effect::EngineStream { node, row, .. } => {
+                    streams.insert(node, (*row).clone());
+                }
+                Effect::EngineClear { node, stream } => {
+                    rows.retain(|&(n, _), _| n != node);
+                    match stream {
+                        Some(s) => streams.insert(node, (*s).clone()),
+                        None => streams.remove(&node),
+                    };
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn load(rows: &Rows, streams: &BTreeMap<u32, StreamRecord>) -> Engines {
+        let rows = rows
+            .iter()
+            .map(|(&(node, hash), (clock, row))| decode_row(row, Layout::V7, *clock).map(|row| (node, hash, row)));
+        let streams = streams.iter().map(|(&n, s)| Ok((n, s.clone())));
+        Engines::load(Scheme::TreeChain, streams, rows, 1000).expect("the rows load")
+    }
+
+    /// A batch decided in parts of any size holds, counts and writes what it does decided
+    /// whole: a long event cut inside it (its blocks chained across parts), removals in the
+    /// same batch, a clear, a malformed event. Between parts the stream is written unfinished,
+    /// and a file left there is loaded holding nothing of the node (its batch lost).
+    #[test]
+    fn a_batch_in_parts_is_the_batch_whole_and_a_file_left_between_parts_holds_nothing() {
+        let tokens: Vec<u32> = (0..16 * 40).collect();
+        let h: Vec<u64> = (1000..1040).collect();
+        let other: Vec<u32> = (5000..5000 + 16 * 6).collect();
+        let batches = [
+            batch(0, vec![stored(None, &h[..30], &tokens[..16 * 30], 16), stored(None, &[1, 2], &other[..32], 16)]),
+            batch(
+                1,
+                vec![
+                    stored(Some(h[29]), &h[30..], &tokens[16 * 30..], 16),
+                    EngineEvent::Removed { hashes: vec![h[35], 2, 77], medium: Medium::Gpu },
+                    stored(Some(2), &[3, 4, 5, 6], &other[..10], 16),
+                    stored(Some(2), &[3, 4, 5, 6], &other[32..], 16),
+                ],
+            ),
+            batch(2, vec![EngineEvent::Cleared, stored(None, &h[..12], &tokens[..16 * 12], 16)]),
+        ];
+        for upto in 1..=batches.len() {
+            let mut whole = Engines::default();
+            let (mut rows, mut streams) = (BTreeMap::new(), BTreeMap::new());
+            for (i, b) in batches.iter().take(upto).enumerate() {
+                assert_eq!(whole.batch(Scheme::TreeChain, 0, b, i as u64 + 1), EngineOutcome::Applied);
+            }
+            written(whole.take_effects(), &mut rows, &mut streams);
+            for budget in [1, 2, 3, 5, 7, 29, 31, 1000] {
+                let mut parts = Engines::default();
+                let (mut part_rows, mut part_streams) = (BTreeMap::new(), BTreeMap::new());
+                let mut unfinished = 0;
+                for (i, b) in batches.iter().take(upto).enumerate() {
+                    let clock = i as u64 + 1;
+                    let (outcome, mut rest) = parts.batch_part(Scheme::TreeChain, 0, b, clock, budget);
+                    assert_eq!(outcome, EngineOutcome::Applied);
+                    assert_eq!(rest.is_none(), ends_within(b, Cursor::default(), budget), "budget {budget}");
+                    while let Some(from) = rest {
+                        written(parts.take_effects(), &mut part_rows, &mut part_streams);
+                        // A file as of this part: the node's stream is unfinished, it holds nothing.
+                        assert_eq!(part_streams.get(&0).map(|s| s.last), Some(None), "budget {budget}");
+                        let left = load(&part_rows, &part_streams);
+                        assert_eq!(left.sizes(0), (0, 0), "budget {budget}: a file between parts");
+                        // (Its batch is counted lost where the file had something of it.)
+                        let had = u64::from(!part_rows.is_empty());
+                        assert_eq!(left.counts(0).lost, part_streams[&0].counts.lost + had, "budget {budget}");
+                        unfinished += 1;
+                        let next = ends_within(b, from, budget);
+                        rest = parts.rest(Scheme::TreeChain, 0, b, clock, from, budget);
+                        assert_eq!(rest.is_none(), next, "budget {budget}");
+                    }
+                }
+                written(parts.take_effects(), &mut part_rows, &mut part_streams);
+                assert!(budget >= 1000 || unfinished > 0, "budget {budget}: the batches were cut");
+                for prompt in [&tokens[..], &other[..]] {
+                    assert_eq!(held_prefix(&parts, prompt), held_prefix(&whole, prompt), "budget {budget}");
+                }
+                assert_eq!((parts.sizes(0), parts.counts(0)), (whole.sizes(0), whole.counts(0)), "budget {budget}");
+                assert_eq!(part_streams, streams, "budget {budget}");
+                let rows_of = |r: &Rows| -> Vec<(u64, Vec<u8>)> {
+                    r.iter().map(|(&(_, hash), (_, row))| (hash, row.to_vec())).collect()
+                };
+                assert_eq!(rows_of(&part_rows), rows_of(&rows), "budget {budget}");
+                let reloaded = load(&part_rows, &part_streams);
+                assert_eq!(reloaded.sizes(0), whole.sizes(0), "budget {budget}: a finished file loads whole");
+            }
+        }
     }
 
     #[test]

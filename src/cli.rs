@@ -618,8 +618,11 @@ fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode, CliError>
                 s.replays,
                 s.replays_short,
                 s.replays_skipped,
-                s.replay_backoff
-                    .map_or_else(String::new, |b| format!(": replay endpoint mute, asked again in {b:.0} s")),
+                match (s.replaying, s.replay_backoff) {
+                    (true, _) => ": waiting for a replay, its blocks not answered meanwhile".to_string(),
+                    (false, Some(b)) => format!(": replay endpoint mute, asked again in {b:.0} s"),
+                    (false, None) => String::new(),
+                },
                 s.dropped,
                 s.error.as_ref().map_or_else(String::new, |e| format!("; error: {e}"))
             );
@@ -894,6 +897,13 @@ impl EngineSink for Watched {
             Sink::Shared(shared) => EngineSink::engine_resync(&**shared, node, batch),
         })
     }
+
+    fn engine_in_doubt(&self, node: &str, in_doubt: bool) -> Result<(), Error> {
+        self.note(match &self.sink {
+            Sink::Own(warm) => EngineSink::engine_in_doubt(&**warm, node, in_doubt),
+            Sink::Shared(shared) => EngineSink::engine_in_doubt(&**shared, node, in_doubt),
+        })
+    }
 }
 
 /// A medium's name, as vLLM's events spell it.
@@ -939,7 +949,7 @@ fn write_listen_status(path: &Path, stats: &[ListenStats], health: &ListenHealth
         "engines": stats.iter().map(|s| json!({
             "node": s.node, "connected": s.connected && running, "received": s.received,
             "undecodable": s.undecodable, "malformed": s.malformed, "replays": s.replays,
-            "replays_short": s.replays_short, "replays_skipped": s.replays_skipped,
+            "replays_short": s.replays_short, "replays_skipped": s.replays_skipped, "replaying": s.replaying,
             "replay_backoff_s": s.replay_backoff, "dropped": s.dropped, "lag_p50_ms": ms(s.lag_p50), "lag_p99_ms": ms(s.lag_p99),
             "silent_for_s": s.silent_for, "error": s.error,
         })).collect::<Vec<_>>(),

@@ -371,3 +371,55 @@ fn a_huge_batch_is_applied_in_parts_as_small_batches_are() -> Result<(), Error> 
     small.close()?;
     Ok(())
 }
+
+/// While a listener waits for a replay to cover a gap, what the node holds is not answered (the
+/// batches lost may have removed some of it), and its status says it is replaying; once the
+/// replay is applied, the node is answered for what its engine holds, the lost batch included.
+#[test]
+fn a_node_is_not_answered_while_its_gap_is_being_covered() -> Result<(), Error> {
+    let dir = tempfile::tempdir().map_err(|e| Error::InvalidConfig { detail: e.to_string() })?;
+    let warm = Arc::new(Warm::open(dir.path().join("doubt.redb"))?);
+    let publisher = Publisher::new(Duration::from_secs(2))?;
+    let spec = format!("gpu-0={},replay={}", publisher.events, publisher.replay);
+    let engines = [EngineEndpoint::parse(&spec, Some("m"))?];
+    let listener = Listener::start(Arc::clone(&warm), &engines, Duration::from_secs(60))?;
+    let mut engine = Engine::new(16, 1 << 20, "m", None)?;
+    let prompt = |i: u32| -> Vec<u32> { (0..64 * 3).map(|t| 100_000 + t + i * 100_000).collect() };
+    let answered = |i: u32| warm.warm_nodes("m", &prompt(i)).map(|h| h.first().map_or(0, |h| h.tokens));
+    // Batches until the subscriber has joined and one is applied (the first are lost to it).
+    let (mut n, started) = (0, Instant::now());
+    while answered(n)? == 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the listener never applied a batch");
+        n += 1;
+        publisher.publish(&engine.run(&prompt(n)), false)?;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let held = n;
+    let replays = |listener: &Listener| listener.stats().first().map_or(0, |s| s.replays);
+    // (The batches before the subscriber joined may have been replayed already.)
+    while replays(&listener) > 0 && listener.stats().first().is_some_and(|s| s.replaying) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let replays_before = replays(&listener);
+    // One batch lost live, then the next one shows the gap.
+    publisher.publish(&engine.run(&prompt(1_000)), true)?;
+    publisher.publish(&engine.run(&prompt(1_001)), false)?;
+    let replaying = |listener: &Listener| listener.stats().first().is_some_and(|s| s.replaying);
+    while !replaying(&listener) {
+        assert!(started.elapsed() < Duration::from_secs(60), "the gap was never seen");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let in_doubt = answered(held)?;
+    let still_replaying = replaying(&listener);
+    while replaying(&listener) || answered(1_001)? == 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "the replay was never applied");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(still_replaying, "the answer was read while the replay was waited for");
+    assert_eq!(in_doubt, 0, "what the node held was answered while its gap was being covered");
+    assert_eq!((answered(held)?, answered(1_000)?, answered(1_001)?), (192, 192, 192), "all held once covered");
+    assert_eq!(replays(&listener), replays_before + 1, "one replay covered the gap");
+    let stats = listener.stop();
+    assert_eq!(stats.first().map(|s| (s.replays_short, s.replaying)), Some((0, false)));
+    Ok(())
+}

@@ -198,6 +198,8 @@ pub struct ListenStats {
     /// alone for a while (see [`ListenStats::replay_backoff`]): the node was cleared at once,
     /// rather than the engine's batches waiting for the replay timeout again.
     pub replays_skipped: u64,
+    /// Whether a replay is being waited for now: meanwhile what the node holds is not answered.
+    pub replaying: bool,
     /// Seconds until the replay endpoint is asked again, after it did not answer in time
     /// (nothing listening there, or a mute engine); `None` while it answers.
     pub replay_backoff: Option<f64>,
@@ -468,8 +470,19 @@ impl One {
     }
 
     /// Covers a gap before `live` by a replay from `from`; what it does not cover clears the
-    /// node, and `live` starts its stream again.
+    /// node, and `live` starts its stream again. While the replay is waited for, what the node
+    /// holds is not answered ([`EngineSink::engine_in_doubt`]), and the status says so.
     fn cover(&mut self, from: u64, live: &EngineBatch) -> Result<()> {
+        let node = self.engine.node.clone();
+        self.sink.engine_in_doubt(&node, true)?;
+        self.note(|s| s.replaying = true);
+        let covered = self.cover_in_doubt(from, live);
+        self.note(|s| s.replaying = false);
+        let trusted = self.sink.engine_in_doubt(&node, false);
+        covered.and(trusted)
+    }
+
+    fn cover_in_doubt(&mut self, from: u64, live: &EngineBatch) -> Result<()> {
         let backing_off = self.stats.lock().is_ok_and(|s| s.replay_after.is_some_and(|t| Instant::now() < t));
         if self.engine.replay.is_some() && backing_off {
             // It did not answer lately: the node starts again here, without waiting for it.

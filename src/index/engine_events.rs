@@ -123,6 +123,25 @@ impl Warm {
         }
     }
 
+    /// Node `node`'s engine stream has a gap being covered (a replay asked for, `true`), or no
+    /// longer (`false`). While it has, what the node holds by its events is not answered: the
+    /// batches lost may have removed some of it. Its claims and everything else are as before,
+    /// and nothing is written (a reopened index has no gap being covered). A listener says so
+    /// around each replay it waits for.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidName`] for an empty or over-long node name;
+    /// [`crate::Error::Poisoned`] after a panic in another caller.
+    pub fn engine_in_doubt(&self, node: &str, in_doubt: bool) -> Result<()> {
+        self.in_owner()?;
+        check_node(node)?;
+        let mut front = self.front()?;
+        if let Some(id) = front.decided.nodes.current(node) {
+            front.decided.engines.set_in_doubt(id, in_doubt);
+        }
+        Ok(())
+    }
+
     /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
     /// time), if any.
     #[cfg(all(feature = "nats", feature = "tools", feature = "engines"))]
@@ -202,6 +221,16 @@ pub trait EngineSink: Send + Sync {
     /// # Errors
     /// As [`Warm::engine_resync`].
     fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()>;
+
+    /// As [`Warm::engine_in_doubt`]: a sink that cannot stop answering for a node (one that
+    /// forwards the batches to others) does nothing.
+    ///
+    /// # Errors
+    /// As [`Warm::engine_in_doubt`].
+    fn engine_in_doubt(&self, node: &str, in_doubt: bool) -> Result<()> {
+        let _ = (node, in_doubt);
+        Ok(())
+    }
 }
 
 impl EngineSink for Warm {
@@ -211,5 +240,9 @@ impl EngineSink for Warm {
 
     fn engine_resync(&self, node: &str, batch: &EngineBatch) -> Result<()> {
         Warm::engine_resync(self, node, batch)
+    }
+
+    fn engine_in_doubt(&self, node: &str, in_doubt: bool) -> Result<()> {
+        Warm::engine_in_doubt(self, node, in_doubt)
     }
 }

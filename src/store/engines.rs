@@ -30,7 +30,7 @@
 //! `engine_blocks/v6`, key `(node id, engine hash)`: the same without bit 3, with `clock: u64`
 //! after `refs` (read from schema 6 files, and by the upgrade).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -387,6 +387,9 @@ impl Holder {
 pub(crate) struct Engines {
     streams: BTreeMap<u32, Stream>,
     held: HashMap<BlockKey, Vec<Holder>>,
+    /// Nodes whose engine's stream has a gap being covered (memory only): what they hold is
+    /// not answered until it is (their batches may have removed some of it).
+    in_doubt: BTreeSet<u32>,
     effects: Vec<Effect>,
     /// The clock of the decision in progress.
     clock: u64,
@@ -440,23 +443,45 @@ impl Engines {
 
     /// The newest of the nodes holding block `key`: (node, clock).
     pub(crate) fn holders(&self, key: &BlockKey) -> Option<(u32, u64)> {
-        self.held.get(key).and_then(|h| h.iter().max_by_key(|h| (h.clock, h.node))).map(|h| (h.node, h.clock))
+        let holders = self.held.get(key)?.iter().filter(|h| self.trusted(h.node));
+        holders.max_by_key(|h| (h.clock, h.node)).map(|h| (h.node, h.clock))
     }
 
     /// Whether `node` holds block `key`, and from which clock.
     pub(crate) fn held_by(&self, key: &BlockKey, node: u32) -> Option<u64> {
-        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(|h| h.clock)
+        self.holder(key, node).map(|h| h.clock)
     }
 
     /// Whether `node` holds block `key` in GPU memory (its whole chain there), and from which
     /// clock.
     pub(crate) fn held_on_gpu(&self, key: &BlockKey, node: u32) -> Option<u64> {
-        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node && h.by_tier[0] > 0)).map(|h| h.clock)
+        self.holder(key, node).filter(|h| h.by_tier[0] > 0).map(|h| h.clock)
     }
 
     /// The tier `node` can load block `key` from (0 GPU, 1 CPU, 2 storage), if it holds it.
     pub(crate) fn tier(&self, key: &BlockKey, node: u32) -> Option<u8> {
-        self.held.get(key).and_then(|h| h.iter().find(|h| h.node == node)).map(Holder::tier)
+        self.holder(key, node).map(Holder::tier)
+    }
+
+    /// Node `node`'s holding of block `key`, if it holds it and is not in doubt.
+    fn holder(&self, key: &BlockKey, node: u32) -> Option<&Holder> {
+        self.held.get(key)?.iter().find(|h| h.node == node).filter(|_| self.trusted(node))
+    }
+
+    /// Whether what node `node` holds is answered: no gap of its stream is being covered.
+    fn trusted(&self, node: u32) -> bool {
+        self.in_doubt.is_empty() || !self.in_doubt.contains(&node)
+    }
+
+    /// Node `node`'s stream has a gap being covered (`true`), or no longer (`false`): while it
+    /// has, what the node holds is not answered (the lost batches may have removed some of it),
+    /// and nothing else changes.
+    pub(crate) fn set_in_doubt(&mut self, node: u32, in_doubt: bool) {
+        if in_doubt {
+            self.in_doubt.insert(node);
+        } else {
+            self.in_doubt.remove(&node);
+        }
     }
 
     /// Engine blocks and blocks of ours `node` holds.

@@ -16,6 +16,9 @@ input adds to the Rust p50 (target: at most 5 us).
 
     python bench.py [--requests N] [--runs R] [--dir DIR] [--json]
 
+It needs a build with the ``test-hooks`` feature (``_replay_rust``), as ``ci.sh`` makes:
+``pip install ./python --config-settings=build-args="--features test-hooks"``.
+
 The garbage collector is off while a replay is timed (a router's own garbage is not the
 index's cost).
 """

@@ -22,9 +22,10 @@ use crate::tokens::Tokens;
 /// made in C) is still refused by the library's own check, after the handle's lock.
 static PROCESS: AtomicU32 = AtomicU32::new(0);
 
-/// Called in the child after every `os.fork` (`os.register_at_fork(after_in_child=...)`).
+/// Called in the child after every `os.fork`: registered by the module itself
+/// (`os.register_at_fork(after_in_child=...)`), and not one of its names.
 #[pyfunction]
-pub fn _after_fork_in_child() {
+pub fn after_fork_in_child() {
     PROCESS.store(std::process::id(), Ordering::Relaxed);
 }
 

@@ -20,8 +20,9 @@ mod warm;
 
 /// The native part of ``superfluid_warm``: import the package, which re-exports it with its
 /// exceptions and records.
-/// Internal (the tests): panics in Rust, with the interpreter released as every call is, to show
+/// Test hook (feature `test-hooks`, which `ci.sh` builds and a user's build has not): panics in Rust, with the interpreter released as every call is, to show
 /// that a panic reaches Python as a ``WarmError`` of kind ``"Panic"``.
+#[cfg(feature = "test-hooks")]
 #[pyfunction]
 fn _panic(py: Python<'_>, message: String) -> PyResult<()> {
     errors::detached(py, || -> errors::Result<()> { std::panic::panic_any(message) })
@@ -36,9 +37,18 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::EngineBatch>()?;
     m.add_function(wrap_pyfunction!(engine::decode_engine_batch, m)?)?;
     m.add_function(wrap_pyfunction!(warm::check_file, m)?)?;
-    m.add_function(wrap_pyfunction!(warm::_replay_rust, m)?)?;
-    m.add_function(wrap_pyfunction!(_panic, m)?)?;
-    m.add_function(wrap_pyfunction!(handle::_after_fork_in_child, m)?)?;
+    #[cfg(feature = "test-hooks")]
+    {
+        m.add_function(wrap_pyfunction!(warm::_replay_rust, m)?)?;
+        m.add_function(wrap_pyfunction!(_panic, m)?)?;
+    }
+    // A handle belongs to the process that opened it: in a fork's child (`multiprocessing`'s
+    // default start method on Linux) every call raises `ForkedError`, and nothing of the
+    // parent's is touched. The hook keeps the process id handles compare with.
+    let hook = wrap_pyfunction!(handle::after_fork_in_child, m)?;
+    let kwargs = pyo3::types::PyDict::new(m.py());
+    kwargs.set_item("after_in_child", hook)?;
+    m.py().import("os")?.call_method("register_at_fork", (), Some(&kwargs))?;
     #[cfg(feature = "nats")]
     {
         m.add_class::<shared::SharedWarm>()?;

@@ -12,6 +12,7 @@ use crate::engine::{EngineBatch, payload_bytes};
 use crate::errors::{Failure, Int, Result, count, millis, seq as batch_seq};
 use crate::handle::{Ask, Handle, tenant};
 use crate::records::{self, Hit, Prefix};
+#[cfg(feature = "test-hooks")]
 use crate::tokens::tokens;
 
 /// The settings of `Warm.open` (and `SharedWarm.open`), as Python gives them.
@@ -430,6 +431,7 @@ pub fn check_file<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
 /// ``node-{i % 8}``. Returns ``(answers, warm_nodes_lists, nanoseconds)``: per request its
 /// ``warmest`` answer as ``(node, tokens)`` or ``None``, its ``warm_nodes`` (before the ``ran``)
 /// when ``warm_nodes`` is true (else an empty list each), and the time of its two calls.
+#[cfg(feature = "test-hooks")]
 #[pyfunction]
 #[pyo3(signature = (path, model, prompts, *, capacity=None, sync_window_ms=None, tenant=None, warm_nodes=false))]
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]

@@ -70,12 +70,6 @@ from ._native import (
 if HAS_NATS:
     from ._native import SharedWarm, Ticket
 
-from ._native import _after_fork_in_child
-
-# A handle belongs to the process that opened it: in a fork's child (``multiprocessing``'s default
-# start method on Linux) every call raises ``ForkedError`` and nothing of the parent's is touched.
-_os.register_at_fork(after_in_child=_after_fork_in_child)
-
 __all__ = [
     "Warm",
     "Reader",

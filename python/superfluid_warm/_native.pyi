@@ -255,11 +255,10 @@ def decode_engine_batch(seq: int, payload: Buffer, model: str) -> EngineBatch:
 def check_file(path: StrPath) -> FileCheck:
     """Checks the index file at ``path`` without writing it."""
 
-def _after_fork_in_child() -> None:
-    """Internal (``os.register_at_fork``): tells the handles that this process is a fork's child."""
+# Test hooks: only in a build with the ``test-hooks`` feature (``ci.sh``'s), not a user's.
 
 def _panic(message: str) -> None:
-    """Internal (the tests): panics in Rust; raises ``WarmError`` of kind ``"Panic"``."""
+    """Test hook: panics in Rust; raises ``WarmError`` of kind ``"Panic"``."""
 
 def _replay_rust(
     path: StrPath,
@@ -271,4 +270,4 @@ def _replay_rust(
     tenant: Tenant = None,
     warm_nodes: bool = False,
 ) -> Tuple[List[Optional[Tuple[str, int]]], List[List[Tuple[str, int]]], List[int]]:
-    """Internal (tests and bench.py): a replay made entirely in Rust."""
+    """Test hook (the tests and bench.py): a replay made entirely in Rust."""

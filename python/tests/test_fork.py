@@ -115,3 +115,7 @@ def test_a_forked_child_is_refused_and_the_parents_file_is_kept(tmp_path: Path) 
             assert hit is not None and (hit.node, hit.tokens) == (node, 256), (i, node, hit)
     with sw.Warm.open(path) as again:
         assert again.stats().recovered_from is None, "closed cleanly"
+
+
+def test_the_fork_hook_is_not_one_of_the_modules_names() -> None:
+    assert not [n for n in dir(sw._native) if "fork" in n], "registered by the module, not exported"

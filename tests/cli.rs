@@ -531,7 +531,8 @@ fn replay_over_heads_sharing_through_nats_and_stats_of_a_sharing_heads_file() {
 
 /// `replay --heads 3 --nats URL --engine-events`: heads sharing one view and heads alone, each
 /// side over engines of its own that publish their KV events: each side claims about what its
-/// engines held, every batch reaches every head once, and the lags are reported.
+/// engines held, every batch reaches every head once, and the lags and each side's resident
+/// memory (its peak, the simulated engines' part, the rest per head) are reported.
 #[test]
 fn replay_over_heads_and_engines_sharing_through_nats() {
     let dir = tempdir();
@@ -560,6 +561,21 @@ fn replay_over_heads_and_engines_sharing_through_nats() {
     }
     assert!(r["shared"]["stream_lag_p50_ms"].as_f64().is_some(), "{r}");
     assert!(r["unshared"]["stream_lag_p50_ms"].is_null(), "{r}");
+    // Memory, where /proc tells it: a side's peak holds what came before the heads, its
+    // engines, and its heads; each head within what a head following 8 engines may hold.
+    if std::path::Path::new("/proc/self/status").exists() {
+        let mib = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or_else(|| panic!("{k} in {v}"));
+        assert_eq!(mib(r, "head_cache_mib"), 32.0, "the replay's heads open with listen's page cache: {r}");
+        let base = mib(r, "base_rss_mib");
+        for side in ["shared", "unshared"] {
+            let s = &r[side];
+            let (peak, engines, per_head) = (mib(s, "peak_rss_mib"), mib(s, "engines_mib"), mib(s, "per_head_mib"));
+            assert!(base > 0.0 && engines > 0.0 && per_head > 0.0, "{side}: {r}");
+            assert!((peak - base - engines - 3.0 * per_head).abs() < 0.01, "{side}: the figures add up: {r}");
+            assert!(per_head <= 256.0, "{side}: {per_head:.0} MiB a head: {r}");
+        }
+        assert_eq!(mib(r, "per_head_mib"), mib(&r["shared"], "per_head_mib").max(mib(&r["unshared"], "per_head_mib")));
+    }
 }
 
 /// A closed index of a few hundred entries made by `replay --db`, and its bytes.

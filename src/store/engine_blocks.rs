@@ -1,8 +1,9 @@
 //! The engine blocks of one stream, laid out for memory: a slab of fixed-size slots, an index
-//! from engine hash to slot, the tokens of each slot in one arena, and each block's children as
-//! an intrusive list through the slots (a block whose parent is not held waits in `orphans`
-//! under its parent's hash, and is adopted when the parent is stored). A head following 8
-//! engines of 65,536 blocks holds half a million of these.
+//! from engine hash to slot, the tokens of each slot in one arena (slab and arena in chunks
+//! allocated once each, `Chunked`), and each block's children as an intrusive list through the
+//! slots (a block whose parent is not held waits in `orphans` under its parent's hash, and is
+//! adopted when the parent is stored). A head following 8 engines of 65,536 blocks holds half a
+//! million of these.
 
 use std::collections::HashMap;
 
@@ -10,6 +11,72 @@ use crate::keys::{BlockKey, ChainState};
 
 /// No slot.
 pub(crate) const NIL: u32 = u32::MAX;
+
+/// Slots a chunk of the slab holds (80 KiB).
+const SLOT_CHUNK: usize = 1024;
+/// Tokens a chunk of the arena holds (64 KiB), or one block's if more.
+const TOKEN_CHUNK: usize = 16 * 1024;
+
+/// A vector kept in chunks of `chunk` elements, each allocated once at its full size: it grows a
+/// chunk at a time and never moves what it holds. The slab and the token arena are held this
+/// way, not in one vector: a vector that doubles leaves a full engine (65,536 blocks, a power of
+/// two, and a batch's stores come before its evictions) at twice its size, and one that grows
+/// by less reallocates often, each move leaving megabytes of holes in the allocator's heap.
+#[derive(Clone, Debug)]
+struct Chunked<T> {
+    chunk: usize,
+    chunks: Vec<Vec<T>>,
+    len: usize,
+}
+
+impl<T> Chunked<T> {
+    fn new(chunk: usize) -> Chunked<T> {
+        Chunked { chunk: chunk.max(1), chunks: Vec::new(), len: 0 }
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn get(&self, i: usize) -> Option<&T> {
+        self.chunks.get(i / self.chunk)?.get(i % self.chunk)
+    }
+
+    fn get_mut(&mut self, i: usize) -> Option<&mut T> {
+        self.chunks.get_mut(i / self.chunk)?.get_mut(i % self.chunk)
+    }
+
+    /// `len` elements from `start`, if they are held and in one chunk.
+    fn slice(&self, start: usize, len: usize) -> Option<&[T]> {
+        let at = start % self.chunk;
+        self.chunks.get(start / self.chunk)?.get(at..at.checked_add(len)?)
+    }
+
+    fn slice_mut(&mut self, start: usize, len: usize) -> Option<&mut [T]> {
+        let at = start % self.chunk;
+        self.chunks.get_mut(start / self.chunk)?.get_mut(at..at.checked_add(len)?)
+    }
+
+    fn push(&mut self, value: T) {
+        if self.len.is_multiple_of(self.chunk) {
+            self.chunks.push(Vec::with_capacity(self.chunk));
+        }
+        if let Some(last) = self.chunks.last_mut() {
+            // A clone's chunks are only as long as what they held.
+            if last.len() == last.capacity() {
+                last.reserve_exact(self.chunk - last.len());
+            }
+            last.push(value);
+            self.len += 1;
+        }
+    }
+
+    /// Elements allocated room for.
+    #[cfg(test)]
+    fn capacity(&self) -> usize {
+        self.chunks.iter().map(Vec::capacity).sum()
+    }
+}
 
 /// What an attached block keys: where its chain stands after the last block of ours that ends
 /// inside it, and those blocks (only for blocks where one ends, and first blocks).
@@ -59,18 +126,33 @@ pub(crate) struct Slot {
 }
 
 /// The blocks of one stream.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub(crate) struct Blocks {
-    slots: Vec<Slot>,
+    slots: Chunked<Slot>,
     index: HashMap<u64, u32>,
     free: Vec<u32>,
-    /// Tokens: slot `i`'s at `i * stride ..`, for blocks of `stride` tokens.
-    arena: Vec<u32>,
+    /// Tokens: slot `i`'s at `i * stride ..`, for blocks of `stride` tokens (a chunk holds
+    /// whole blocks).
+    arena: Chunked<u32>,
     stride: usize,
     /// Tokens of blocks of another size, by slot.
     odd: HashMap<u32, Box<[u32]>>,
     /// First waiting child (by slot), by the hash of its parent that is not held.
     orphans: HashMap<u64, u32>,
+}
+
+impl Default for Blocks {
+    fn default() -> Self {
+        Blocks {
+            slots: Chunked::new(SLOT_CHUNK),
+            index: HashMap::new(),
+            free: Vec::new(),
+            arena: Chunked::new(TOKEN_CHUNK),
+            stride: 0,
+            odd: HashMap::new(),
+            orphans: HashMap::new(),
+        }
+    }
 }
 
 impl Slot {
@@ -111,10 +193,7 @@ impl Blocks {
     pub(crate) fn tokens(&self, i: u32) -> &[u32] {
         match self.odd.get(&i) {
             Some(t) => t,
-            None => {
-                let start = (i as usize).saturating_mul(self.stride);
-                self.arena.get(start..start.saturating_add(self.stride)).unwrap_or(&[])
-            }
+            None => self.arena.slice((i as usize).saturating_mul(self.stride), self.stride).unwrap_or(&[]),
         }
     }
 
@@ -144,8 +223,9 @@ impl Blocks {
         clock: u64,
         root: Option<Option<u16>>,
     ) -> u32 {
-        if self.stride == 0 {
+        if self.stride == 0 && !tokens.is_empty() {
             self.stride = tokens.len();
+            self.arena = Chunked::new(self.stride * (TOKEN_CHUNK / self.stride).max(1));
         }
         let slot = Slot {
             hash,
@@ -200,10 +280,10 @@ impl Blocks {
         }
         self.odd.remove(&i);
         let start = (i as usize).saturating_mul(self.stride);
-        if self.arena.len() < start + self.stride {
-            self.arena.resize(start + self.stride, 0);
+        while self.arena.len() < start + self.stride {
+            self.arena.push(0);
         }
-        if let Some(place) = self.arena.get_mut(start..start + self.stride) {
+        if let Some(place) = self.arena.slice_mut(start, self.stride) {
             place.copy_from_slice(tokens);
         }
     }
@@ -302,5 +382,40 @@ mod tests {
         assert_eq!(kids, vec![y, p]);
         assert_eq!(b.len(), 4);
         assert_eq!(b.insert(10, None, &[4, 4], 4, Some(None)), x, "a freed slot is used again");
+    }
+
+    /// A full engine of 65,536 blocks and a batch's stores over it before its evictions: the
+    /// slab and the arena hold a chunk more than that at most (a vector that doubles held twice
+    /// the engine's size), and a block's tokens read back whatever its slot.
+    #[test]
+    fn slab_and_arena_hold_a_chunk_more_than_the_blocks_at_most() {
+        let mut b = Blocks::default();
+        let held = 65_536 + 700;
+        for h in 0..held as u64 {
+            let tokens: Vec<u32> = (0..16).map(|t| (h as u32) ^ t).collect();
+            b.insert(h + 1, (h > 0).then_some(h), &tokens, 1, (h == 0).then_some(None));
+        }
+        assert_eq!(b.slots.len(), held);
+        assert!(b.slots.capacity() <= held + SLOT_CHUNK, "{} slots for {held}", b.slots.capacity());
+        assert!(b.arena.capacity() <= 16 * held + TOKEN_CHUNK, "{} tokens for {held}", b.arena.capacity());
+        for h in [0u64, 1023, 1024, 4095, 4096, 40_000, held as u64 - 1] {
+            let slot = b.find(h + 1).expect("held");
+            assert_eq!(b.tokens(slot), (0..16).map(|t| (h as u32) ^ t).collect::<Vec<_>>());
+        }
+    }
+
+    /// A block size that does not divide a chunk's tokens: every block's tokens still sit in one
+    /// chunk.
+    #[test]
+    fn blocks_of_an_odd_size_never_straddle_chunks() {
+        let mut b = Blocks::default();
+        let size = 4099;
+        for h in 0..40u32 {
+            b.insert(u64::from(h) + 1, None, &vec![h; size], 1, Some(None));
+        }
+        for h in 0..40u32 {
+            let slot = b.find(u64::from(h) + 1).expect("held");
+            assert_eq!(b.tokens(slot), vec![h; size]);
+        }
     }
 }

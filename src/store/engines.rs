@@ -1039,6 +1039,9 @@ fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clo
     let h = match holders.iter().position(|h| h.node == node) {
         Some(i) => holders.get_mut(i),
         None => {
+            // Most keys have one holder: room for exactly one more, not the four a first push
+            // would allocate.
+            holders.reserve_exact(1);
             holders.push(Holder { node, by_tier: [0; 3], clock });
             holders.last_mut()
         }

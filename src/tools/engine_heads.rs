@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::engine_replay::{BACKLOG, Engines, simulated, wait_connected};
+use super::engine_sim::{Publisher, SimEngine};
 use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::Request;
 use crate::{
@@ -18,6 +19,11 @@ use crate::{
 
 /// How long the replay waits for a head to catch up before it goes on.
 const CATCH_UP: Duration = Duration::from_secs(10);
+
+/// The page cache each replay head opens its file with: `listen`'s (`--cache-mb 32`), what keeps
+/// a head following 8 full engines under 256 MiB resident. redb's default (128 MiB) is for a
+/// head answering from a large file; these heads mostly apply engine batches.
+pub const HEAD_CACHE_BYTES: usize = 32 << 20;
 
 /// One side of the replay: what its heads claimed and what its engines held.
 #[derive(Clone, Debug, Default)]
@@ -45,6 +51,12 @@ pub struct Side {
     pub applied: u64,
     /// Batches the engines published.
     pub published: u64,
+    /// Peak resident memory of the process while this side ran, in bytes (`VmHWM`, reset when
+    /// the side starts where Linux allows; `None` without `/proc`).
+    pub peak_rss: Option<u64>,
+    /// What this side's simulated engines held when it ended, in bytes, by their own accounting
+    /// (caches, replay buffers): the harness's part of `peak_rss`.
+    pub engines_bytes: u64,
 }
 
 /// What a replay over several heads and engines found.
@@ -60,6 +72,9 @@ pub struct EngineHeadsReport {
     pub shared: Side,
     /// Heads each alone.
     pub alone: Side,
+    /// Resident memory of the process before any head opened, in bytes (the binary, the trace,
+    /// the runtimes; `None` without `/proc`).
+    pub base_rss: Option<u64>,
 }
 
 impl EngineHeadsReport {
@@ -67,6 +82,37 @@ impl EngineHeadsReport {
     pub fn share(&self, tokens: u64) -> f64 {
         share(tokens, self.prompt_tokens)
     }
+
+    /// A side's resident memory per head, in bytes: its peak, less what the process held before
+    /// any head opened and what its simulated engines account for, over the heads. Each head's
+    /// page cache, engine blocks, listener and link, and the allocator's slack with them: what a
+    /// production head holds, or a little more. For the side that runs second, what the first
+    /// side's heads freed and the allocator kept counts too: an upper bound.
+    pub fn per_head_bytes(&self, side: &Side) -> Option<u64> {
+        let heads = u64::try_from(self.heads.max(1)).unwrap_or(u64::MAX);
+        let used = side.peak_rss?.saturating_sub(self.base_rss?).saturating_sub(side.engines_bytes);
+        Some(used / heads)
+    }
+}
+
+/// A field of `/proc/self/status` in bytes (`VmRSS`, `VmHWM`), `None` where there is none.
+fn status_bytes(field: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib.saturating_mul(1024))
+}
+
+/// Starts the process's peak resident memory again from what it holds now (Linux: `5` to
+/// `/proc/self/clear_refs`), so that a side's peak is its own. Where that is refused, the peak
+/// stays the process's (what came before counts against the side).
+fn reset_peak() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
 impl Side {
@@ -136,7 +182,9 @@ pub fn run(
     let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
     let stream = format!("replay-engines-{}-{nanos}", std::process::id());
     let mut builder = builder.clone();
-    builder.compact_on_close(false);
+    builder.compact_on_close(false).cache_size(HEAD_CACHE_BYTES);
+    let base_rss = status_bytes("VmRSS");
+    reset_peak();
     let shared: Vec<Head> = (0..heads)
         .map(|h| {
             let sharing = Sharing::nats(url, &stream, &format!("h{h}")).max_age(Duration::from_secs(3600));
@@ -145,8 +193,9 @@ pub fn run(
             Ok(Head::Shared(Arc::new(head)))
         })
         .collect::<Result<_>>()?;
-    let mut report = EngineHeadsReport { heads, requests: requests.len(), ..EngineHeadsReport::default() };
+    let mut report = EngineHeadsReport { heads, requests: requests.len(), base_rss, ..EngineHeadsReport::default() };
     report.shared = side(&shared, requests, config, engines, &mut report.prompt_tokens)?;
+    report.shared.peak_rss = status_bytes("VmHWM");
     for head in &shared {
         if let Head::Shared(h) = head {
             let lags: Vec<u64> = {
@@ -163,18 +212,29 @@ pub fn run(
                 (worst(report.shared.stream_lag_ms.0, at(0.5)), worst(report.shared.stream_lag_ms.1, at(0.99)));
         }
     }
+    // The sharing heads are closed before the other side opens its own: each side's peak holds
+    // its heads and engines alone.
+    close(shared)?;
+    reset_peak();
     let alone: Vec<Head> = (0..heads)
         .map(|h| builder.open(dir.join(format!("alone-{h}.redb"))).map(|w| Head::Alone(Arc::new(w))))
         .collect::<Result<_>>()?;
     let mut tokens = 0;
     report.alone = side(&alone, requests, config, engines, &mut tokens)?;
-    for head in shared.into_iter().chain(alone) {
+    report.alone.peak_rss = status_bytes("VmHWM");
+    close(alone)?;
+    Ok(report)
+}
+
+/// Closes every head (one still shared elsewhere is dropped).
+fn close(heads: Vec<Head>) -> Result<()> {
+    for head in heads {
         match head {
             Head::Shared(h) => Arc::try_unwrap(h).map_or(Ok(()), SharedWarm::close)?,
             Head::Alone(h) => Arc::try_unwrap(h).map_or(Ok(()), Warm::close)?,
         }
     }
-    Ok(report)
+    Ok(())
 }
 
 /// One side: its engines, every head listening to every engine, requests round-robin.
@@ -252,6 +312,9 @@ fn side(
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    let engines_bytes: usize =
+        sims.iter().map(SimEngine::heap_bytes).chain(publishers.iter().map(Publisher::buffered_bytes)).sum();
+    out.engines_bytes = engines_bytes as u64;
     let seen: Vec<_> = listeners.into_iter().flat_map(Listener::stop).collect();
     let worst = |f: fn(&crate::ListenStats) -> Option<f64>| {
         seen.iter().filter_map(f).fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))))

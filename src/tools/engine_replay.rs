@@ -188,8 +188,12 @@ pub(super) fn simulated(
     let sims = names
         .iter()
         .map(|_| {
-            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None)
-                .map(|e| e.with_offload(engines.offload_blocks))
+            SimEngine::new(engines.block, engines.cache_blocks, &config.model, None).map(|e| {
+                // The publishers answer replays; the replay reads an engine's last batch only.
+                let e = e.with_offload(engines.offload_blocks).without_replays();
+                // Only a replay that restarts engines asks what a process stored before.
+                if engines.restart_every.is_some() { e } else { e.without_stored() }
+            })
         })
         .collect::<Result<_>>()?;
     let publishers: Vec<Publisher> =

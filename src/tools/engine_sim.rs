@@ -19,26 +19,32 @@ pub const REPLAY_BUFFER: usize = 10_000;
 /// blocks (up to ~100 KiB), so a count alone kept gigabytes over the conversation trace.
 pub const REPLAY_BUFFER_BYTES: usize = 8 << 20;
 
-/// What an engine keeps for replays: its newest items, at most [`REPLAY_BUFFER`] of them and
-/// [`REPLAY_BUFFER_BYTES`] (the newest is always kept).
+/// What an engine keeps for replays: its newest items, at most [`REPLAY_BUFFER`] of them (or
+/// fewer, [`Kept::at_most`]) and [`REPLAY_BUFFER_BYTES`] (the newest is always kept).
 #[derive(Debug)]
 pub struct Kept<T> {
     items: VecDeque<(T, usize)>,
     bytes: usize,
+    most: usize,
 }
 
 impl<T> Default for Kept<T> {
     fn default() -> Self {
-        Kept { items: VecDeque::new(), bytes: 0 }
+        Kept::at_most(REPLAY_BUFFER)
     }
 }
 
 impl<T> Kept<T> {
+    /// Keeping at most `items` items (at least one).
+    pub fn at_most(items: usize) -> Kept<T> {
+        Kept { items: VecDeque::new(), bytes: 0, most: items.max(1) }
+    }
+
     /// Keeps `item` of `bytes` bytes; the oldest go past either bound.
     pub fn push(&mut self, item: T, bytes: usize) {
         self.items.push_back((item, bytes));
         self.bytes += bytes;
-        while self.items.len() > 1 && (self.items.len() > REPLAY_BUFFER || self.bytes > REPLAY_BUFFER_BYTES) {
+        while self.items.len() > 1 && (self.items.len() > self.most || self.bytes > REPLAY_BUFFER_BYTES) {
             if let Some((_, b)) = self.items.pop_front() {
                 self.bytes -= b;
             }
@@ -53,6 +59,21 @@ impl<T> Kept<T> {
     /// Oldest first.
     pub fn iter(&self) -> impl Iterator<Item = &T> {
         self.items.iter().map(|(item, _)| item)
+    }
+
+    /// Bytes of the items kept (as pushed).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Items kept.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
     }
 
     /// Forgets every item (a restarted engine's buffer starts empty).
@@ -70,6 +91,26 @@ fn batch_bytes(batch: &EngineBatch) -> usize {
         _ => 16,
     };
     32 + batch.events.iter().map(event).sum::<usize>()
+}
+
+/// What a heap allocation of `bytes` takes from the allocator (glibc's chunks: 8 bytes of header,
+/// 16-byte steps, 32 at least).
+fn allocation(bytes: usize) -> usize {
+    match bytes {
+        0 => 0,
+        n => (n + 8).next_multiple_of(16).max(32),
+    }
+}
+
+/// What a batch kept in memory takes, closer than [`batch_bytes`] (which bounds the buffer):
+/// its events and each of their vectors as allocated (a clone's, of exact capacity).
+fn batch_heap_bytes(batch: &EngineBatch) -> usize {
+    let event = |e: &EngineEvent| match e {
+        EngineEvent::Stored(s) => allocation(4 * s.tokens.len()) + allocation(8 * s.hashes.len()),
+        EngineEvent::Removed { hashes, .. } => allocation(8 * hashes.len()),
+        _ => 0,
+    };
+    allocation(batch.events.len() * size_of::<EngineEvent>()) + batch.events.iter().map(event).sum::<usize>()
 }
 
 /// A block's engine hash: its parent's and its tokens' (vLLM chains a hash of each block with
@@ -114,8 +155,10 @@ pub struct SimEngine {
     clock_offset: f64,
     /// The batches this process published that a replay can still give.
     pub published: Kept<EngineBatch>,
-    /// Every block this process stored (evicted since or not).
+    /// Every block this process stored (evicted since or not), unless not kept
+    /// ([`SimEngine::without_stored`]): it grows with every new block of the workload.
     stored: std::collections::HashSet<u64>,
+    keep_stored: bool,
     /// The offload tier (CPU memory) a block evicted from the GPU moves to: its capacity in
     /// blocks (0: none), its blocks (hash → tick) and their LRU order.
     offload_capacity: usize,
@@ -143,6 +186,7 @@ impl SimEngine {
             clock_offset: 0.0,
             published: Kept::default(),
             stored: std::collections::HashSet::new(),
+            keep_stored: true,
             offload_capacity: 0,
             offloaded: HashMap::new(),
             offload_by_tick: BTreeMap::new(),
@@ -157,6 +201,40 @@ impl SimEngine {
     pub fn with_offload(mut self, blocks: usize) -> SimEngine {
         self.offload_capacity = blocks;
         self
+    }
+
+    /// The same engine keeping only its last batch in [`SimEngine::published`]: for a replay
+    /// whose [`Publisher`] keeps the batches it answers replays from, a second copy of them is
+    /// only memory.
+    pub fn without_replays(mut self) -> SimEngine {
+        self.published = Kept::at_most(1);
+        self
+    }
+
+    /// The same engine without the set of every block it stored, which only
+    /// [`SimEngine::stored_since_restart`] reads (it then knows of no block stored): a replay without
+    /// restarts keeps its memory to the cache's.
+    pub fn without_stored(mut self) -> SimEngine {
+        self.keep_stored = false;
+        self.stored = std::collections::HashSet::new();
+        self
+    }
+
+    /// About the bytes this engine holds in memory: its cache's maps, the set of blocks it
+    /// stored, its offload tier and the batches it keeps for replays (hash tables counted at
+    /// their capacity, an ordered map at about 32 bytes an entry, each batch as allocated).
+    pub fn heap_bytes(&self) -> usize {
+        // A hash table of `capacity` entries of `entry` bytes: its buckets (at most 7/8 full),
+        // each with a control byte.
+        let table = |capacity: usize, entry: usize| capacity.saturating_mul(entry + 1).saturating_mul(8) / 7;
+        let ordered = |len: usize| len.saturating_mul(32);
+        table(self.held.capacity(), size_of::<(u64, Held)>())
+            + ordered(self.by_tick.len())
+            + table(self.stored.capacity(), size_of::<u64>())
+            + table(self.offloaded.capacity(), size_of::<(u64, u64)>())
+            + ordered(self.offload_by_tick.len())
+            + self.published.iter().map(batch_heap_bytes).sum::<usize>()
+            + self.published.len() * size_of::<(EngineBatch, usize)>()
     }
 
     /// Puts (or touches) `hash` in the offload tier; returns whether it was not there.
@@ -203,7 +281,9 @@ impl SimEngine {
                 }
             } else {
                 self.held.entry(hash).or_insert(Held { refs: 0, tick: 0 }).refs += 1;
-                self.stored.insert(hash);
+                if self.keep_stored {
+                    self.stored.insert(hash);
+                }
                 let cut = self.coin(4);
                 if pending.is_none() || cut {
                     if let Some(p) = pending.take() {
@@ -509,6 +589,14 @@ impl Publisher {
             self.socket.send_multipart(frames, 0).map_err(zmq_err("send"))?;
         }
         Ok(())
+    }
+
+    /// About the bytes of the batches kept for replays: their payloads as allocated.
+    pub fn buffered_bytes(&self) -> usize {
+        self.buffer.lock().map_or(0, |b| {
+            b.iter().map(|(_, payload)| allocation(payload.len())).sum::<usize>()
+                + b.len() * size_of::<((u64, Vec<u8>), usize)>()
+        })
     }
 
     /// A restarted engine's replay buffer starts empty.

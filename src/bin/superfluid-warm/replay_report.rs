@@ -104,8 +104,11 @@ pub(crate) fn engines_json(r: &EngineReport, e: &Engines, source: &str) -> Strin
 /// `replay --heads H --nats URL --engine-events`: sharing heads against heads alone, each side
 /// over engines of its own.
 pub(crate) fn engine_heads_report(r: &EngineHeadsReport, source: &str, json: bool) -> String {
+    let mib = |bytes: u64| bytes as f64 / f64::from(1 << 20);
     let side = |s: &engine_heads::Side| {
         json!({
+            "peak_rss_mib": s.peak_rss.map(mib), "engines_mib": mib(s.engines_bytes),
+            "per_head_mib": r.per_head_bytes(s).map(mib),
             "claimed_share": r.share(s.claimed_tokens), "cached_share": r.share(s.cached_tokens),
             "settled_requests": s.settled_requests, "settled_claimed_share": r.share(s.settled_claimed_tokens),
             "settled_cached_share": r.share(s.settled_cached_tokens),
@@ -115,8 +118,11 @@ pub(crate) fn engine_heads_report(r: &EngineHeadsReport, source: &str, json: boo
         })
     };
     if json {
+        let worst = |f: &dyn Fn(&engine_heads::Side) -> Option<u64>| f(&r.shared).max(f(&r.alone)).map(mib);
         return json!({
             "source": source, "heads": r.heads, "requests": r.requests,
+            "base_rss_mib": r.base_rss.map(mib), "peak_rss_mib": worst(&|s| s.peak_rss),
+            "per_head_mib": worst(&|s| r.per_head_bytes(s)), "head_cache_mib": mib(engine_heads::HEAD_CACHE_BYTES as u64),
             "shared": side(&r.shared), "unshared": side(&r.alone),
         })
         .to_string();
@@ -143,6 +149,17 @@ pub(crate) fn engine_heads_report(r: &EngineHeadsReport, source: &str, json: boo
             },
             thousands(s.published),
             thousands(s.applied)
+        );
+    }
+    for (what, s) in [("sharing one view", &r.shared), ("each alone", &r.alone)] {
+        let Some(peak) = s.peak_rss else { continue };
+        text += &format!(
+            "{what:<18} peak resident {:.0} MiB: {:.0} MiB before the heads opened, {:.0} MiB the simulated engines', {} per head ({} MiB page cache each)\n",
+            mib(peak),
+            r.base_rss.map_or(0.0, mib),
+            mib(s.engines_bytes),
+            r.per_head_bytes(s).map_or_else(|| "-".to_string(), |b| format!("{:.0} MiB", mib(b))),
+            engine_heads::HEAD_CACHE_BYTES >> 20
         );
     }
     text

@@ -14,6 +14,29 @@ use common::Rng;
 use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
 use superfluid_warm::{EngineEndpoint, Error, Listener, ReadIndex, Snapshot, Warm};
 
+/// Waits until the index has applied the engine's last batch (`applied`: the last one it has),
+/// running one more prompt (`poke`) every `every` meanwhile: a subscriber that has not joined
+/// yet loses a batch without knowing, and only a later one shows it the gap.
+fn until_caught_up(
+    what: &str,
+    engine: &mut Engine,
+    every: Duration,
+    applied: impl Fn() -> Option<u64>,
+    mut poke: impl FnMut(&mut Engine),
+) {
+    let mut poked = Instant::now();
+    wait_until(what, || {
+        if applied() == engine.published.back().map(|b| b.seq) {
+            return true;
+        }
+        if poked.elapsed() >= every {
+            poke(engine);
+            poked = Instant::now();
+        }
+        false
+    });
+}
+
 /// Waits (up to a minute: the machine may be loaded) until `done`.
 fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     let start = Instant::now();
@@ -121,18 +144,10 @@ fn a_listener_that_joins_late_replays_the_engine_from_its_start() -> Result<(), 
     let listener = Listener::start(Arc::clone(&warm), &[endpoint(&publisher)], Duration::from_secs(30))?;
     // Later turns of the same conversations (their parents are in the batches above), one a
     // poll until the subscriber has joined and caught up.
-    let mut poked = Instant::now() - Duration::from_secs(1);
-    wait_until("the last batch", || {
-        let last = engine.published.back().map(|b| b.seq);
-        if warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last) {
-            return true;
-        }
-        if poked.elapsed() >= Duration::from_millis(200) {
-            let (_, prompt) = conversations.turn(&mut rng);
-            publisher.publish(&engine.run(&prompt), false).expect("publish");
-            poked = Instant::now();
-        }
-        false
+    let applied = || warm.engine_stats().ok().and_then(|s| s.first().and_then(|e| e.last_seq));
+    until_caught_up("the last batch", &mut engine, Duration::from_millis(200), applied, |engine| {
+        let (_, prompt) = conversations.turn(&mut rng);
+        publisher.publish(&engine.run(&prompt), false).expect("publish");
     });
     let stats = listener.stop();
     let counts = &warm.engine_stats()?[0].counts;
@@ -203,18 +218,13 @@ fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
     let mut child = spawn_listen(&path, &publisher);
     // Until it hears a live batch it does not know it missed any: one more every second (a
     // subscriber that has not joined yet loses it) until it has caught up with the last.
-    let mut poked = Instant::now();
-    wait_until("the last batch after the restart", || {
-        let last = engine.published.back().map(|b| b.seq);
-        if last_seq(&path) == last {
-            return true;
-        }
-        if poked.elapsed() >= Duration::from_secs(1) {
-            publish(1, &mut engine);
-            poked = Instant::now();
-        }
-        false
-    });
+    until_caught_up(
+        "the last batch after the restart",
+        &mut engine,
+        Duration::from_secs(1),
+        || last_seq(&path),
+        |e| publish(1, e),
+    );
     let last = engine.published.back().map(|b| b.seq);
     // `stats` on the live file shows what the listener sees: connected, its replays and lag
     // (its status file is rewritten every 0.2 s: the first ones may predate the replay).
@@ -265,24 +275,6 @@ fn spawn_listen_piped(path: &Path, publisher: &Publisher, extra: &[&str]) -> Rea
     )
 }
 
-/// Waits (at most `within`) for `child` to end on its own: its exit status and stderr.
-fn ends_within(child: &mut Reaped, within: Duration, what: &str) -> (std::process::ExitStatus, String) {
-    use std::io::Read;
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.0.try_wait().expect("try_wait") {
-            break status;
-        }
-        assert!(started.elapsed() < within, "listen is still running {within:?} after {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut stderr = String::new();
-    if let Some(mut pipe) = child.0.stderr.take() {
-        pipe.read_to_string(&mut stderr).expect("stderr");
-    }
-    (status, stderr)
-}
-
 /// Publishes batches of new prompts (one a `pace`) until `done`, at most a minute.
 fn publish_until(publisher: &Publisher, engine: &mut Engine, pace: Duration, mut done: impl FnMut() -> bool) {
     let started = Instant::now();
@@ -320,7 +312,7 @@ fn sigterm_during_startup_never_leaves_the_file_to_recover() -> Result<(), Error
         std::thread::sleep(Duration::from_millis(3 * trial));
         let term = Command::new("kill").arg("-TERM").arg(child.0.id().to_string()).status().expect("kill -TERM");
         assert!(term.success());
-        let (status, stderr) = ends_within(&mut child, Duration::from_secs(60), "SIGTERM");
+        let (status, stderr) = child.ends_within(Duration::from_secs(60), "SIGTERM");
         use std::os::unix::process::ExitStatusExt;
         match (status.code(), status.signal()) {
             (Some(0), _) if stderr.contains("stopped while starting") => while_starting += 1,
@@ -353,7 +345,7 @@ fn a_deleted_index_file_stops_listen_with_an_error() -> Result<(), Error> {
     let mut child = spawn_listen_piped(&path, &publisher, &["--status-every", "0"]);
     publish_until(&publisher, &mut engine, Duration::from_millis(20), || last_seq(&path).is_some());
     std::fs::remove_file(&path).expect("the file is deleted");
-    let (status, stderr) = ends_within(&mut child, Duration::from_secs(30), "the file was deleted");
+    let (status, stderr) = child.ends_within(Duration::from_secs(30), "the file was deleted");
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("was deleted") && !stderr.contains("closed cleanly\n"), "{stderr}");
     let recorded: serde_json::Value = serde_json::from_str(
@@ -403,7 +395,7 @@ fn a_full_disk_stops_listen_at_once_and_says_why() -> Result<(), Error> {
         let _ = f.sync_all();
     }
     publish_until(&publisher, &mut engine, Duration::from_millis(10), || child.0.try_wait().ok().flatten().is_some());
-    let (status, stderr) = ends_within(&mut child, Duration::from_secs(30), "the disk filled");
+    let (status, stderr) = child.ends_within(Duration::from_secs(30), "the disk filled");
     assert_eq!(status.code(), Some(1), "exits non-zero at once: {stderr}");
     assert!(stderr.contains("failed for good") && stderr.contains("exit code 1"), "{stderr}");
     let recorded: serde_json::Value =
@@ -444,19 +436,10 @@ fn an_engine_on_ipv6_is_followed_and_replayed() -> Result<(), Error> {
         publisher.publish(&engine.run(&prompt), i % 7 == 3)?;
         std::thread::sleep(Duration::from_millis(2));
     }
-    let mut poked = Instant::now();
-    wait_until("the last batch over IPv6", || {
-        let last = engine.published.back().map(|b| b.seq);
-        if warm.engine_stats().is_ok_and(|s| s.first().and_then(|e| e.last_seq) == last) {
-            return true;
-        }
-        // A subscriber that had not joined yet lost the first: one more shows the gap.
-        if poked.elapsed() >= Duration::from_secs(1) {
-            let (_, prompt) = conversations.turn(&mut rng);
-            publisher.publish(&engine.run(&prompt), false).expect("publish");
-            poked = Instant::now();
-        }
-        false
+    let applied = || warm.engine_stats().ok().and_then(|s| s.first().and_then(|e| e.last_seq));
+    until_caught_up("the last batch over IPv6", &mut engine, Duration::from_secs(1), applied, |engine| {
+        let (_, prompt) = conversations.turn(&mut rng);
+        publisher.publish(&engine.run(&prompt), false).expect("publish");
     });
     let stats = listener.stop();
     assert!(stats[0].replays >= 1 && stats[0].replays_short == 0, "{stats:?}");

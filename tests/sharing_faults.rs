@@ -169,24 +169,6 @@ fn listen_nats(path: &Path, url: &str, extra: &[String]) -> common::Reaped {
     )
 }
 
-/// Waits (at most `within`) for `child` to end on its own: its exit code and stderr.
-fn ends_within(child: &mut common::Reaped, within: Duration, what: &str) -> (Option<i32>, String) {
-    use std::io::Read;
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.0.try_wait().expect("try_wait") {
-            break status;
-        }
-        assert!(started.elapsed() < within, "listen is still running {within:?} after {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut stderr = String::new();
-    if let Some(mut pipe) = child.0.stderr.take() {
-        pipe.read_to_string(&mut stderr).expect("stderr");
-    }
-    (status.code(), stderr)
-}
-
 /// `superfluid-warm check PATH` exits 0: the file was closed cleanly.
 fn checks_healthy(path: &Path) {
     let out = std::process::Command::new(common::bin()).arg("check").arg(path).output().expect("check");
@@ -207,7 +189,8 @@ fn listen_without_a_usable_nats_server_warns_and_exits_non_zero() {
         let started = Instant::now();
         let extra = ["--nats-wait", "3", "--status-every", "0.5"].map(String::from);
         let mut child = listen_nats(&path, &url, &extra);
-        let (code, stderr) = ends_within(&mut child, Duration::from_secs(30), "no usable server");
+        let (status, stderr) = child.ends_within(Duration::from_secs(30), "no usable server");
+        let code = status.code();
         assert_eq!(code, Some(1), "{url}: {stderr}");
         assert!(started.elapsed() >= Duration::from_secs(3), "waited --nats-wait first");
         let warning = stderr.lines().find(|l| l.contains("WARN") && l.contains(why));
@@ -260,7 +243,8 @@ fn listen_stops_when_its_stream_is_deleted() -> Result<(), Error> {
     while child.0.try_wait().ok().flatten().is_none() && started.elapsed() < Duration::from_secs(30) {
         publish(&mut engine);
     }
-    let (code, stderr) = ends_within(&mut child, Duration::from_secs(5), "the stream was deleted");
+    let (status, stderr) = child.ends_within(Duration::from_secs(5), "the stream was deleted");
+    let code = status.code();
     assert_eq!(code, Some(1), "{stderr}");
     assert!(stderr.contains("halted") && stderr.contains("was deleted"), "{stderr}");
     assert!(stderr.contains("closed cleanly"), "{stderr}");

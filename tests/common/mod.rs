@@ -88,6 +88,26 @@ pub fn example(name: &str) -> PathBuf {
 /// A child process killed when dropped (a failed test leaves none behind).
 pub struct Reaped(pub std::process::Child);
 
+impl Reaped {
+    /// Waits (at most `within`) for the child to end on its own: its exit status and stderr.
+    pub fn ends_within(&mut self, within: std::time::Duration, what: &str) -> (std::process::ExitStatus, String) {
+        use std::io::Read;
+        let started = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = self.0.try_wait().expect("try_wait") {
+                break status;
+            }
+            assert!(started.elapsed() < within, "the child is still running {within:?} after {what}");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        if let Some(mut pipe) = self.0.stderr.take() {
+            pipe.read_to_string(&mut stderr).expect("stderr");
+        }
+        (status, stderr)
+    }
+}
+
 impl Drop for Reaped {
     fn drop(&mut self) {
         let _ = self.0.kill();

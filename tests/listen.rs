@@ -160,20 +160,23 @@ fn a_listener_that_joins_late_replays_the_engine_from_its_start() -> Result<(), 
     Ok(())
 }
 
+/// `superfluid-warm listen` on `path` for `publisher`'s engine, with `extra` arguments.
+fn listen_command(path: &Path, publisher: &Publisher, extra: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_superfluid-warm"));
+    command
+        .arg("listen")
+        .arg(path)
+        .arg("--engine")
+        .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
+        .args(["--model", "m", "--replay-timeout", "30"])
+        .args(extra);
+    command
+}
+
 /// `superfluid-warm listen` on `path` for `publisher`'s engine.
 fn spawn_listen(path: &Path, publisher: &Publisher) -> Reaped {
-    Reaped(
-        Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
-            .arg("listen")
-            .arg(path)
-            .arg("--engine")
-            .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
-            .args(["--model", "m", "--status-every", "0.2", "--replay-timeout", "30"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn listen"),
-    )
+    let mut command = listen_command(path, publisher, &["--status-every", "0.2"]);
+    Reaped(command.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("spawn listen"))
 }
 
 /// `superfluid-warm stats --json` of `path`.
@@ -260,19 +263,8 @@ fn a_killed_listener_resumes_from_its_position() -> Result<(), Error> {
 /// `superfluid-warm listen` on `path` for `publisher`'s engine, its stderr piped, with `extra`
 /// arguments.
 fn spawn_listen_piped(path: &Path, publisher: &Publisher, extra: &[&str]) -> Reaped {
-    Reaped(
-        Command::new(env!("CARGO_BIN_EXE_superfluid-warm"))
-            .arg("listen")
-            .arg(path)
-            .arg("--engine")
-            .arg(format!("gpu-0={},replay={}", publisher.events, publisher.replay))
-            .args(["--model", "m", "--replay-timeout", "30"])
-            .args(extra)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn listen"),
-    )
+    let mut command = listen_command(path, publisher, extra);
+    Reaped(command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn listen"))
 }
 
 /// Publishes batches of new prompts (one a `pace`) until `done`, at most a minute.

@@ -56,6 +56,7 @@ pub use error::{Error, Result};
 pub use file::check::FileCheck;
 pub use file::compact::Compacted;
 pub use file::index_file::IndexFile;
+pub use file::listen_status::{EngineStatus, LinkStatus, ListenStatus};
 pub use file::snapshot::{Check, DumpEntry, EngineBlockEntry, MAX_PROBLEMS, Snapshot, SnapshotStats};
 pub use index::builder::{Builder, DEFAULT_CACHE_BYTES, DEFAULT_SYNC_WINDOW};
 pub use index::engine_events::EngineSink;

@@ -232,6 +232,10 @@ fn after_an_io_error_commits_fail_until_a_reopen_and_the_error_says_so() -> Resu
     assert!(later.needs_reopen(), "{later}");
     assert!(later.to_string().contains("reopen the index") && !later.to_string().contains("retried"), "{later}");
     assert!(warm.sync().is_err_and(|e| e.needs_reopen()));
+    // A forget too: refused before it is decided, as every change is (it would only wait in a
+    // queue no commit empties), so answers still name the node.
+    let forget = warm.forget_node("a").expect_err("refused while commits fail");
+    assert!(matches!(forget, Error::CommitFailed { .. }) && forget.needs_reopen(), "{forget}");
     assert_eq!(warm.warmest("m", &prompt(1))?.map(|h| h.tokens), Some(256));
     drop(warm);
     let reopened = Warm::builder().open_with_backend(disk.backend())?;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::Reaped;
 use common::Rng;
 use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
-use superfluid_warm::{EngineEndpoint, Error, Listener, ReadIndex, Snapshot, Warm};
+use superfluid_warm::{EngineEndpoint, Error, IndexFile, Listener, ReadIndex, Snapshot, Warm};
 
 /// Waits until the index has applied the engine's last batch (`applied`: the last one it has),
 /// running one more prompt (`poke`) every `every` meanwhile: a subscriber that has not joined
@@ -340,11 +340,12 @@ fn a_deleted_index_file_stops_listen_with_an_error() -> Result<(), Error> {
     let (status, stderr) = child.ends_within(Duration::from_secs(30), "the file was deleted");
     assert_eq!(status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("was deleted") && !stderr.contains("closed cleanly\n"), "{stderr}");
-    let recorded: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.path().join("deleted.redb.listen.json")).expect("the status file"),
-    )
-    .expect("JSON");
-    assert!(recorded["error"].as_str().is_some_and(|e| e.contains("was deleted")), "{recorded}");
+    // Its last status, as a Rust user reads it (the library's type, `stats`'s source).
+    let recorded = IndexFile::new(&path).listen_status()?.expect("the status file");
+    assert!(recorded.error.as_deref().is_some_and(|e| e.contains("was deleted")), "{recorded:?}");
+    assert!(!recorded.running && recorded.down().is_some_and(|d| d.starts_with("stopped")), "{recorded:?}");
+    assert_eq!(recorded.engines.len(), 1, "{recorded:?}");
+    assert!(recorded.engines.iter().all(|e| !e.connected && e.received > 0), "{recorded:?}");
     Ok(())
 }
 

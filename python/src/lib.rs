@@ -37,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::EngineBatch>()?;
     m.add_function(wrap_pyfunction!(engine::decode_engine_batch, m)?)?;
     m.add_function(wrap_pyfunction!(warm::check_file, m)?)?;
+    m.add_function(wrap_pyfunction!(warm::listen_status, m)?)?;
     #[cfg(feature = "test-hooks")]
     {
         m.add_function(wrap_pyfunction!(warm::_replay_rust, m)?)?;

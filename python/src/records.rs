@@ -268,3 +268,70 @@ pub fn file_check<'py>(py: Python<'py>, c: &sw::FileCheck) -> PyResult<Bound<'py
         ),
     )
 }
+
+pub fn listen_status<'py>(py: Python<'py>, s: &sw::ListenStatus) -> PyResult<Bound<'py, PyAny>> {
+    let engines = s
+        .engines
+        .iter()
+        .map(|e| {
+            record(
+                py,
+                "EngineStatus",
+                &kwargs!(
+                    py,
+                    node = e.node.as_str(),
+                    connected = e.connected,
+                    received = e.received,
+                    undecodable = e.undecodable,
+                    malformed = e.malformed,
+                    replays = e.replays,
+                    replays_short = e.replays_short,
+                    replays_skipped = e.replays_skipped,
+                    replaying = e.replaying,
+                    replay_backoff_s = e.replay_backoff_s,
+                    dropped = e.dropped,
+                    lag_p50_ms = e.lag_p50_ms,
+                    lag_p99_ms = e.lag_p99_ms,
+                    silent_for_s = e.silent_for_s,
+                    error = e.error.as_deref(),
+                ),
+            )
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let sharing = match &s.sharing {
+        None => None,
+        Some(l) => Some(record(
+            py,
+            "LinkStatus",
+            &kwargs!(
+                py,
+                stream = l.stream.as_str(),
+                head = l.head.as_str(),
+                connected = l.connected,
+                ready = l.ready,
+                applied = l.applied,
+                unapplied = l.unapplied,
+                published = l.published,
+                buffered = l.buffered,
+                dropped = l.dropped,
+                error = l.error.as_deref(),
+                halted = l.halted.as_deref(),
+            ),
+        )?),
+    };
+    record(
+        py,
+        "ListenStatus",
+        &kwargs!(
+            py,
+            pid = s.pid,
+            running = s.running,
+            written_at = s.written_at,
+            refresh_s = s.refresh_s,
+            error = s.error.as_deref(),
+            down = s.down(),
+            sharing = sharing,
+            engines = PyTuple::new(py, engines)?,
+        ),
+    )
+}

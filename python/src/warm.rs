@@ -426,6 +426,15 @@ pub fn check_file<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
     records::file_check(py, &check)
 }
 
+/// The status a listener (``superfluid-warm listen``) last wrote beside the index file at
+/// ``path`` (``<path>.listen.json``), as a ``ListenStatus``; ``None`` if there is none. Raises
+/// ``IndexFileError`` if the status file is not one, ``StorageError`` if it cannot be read.
+#[pyfunction]
+pub fn listen_status<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let status = crate::errors::detached(py, || Ok(sw::IndexFile::new(&path).listen_status()?))?;
+    status.map(|s| records::listen_status(py, &s)).transpose()
+}
+
 /// Internal (the tests and ``bench.py``): replays ``prompts`` through a fresh ``Warm`` at
 /// ``path`` entirely in Rust, as a router would: ``warmest``, then ``ran`` on the warm node, else
 /// ``node-{i % 8}``. Returns ``(answers, warm_nodes_lists, nanoseconds)``: per request its

@@ -37,8 +37,11 @@ from ._types import (
     EngineCounts,
     EngineOutcome,
     EngineStats,
+    EngineStatus,
     FileCheck,
     ImportReport,
+    LinkStatus,
+    ListenStatus,
     NodeCacheStats,
     NodeStats,
     ShareStats,
@@ -65,6 +68,7 @@ from ._native import (
     __version__,
     check_file,
     decode_engine_batch,
+    listen_status,
 )
 
 if HAS_NATS:
@@ -78,6 +82,7 @@ __all__ = [
     "EngineBatch",
     "decode_engine_batch",
     "check_file",
+    "listen_status",
     "Stats",
     "NodeStats",
     "NodeCacheStats",
@@ -86,6 +91,9 @@ __all__ = [
     "EngineStats",
     "EngineOutcome",
     "FileCheck",
+    "ListenStatus",
+    "EngineStatus",
+    "LinkStatus",
     "ShareStats",
     "WarmError",
     "InvalidInputError",

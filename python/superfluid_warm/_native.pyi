@@ -6,7 +6,7 @@ import sys
 from types import TracebackType
 from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, Type, TypeVar, Union, final
 
-from ._types import EngineOutcome, EngineStats, FileCheck, ImportReport, ShareStats, Stats
+from ._types import EngineOutcome, EngineStats, FileCheck, ImportReport, ListenStatus, ShareStats, Stats
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
@@ -254,6 +254,9 @@ def decode_engine_batch(seq: int, payload: Buffer, model: str) -> EngineBatch:
 
 def check_file(path: StrPath) -> FileCheck:
     """Checks the index file at ``path`` without writing it."""
+
+def listen_status(path: StrPath) -> Optional[ListenStatus]:
+    """The status a listener last wrote beside the index file at ``path``, if any."""
 
 # Test hooks: only in a build with the ``test-hooks`` feature (``ci.sh``'s), not a user's.
 

@@ -17,7 +17,10 @@ __all__ = [
     "EngineCounts",
     "EngineStats",
     "EngineOutcome",
+    "EngineStatus",
     "FileCheck",
+    "LinkStatus",
+    "ListenStatus",
     "ShareStats",
 ]
 
@@ -222,6 +225,102 @@ class FileCheck:
     crashed_writer_pid: Optional[int]
     entries: Optional[int]
     side_file_missing: bool
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What a listener has seen of one engine (``ListenStatus.engines``).
+
+    Attributes:
+        node: the node.
+        connected: whether its event socket was connected.
+        received: batches received.
+        undecodable: batches that did not decode.
+        malformed: messages of the wrong shape.
+        replays: replays asked for.
+        replays_short: replays that did not cover their gap.
+        replays_skipped: gaps not replayed while the replay endpoint was left alone.
+        replaying: whether a replay was being waited for.
+        replay_backoff_s: seconds until the replay endpoint is asked again.
+        dropped: connections dropped for good and made again.
+        lag_p50_ms: lag from publish to applied, median, in milliseconds.
+        lag_p99_ms: the same, 99th percentile.
+        silent_for_s: seconds since its last batch.
+        error: the listening thread's newest error.
+    """
+
+    node: str
+    connected: bool
+    received: int
+    undecodable: int
+    malformed: int
+    replays: int
+    replays_short: int
+    replays_skipped: int
+    replaying: bool
+    replay_backoff_s: Optional[float]
+    dropped: int
+    lag_p50_ms: Optional[float]
+    lag_p99_ms: Optional[float]
+    silent_for_s: Optional[float]
+    error: Optional[str]
+
+
+@dataclass(frozen=True)
+class LinkStatus:
+    """A listener's link to a NATS JetStream stream (``ListenStatus.sharing``).
+
+    Attributes:
+        stream: the stream.
+        head: this head's name in it.
+        connected: whether it was connected to the server.
+        ready: whether it had opened the stream.
+        applied: the stream's last event applied to the file.
+        unapplied: events in the stream not yet applied.
+        published: events this head published.
+        buffered: events waiting to be published.
+        dropped: events dropped unpublished.
+        error: what was wrong with the link, if anything.
+        halted: why the link stopped for good, if it did.
+    """
+
+    stream: str
+    head: str
+    connected: bool
+    ready: bool
+    applied: int
+    unapplied: int
+    published: int
+    buffered: int
+    dropped: int
+    error: Optional[str]
+    halted: Optional[str]
+
+
+@dataclass(frozen=True)
+class ListenStatus:
+    """The status a listener last wrote beside an index file (``listen_status``).
+
+    Attributes:
+        pid: the listener's process id.
+        running: whether it was running when it wrote this.
+        written_at: when, in seconds since the Unix epoch.
+        refresh_s: seconds between its writes.
+        error: why it stopped on its own, if it did.
+        down: why it is not running now (it stopped, its process is gone, or it has not written
+            for three refreshes), or ``None`` if it is.
+        sharing: its link to a shared stream, if it has one.
+        engines: each engine it follows.
+    """
+
+    pid: int
+    running: bool
+    written_at: float
+    refresh_s: float
+    error: Optional[str]
+    down: Optional[str]
+    sharing: Optional[LinkStatus]
+    engines: Tuple[EngineStatus, ...]
 
 
 @dataclass(frozen=True)

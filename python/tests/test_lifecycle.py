@@ -156,3 +156,26 @@ def test_an_offloaded_prefix_is_answered_with_its_tier(tmp_path: Path) -> None:
         assert warm.warm_nodes("m", prompt) == [sw.Hit("gpu-0", 256, "cpu", 128)]
         [stats] = warm.engine_stats()
         assert stats.by_tier == (8, 8, 0) and stats.engine_blocks == 16
+
+
+def test_a_listeners_status_reads_as_the_librarys_type(tmp_path: Path) -> None:
+    path = tmp_path / "w.redb"
+    assert sw.listen_status(path) is None, "no listener wrote one"
+    status = tmp_path / "w.redb.listen.json"
+    # What `superfluid-warm listen` writes as it stops (its fields; tests/listen.rs reads a real one).
+    engine: dict[str, Any] = {
+        "node": "gpu-0", "connected": False, "received": 12, "undecodable": 0, "malformed": 1, "replays": 2,
+        "replays_short": 0, "replays_skipped": 0, "replaying": False, "replay_backoff_s": None, "dropped": 0,
+        "lag_p50_ms": 1.5, "lag_p99_ms": 9.0, "silent_for_s": 0.2, "error": None,
+    }
+    written = {"pid": 1, "running": False, "written_at": 0.0, "refresh_s": 10.0, "error": "the file was deleted",
+               "sharing": None, "engines": [engine]}
+    status.write_text(json.dumps(written))
+    read = sw.listen_status(path)
+    assert isinstance(read, sw.ListenStatus)
+    assert read.error == "the file was deleted" and not read.running and read.sharing is None
+    assert read.down is not None and read.down.startswith("stopped")
+    assert read.engines == (sw.EngineStatus(**engine),)
+    status.write_text("{")
+    with pytest.raises(sw.IndexFileError, match="status file"):
+        sw.listen_status(path)

@@ -35,6 +35,22 @@ impl IndexFile {
         seal_path(&self.path)
     }
 
+    /// Where a listener keeps its status ([`crate::ListenStatus`]): the same name with
+    /// `.listen.json` appended.
+    pub fn listen_status_path(&self) -> PathBuf {
+        let mut name = self.path.as_os_str().to_owned();
+        name.push(".listen.json");
+        PathBuf::from(name)
+    }
+
+    /// The status its listener last wrote ([`crate::ListenStatus::read`]), if there is one.
+    ///
+    /// # Errors
+    /// As [`crate::ListenStatus::read`].
+    pub fn listen_status(&self) -> Result<Option<crate::ListenStatus>> {
+        crate::ListenStatus::read(self)
+    }
+
     /// Checks the file without writing it: redb's integrity (on a copy, where no head has it
     /// open) and then, if that passed, the invariants ([`crate::Snapshot::check`]). A file left
     /// by a crashed head is checked on a recovered copy, and reported as needing recovery.

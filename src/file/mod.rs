@@ -5,6 +5,7 @@
 pub(crate) mod check;
 pub(crate) mod compact;
 pub(crate) mod index_file;
+pub(crate) mod listen_status;
 pub(crate) mod lock;
 pub(crate) mod owner;
 pub(crate) mod seal;

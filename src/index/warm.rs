@@ -380,10 +380,14 @@ impl Warm {
             #[cfg(test)]
             let _held = super::view_read::probe::held();
             let Some((out, effects)) = decide(&mut front)? else { return Ok(None) };
-            let was_idle = front.oldest_pending.is_none();
-            front.push(Queued { effects, at: Instant::now(), position });
-            if self.flusher.is_some() && was_idle {
-                self.inner.wake.notify_one();
+            // A change that decided no effects and acknowledges no stream position has nothing
+            // to commit.
+            if !effects.is_empty() || position > 0 {
+                let was_idle = front.oldest_pending.is_none();
+                front.push(Queued { effects, at: Instant::now(), position });
+                if self.flusher.is_some() && was_idle {
+                    self.inner.wake.notify_one();
+                }
             }
             (out, waited, front.queue_figures())
         };
@@ -423,9 +427,10 @@ impl Warm {
     /// evicted ([`Stats::reclaimable`]). A node never seen is nothing to forget (still `Ok`).
     ///
     /// # Errors
-    /// [`Error::InvalidName`] for an empty or over-long name; [`Error::Storage`] if the commit
-    /// fails (answers already leave the node out, and the forget is retried with the next
-    /// commit, but it is not durable).
+    /// [`Error::InvalidName`] for an empty or over-long name; [`Error::CommitFailed`] while the
+    /// commit thread's last commit failed and none has succeeded since (nothing was forgotten);
+    /// [`Error::Storage`] if the commit fails (answers already leave the node out, and the
+    /// forget is retried with the next commit, but it is not durable).
     pub fn forget_node(&self, name: &str) -> Result<()> {
         self.forget_at(name, 0)?;
         self.sync()
@@ -436,23 +441,9 @@ impl Warm {
     pub(crate) fn forget_at(&self, name: &str, position: u64) -> Result<()> {
         self.in_owner()?;
         check_node(name)?;
-        {
-            let mut front = self.front()?;
-            while front.importing {
-                front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
-            }
-            // A node never seen is nothing to forget; a shared event's position is still
-            // recorded, so that the stream's last event is acknowledged whatever it was.
-            let effects = front.decided.forget(name);
-            if effects.is_some() || position > 0 {
-                let was_idle = front.oldest_pending.is_none();
-                front.push(Queued { effects: effects.unwrap_or_default(), at: Instant::now(), position });
-                if was_idle {
-                    self.inner.wake.notify_one();
-                }
-            }
-        }
-        Ok(())
+        // A node never seen is nothing to forget: no effects (a shared event's position is
+        // still queued, so that the stream's last event is acknowledged whatever it was).
+        self.change_now(position, |front| Ok(((), front.decided.forget(name).unwrap_or_default())), |()| {})
     }
 
     /// Sets the size of node `name`'s KV cache, in 64-token blocks (`None`: the default of

@@ -104,7 +104,7 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
     let side_file_missing = snapshot.side_file_missing();
     // The listener's live figures (connections, replays, lag), from its status file.
     let (listener_down, listening, listener_error) = listen_status(path);
-    let live = |node: &str| listening.iter().find(|l| l["node"].as_str() == Some(node)).cloned();
+    let live = |node: &str| listening.iter().find(|l| l.node == node).map(|l| json!(l));
     if json {
         let per_node: serde_json::Map<String, serde_json::Value> =
             s.per_node.iter().map(|(n, c)| (n.clone(), json!(c))).collect();
@@ -219,17 +219,17 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
                 c.unkeyed,
                 c.malformed
             );
-            if let Some(l) = live(&e.node) {
-                let lag = |k: &str| l[k].as_f64().map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
-                let connected = if l["connected"].as_bool() == Some(true) { "connected" } else { "not connected" };
+            if let Some(l) = listening.iter().find(|l| l.node == e.node) {
+                let lag = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
+                let connected = if l.connected { "connected" } else { "not connected" };
                 text += &format!(
                     "\n  {:<20} {connected}; {} replays ({} short); lag {} p50, {} p99; {}",
                     "",
-                    l["replays"].as_u64().unwrap_or(0),
-                    l["replays_short"].as_u64().unwrap_or(0),
-                    lag("lag_p50_ms"),
-                    lag("lag_p99_ms"),
-                    l["silent_for_s"].as_f64().map_or_else(
+                    l.replays,
+                    l.replays_short,
+                    lag(l.lag_p50_ms),
+                    lag(l.lag_p99_ms),
+                    l.silent_for_s.map_or_else(
                         || "no batch yet".to_string(),
                         |t| format!("last batch {t:.1} s before its status")
                     ),

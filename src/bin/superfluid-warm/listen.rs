@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 
 use crate::exporter::serve_metrics;
 use crate::format::{emit, say_how_opened};
-use crate::listen_status::{listen_status_path, write_listen_status};
+use crate::listen_status::write_listen_status;
 use crate::{CliError, storage_cause};
 use clap::Args;
-use serde_json::json;
 use superfluid_warm::{
-    EngineBatch, EngineEndpoint, EngineOutcome, EngineSink, Error, ListenStats, Listener, SharedWarm, Sharing, Warm,
+    EngineBatch, EngineEndpoint, EngineOutcome, EngineSink, Error, LinkStatus, ListenStats, Listener, SharedWarm,
+    Sharing, Warm,
 };
 
 #[derive(Args)]
@@ -98,7 +98,7 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
             Sink::Own(Arc::new(warm))
         }
     };
-    let status = listen_status_path(&args.path);
+    let status = args.path.clone();
     // The status file is refreshed every --status-every seconds, or every 10 s without lines.
     let refresh = if every.is_zero() { Duration::from_secs(10) } else { every };
     if signals.came(Duration::from_millis(10)) {
@@ -349,15 +349,12 @@ impl ListenHealth {
     }
 
     /// The link as the status file keeps it.
-    pub(crate) fn sharing_json(&self, running: bool) -> serde_json::Value {
-        match &self.sharing {
-            None => serde_json::Value::Null,
-            Some(s) => json!({
-                "stream": s.stream, "head": s.head, "connected": s.connected && running, "ready": self.ready,
-                "applied": s.applied, "unapplied": s.unapplied, "published": s.published,
-                "buffered": s.buffered, "dropped": s.dropped, "error": self.link_error, "halted": s.halted,
-            }),
-        }
+    pub(crate) fn link_status(&self, running: bool) -> Option<LinkStatus> {
+        let mut link = LinkStatus::from(self.sharing.as_ref()?);
+        link.connected &= running;
+        link.ready = self.ready;
+        link.error.clone_from(&self.link_error);
+        Some(link)
     }
 }
 

@@ -3,7 +3,7 @@
 //! The command line: the only code that knows clap and how output is formatted. This file holds
 //! the options (`Cli`, `Command`), the dispatch, and how errors map to messages and exit codes;
 //! each command, or family of commands, has a module of its own.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 mod dump;
 mod exporter;
@@ -11,6 +11,7 @@ mod format;
 mod inspect;
 mod listen;
 mod listen_status;
+mod malloc;
 mod replay;
 mod replay_report;
 mod write;
@@ -206,6 +207,7 @@ fn storage_cause(e: &Error) -> String {
 const UNHEALTHY: u8 = 2;
 
 fn main() -> ExitCode {
+    malloc::configure();
     let cli = Cli::parse();
     // `listen` runs for days: what an operator should hear of (its own info events, and every
     // library's warnings); the other commands print their output and only warnings besides.

@@ -220,6 +220,29 @@ pub struct ListenStats {
     pub error: Option<String>,
 }
 
+impl From<&ListenStats> for crate::EngineStatus {
+    fn from(s: &ListenStats) -> crate::EngineStatus {
+        let ms = |l: Option<f64>| l.map(|l| l * 1000.0);
+        crate::EngineStatus {
+            node: s.node.clone(),
+            connected: s.connected,
+            received: s.received,
+            undecodable: s.undecodable,
+            malformed: s.malformed,
+            replays: s.replays,
+            replays_short: s.replays_short,
+            replays_skipped: s.replays_skipped,
+            replaying: s.replaying,
+            replay_backoff_s: s.replay_backoff,
+            dropped: s.dropped,
+            lag_p50_ms: ms(s.lag_p50),
+            lag_p99_ms: ms(s.lag_p99),
+            silent_for_s: s.silent_for,
+            error: s.error.clone(),
+        }
+    }
+}
+
 /// Lags kept for the percentiles.
 const LAGS: usize = 1 << 16;
 

@@ -33,7 +33,7 @@ pub struct ListenStatus {
     pub engines: Vec<EngineStatus>,
 }
 
-/// What a listener's link to a NATS JetStream stream has seen ([`crate::ShareStats`]'s figures
+/// What a listener's link to a NATS JetStream stream has seen (`ShareStats`' figures
 /// that an operator reads).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -62,7 +62,7 @@ pub struct LinkStatus {
     pub halted: Option<String>,
 }
 
-/// What a listener has seen of one engine ([`crate::ListenStats`], lags in milliseconds).
+/// What a listener has seen of one engine (`ListenStats`, lags in milliseconds).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct EngineStatus {
@@ -96,51 +96,6 @@ pub struct EngineStatus {
     pub silent_for_s: Option<f64>,
     /// The listening thread's newest error.
     pub error: Option<String>,
-}
-
-#[cfg(feature = "engines")]
-impl From<&crate::ListenStats> for EngineStatus {
-    fn from(s: &crate::ListenStats) -> EngineStatus {
-        let ms = |l: Option<f64>| l.map(|l| l * 1000.0);
-        EngineStatus {
-            node: s.node.clone(),
-            connected: s.connected,
-            received: s.received,
-            undecodable: s.undecodable,
-            malformed: s.malformed,
-            replays: s.replays,
-            replays_short: s.replays_short,
-            replays_skipped: s.replays_skipped,
-            replaying: s.replaying,
-            replay_backoff_s: s.replay_backoff,
-            dropped: s.dropped,
-            lag_p50_ms: ms(s.lag_p50),
-            lag_p99_ms: ms(s.lag_p99),
-            silent_for_s: s.silent_for,
-            error: s.error.clone(),
-        }
-    }
-}
-
-#[cfg(feature = "nats")]
-impl From<&crate::ShareStats> for LinkStatus {
-    /// The link's figures; `ready` is left `false` (whether the stream is open is the head's
-    /// to say: [`crate::SharedWarm::wait_ready`]).
-    fn from(s: &crate::ShareStats) -> LinkStatus {
-        LinkStatus {
-            stream: s.stream.clone(),
-            head: s.head.clone(),
-            connected: s.connected,
-            ready: false,
-            applied: s.applied,
-            unapplied: s.unapplied,
-            published: s.published,
-            buffered: s.buffered,
-            dropped: s.dropped,
-            error: s.error.clone(),
-            halted: s.halted.clone(),
-        }
-    }
 }
 
 impl ListenStatus {

@@ -350,10 +350,13 @@ impl ListenHealth {
 
     /// The link as the status file keeps it.
     pub(crate) fn link_status(&self, running: bool) -> Option<LinkStatus> {
-        let mut link = LinkStatus::from(self.sharing.as_ref()?);
-        link.connected &= running;
-        link.ready = self.ready;
-        link.error.clone_from(&self.link_error);
+        let s = self.sharing.as_ref()?;
+        let mut link = LinkStatus::default();
+        (link.stream, link.head) = (s.stream.clone(), s.head.clone());
+        (link.connected, link.ready) = (s.connected && running, self.ready);
+        (link.applied, link.unapplied, link.published) = (s.applied, s.unapplied, s.published);
+        (link.buffered, link.dropped) = (s.buffered, s.dropped);
+        (link.error, link.halted) = (self.link_error.clone(), s.halted.clone());
         Some(link)
     }
 }

@@ -6,9 +6,9 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
 use super::front::Front;
-use super::lookup::{self, NodeDepth};
+use super::layer::{Found, Layers, PENDING_NODES, settle};
+use super::lookup;
 use super::others::OthersCache;
-use super::pending::{PENDING_NODES, Pending};
 use super::view_read::{Part, ViewRead};
 use super::warm::Hit;
 use crate::error::{Error, Result};
@@ -104,82 +104,58 @@ pub(crate) fn view_read(
     ViewRead::read(&view, floor, prefix, part).map(Arc::new)
 }
 
-/// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
-/// yet back from the stream), then the memtable and the committed view (`read`, its part read
-/// with no lock held): one read path. `None` if it needs the whole view and `read` is less.
-pub(crate) fn warmest(
-    front: &Front,
-    own: Option<&dyn Pending>,
-    prefix: &Prefix,
-    read: &ViewRead,
-) -> Option<Option<Hit>> {
+/// [`ReadIndex::warmest_prefix`] over the layers (a sharing head's own events not yet back from
+/// the stream, the memtable's batches) and the committed view (`read`, its part read with no
+/// lock held): one read path. `None` if it needs the whole view and `read` is less.
+pub(crate) fn warmest(front: &Front, layers: &Layers, prefix: &Prefix, read: &ViewRead) -> Option<Option<Hit>> {
     if prefix.blocks.len() < MIN_BLOCKS && prefix.legacy.len() < MIN_BLOCKS {
         return Some(None);
     }
-    let found = lookup::longest(front, own, &prefix.blocks, read);
     // The last block's node was forgotten, or its cache no longer holds it: the next node
     // that ran the most of the prompt.
-    let found = match found {
-        Some(((node, clock), _)) if !lookup::answered(front, own, node, clock) => {
-            lookup::warm_nodes(front, own, &prefix.blocks, read)?.first().map(|d| ((d.node, d.clock), d.blocks))
+    let claimed = match lookup::longest(front, layers, &prefix.blocks, read) {
+        Some(f) if !lookup::answered(front, layers, f.node, f.clock) => {
+            lookup::warm_nodes(front, layers, &prefix.blocks, read)?.first().copied()
         }
         found => found,
     };
-    // What the engines hold, by their events.
-    let found = lookup::better(found, lookup::engine_search(front, &prefix.blocks));
-    let found = match prefix.legacy.is_empty() {
-        true => found,
-        false => lookup::longer(found, lookup::legacy_walk(front, &prefix.legacy, read)),
+    // What the engines hold, by their events; 0.1.7's imported entries.
+    let legacy = match prefix.legacy.is_empty() {
+        true => None,
+        false => lookup::legacy_walk(front, &prefix.legacy, read),
     };
-    Some(
-        found
-            .filter(|&(_, blocks)| blocks >= MIN_BLOCKS)
-            .map(|((node, _), blocks)| hit(front, own, node, &prefix.blocks, blocks)),
-    )
+    let found = settle([claimed, lookup::engine_search(front, &prefix.blocks), legacy]);
+    Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, &prefix.blocks, f.blocks)))
 }
 
 /// Node `node`'s hit of `blocks` blocks of `keys`, with the tiers its engine keeps them in.
-fn hit(front: &Front, own: Option<&dyn Pending>, node: u32, keys: &[BlockKey], blocks: usize) -> Hit {
+fn hit(front: &Front, layers: &Layers, node: u32, keys: &[BlockKey], blocks: usize) -> Hit {
     let (tier, gpu) = lookup::engine_tiers(front, keys, node, blocks);
-    Hit { node: node_name(front, own, node), tokens: blocks * BLOCK_TOKENS, tier, gpu_tokens: gpu * BLOCK_TOKENS }
+    Hit { node: node_name(front, layers, node), tokens: blocks * BLOCK_TOKENS, tier, gpu_tokens: gpu * BLOCK_TOKENS }
 }
 
-/// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`warmest`]. `None` if `read`
-/// is not the whole view.
-pub(crate) fn warm_nodes(
-    front: &Front,
-    own: Option<&dyn Pending>,
-    prefix: &Prefix,
-    read: &ViewRead,
-) -> Option<Vec<Hit>> {
-    let mut found: Vec<NodeDepth> = lookup::warm_nodes(front, own, &prefix.blocks, read)?;
-    if front.decided.engines.any() {
-        // What each engine holds, by its events, where more than its claims.
-        for held in lookup::engine_depths(front, &prefix.blocks) {
-            match found.iter_mut().find(|d| d.node == held.node) {
-                Some(d) if (d.blocks, d.clock) >= (held.blocks, held.clock) => {}
-                Some(d) => *d = held,
-                None => found.push(held),
-            }
+/// [`ReadIndex::warm_nodes_prefix`] over the layers and the committed view, as [`warmest`].
+/// `None` if `read` is not the whole view.
+pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: &ViewRead) -> Option<Vec<Hit>> {
+    let mut found: Vec<Found> = lookup::warm_nodes(front, layers, &prefix.blocks, read)?;
+    // What each engine holds, by its events, and 0.1.7's imported entries: each node once, at
+    // what wins by the tie rule.
+    let legacy = match prefix.legacy.is_empty() {
+        true => None,
+        false => lookup::legacy_walk(front, &prefix.legacy, read),
+    };
+    for other in lookup::engine_depths(front, &prefix.blocks).into_iter().chain(legacy) {
+        match found.iter_mut().find(|d| d.node == other.node) {
+            Some(d) => *d = settle([Some(*d), Some(other)]).unwrap_or(*d),
+            None => found.push(other),
         }
-        found.sort_by(NodeDepth::longest_first);
     }
-    if !prefix.legacy.is_empty()
-        && let Some(((node, clock), blocks)) = lookup::legacy_walk(front, &prefix.legacy, read)
-    {
-        // 0.1.7's entries lose a tie to the new chain's, as in `warmest`.
-        match found.iter_mut().find(|d| d.node == node) {
-            Some(d) if d.blocks >= blocks => {}
-            Some(d) => *d = NodeDepth { node, blocks, clock },
-            None => found.push(NodeDepth { node, blocks, clock }),
-        }
-        found.sort_by(NodeDepth::longest_first);
-    }
-    // Longest first, ties newest first: a node named twice (a file's incarnation and `own`'s
+    found.sort_by_key(|d| std::cmp::Reverse(d.rank()));
+    // Longest first, ties newest first: a node named twice (a file's incarnation and a layer's
     // write of the same name) is listed once, where it comes first.
     let mut hits: Vec<Hit> = Vec::with_capacity(found.len());
     for d in found.into_iter().filter(|d| d.blocks >= MIN_BLOCKS) {
-        let hit = hit(front, own, d.node, &prefix.blocks, d.blocks);
+        let hit = hit(front, layers, d.node, &prefix.blocks, d.blocks);
         if !hits.iter().any(|h| h.node == hit.node) {
             hits.push(hit);
         }
@@ -187,9 +163,9 @@ pub(crate) fn warm_nodes(
     Some(hits)
 }
 
-/// The name of node `node`: the file's, or `own`'s for its own nodes.
-fn node_name(front: &Front, own: Option<&dyn Pending>, node: u32) -> String {
-    match own.filter(|_| node >= PENDING_NODES).and_then(|o| o.name(node)) {
+/// The name of node `node`: the file's, or a layer's for its own nodes.
+fn node_name(front: &Front, layers: &Layers, node: u32) -> String {
+    match Some(layers).filter(|_| node >= PENDING_NODES).and_then(|l| l.name(node)) {
         Some(name) => name.to_string(),
         None => front.decided.nodes.name(node),
     }

@@ -15,7 +15,7 @@
 use std::convert::Infallible;
 
 use super::front::Front;
-use super::pending::{PENDING_NODES, Pending};
+use super::layer::{Found, Layers, PENDING_NODES, settle};
 use super::view_read::ViewRead;
 use crate::error::Result;
 use crate::keys::BlockKey;
@@ -25,22 +25,27 @@ use crate::store::tables::newest_members;
 /// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
 /// nodes holding its last block. Each node's held blocks are prefix-closed (an engine block is
 /// held only when its whole chain is), so their union is too, and a binary search finds it.
-pub(crate) fn engine_search(front: &Front, keys: &[BlockKey]) -> Longest<(u32, u64)> {
+pub(crate) fn engine_search(front: &Front, keys: &[BlockKey]) -> Option<Found> {
     if !front.decided.engines.any() {
         return None;
     }
-    search(keys, |k| Ok::<_, Infallible>(front.decided.engines.holders(k))).unwrap_or(None)
+    found(search(keys, |k| Ok::<_, Infallible>(front.decided.engines.holders(k))).unwrap_or(None), false)
+}
+
+/// A search's answer as a [`Found`].
+pub(crate) fn found(longest: Longest<(u32, u64)>, legacy: bool) -> Option<Found> {
+    longest.map(|((node, clock), blocks)| Found { node, blocks, clock, legacy })
 }
 
 /// How much of `keys` each node with an engine stream holds, by its events (nodes holding none
 /// left out).
-pub(crate) fn engine_depths(front: &Front, keys: &[BlockKey]) -> Vec<NodeDepth> {
+pub(crate) fn engine_depths(front: &Front, keys: &[BlockKey]) -> Vec<Found> {
     let engines = &front.decided.engines;
     engines
         .nodes()
         .filter_map(|node| {
             let found = search(keys, |k| Ok::<_, Infallible>(engines.held_by(k, node))).unwrap_or(None);
-            found.map(|(clock, blocks)| NodeDepth { node, blocks, clock })
+            found.map(|(clock, blocks)| Found { node, blocks, clock, legacy: false })
         })
         .collect()
 }
@@ -61,15 +66,6 @@ pub(crate) fn engine_tiers(front: &Front, keys: &[BlockKey], node: u32, blocks: 
     (Medium::of_tier(tier), gpu.map_or(0, |(_, n)| n))
 }
 
-/// The better of two answers: the longer, and at equal length the newer.
-pub(crate) fn better(a: Longest<(u32, u64)>, b: Longest<(u32, u64)>) -> Longest<(u32, u64)> {
-    match (a, b) {
-        (Some(x), Some(y)) if (y.1, y.0.1) > (x.1, x.0.1) => Some(y),
-        (None, y) => y,
-        (x, _) => x,
-    }
-}
-
 /// The longest remembered prefix: who ran its last block, and its length in blocks.
 pub(crate) type Longest<T> = Option<(T, usize)>;
 
@@ -80,24 +76,13 @@ pub(crate) fn pending(front: &Front, key: &BlockKey) -> Option<(u32, u64)> {
     front.memtable.get(key).filter(|&(_, clock)| front.holds(clock))
 }
 
-/// The longest remembered prefix of `keys`, over `own`'s writes (a sharing head's own events not
-/// yet back from the stream), the memtable and the committed view (`read`, its part): who ran
-/// its last block (the newest source that has it), and its length. Each source's remembered
+/// The longest remembered prefix of `keys`, over the layers (a sharing head's own events not yet
+/// back from the stream, the memtable's batches) and the committed view (`read`, its part): who
+/// ran its last block (the newest layer that has it), and its length. Each layer's remembered
 /// blocks are a prefix of the chain, so their union's is the longest of them.
-pub(crate) fn longest(
-    front: &Front,
-    own: Option<&dyn Pending>,
-    keys: &[BlockKey],
-    read: &ViewRead,
-) -> Longest<(u32, u64)> {
-    let own = own.and_then(|o| search(keys, |k| Ok::<_, Infallible>(o.newest(k))).unwrap_or(None));
-    let pending = search(keys, |k| Ok::<_, Infallible>(pending(front, k))).unwrap_or(None);
-    // The newest source wins a tie: it wrote the last block later.
-    [own, pending, read.longest(front)].into_iter().fold(None, |best, found| match (best, found) {
-        (Some(b), Some(f)) if f.1 > b.1 => Some(f),
-        (None, f) => f,
-        (b, _) => b,
-    })
+pub(crate) fn longest(front: &Front, layers: &Layers, keys: &[BlockKey], read: &ViewRead) -> Option<Found> {
+    let above = layers.iter().map(|l| found(search(keys, |k| Ok::<_, Infallible>(l.newest(k))).unwrap_or(None), false));
+    settle(above.chain([found(read.longest(front), false)]))
 }
 
 /// The remembered prefix of `keys` (the memtable's and the committed view's, `read`) as runs
@@ -128,24 +113,25 @@ pub(crate) fn remembered_runs(front: &Front, keys: &[BlockKey], read: &ViewRead)
 /// view's entries as `read` has them), walked block by block as 0.1.7 did: its entries promise
 /// no prefix. A forgotten node's entries are not answered (0.1.7's imported entries are not
 /// counted in a node's cache, so its floor does not apply to them).
-pub(crate) fn legacy_walk(front: &Front, keys: &[BlockKey], read: &ViewRead) -> Longest<(u32, u64)> {
+pub(crate) fn legacy_walk(front: &Front, keys: &[BlockKey], read: &ViewRead) -> Option<Found> {
     let mut at = 0;
     let found = walk(keys, |key| {
         let stored = front.memtable.get(key).or_else(|| read.legacy(at));
         at += 1;
         Ok::<_, Infallible>(stored.filter(|&(node, clock)| front.holds(clock) && !front.decided.nodes.is_retired(node)))
     });
-    found.unwrap_or(None)
+    self::found(found.unwrap_or(None), true)
 }
 
-/// Whether `node`'s pair of `clock` is answered: not forgotten (here, or by `own`), and still
-/// in its cache. `own`'s writes are answered (those it no longer answers it does not give).
-pub(crate) fn answered(front: &Front, own: Option<&dyn Pending>, node: u32, clock: u64) -> bool {
+/// Whether `node`'s pair of `clock` is answered: not forgotten (here, or by a layer), and still
+/// in its cache. A layer's own nodes' writes are answered (those it no longer answers it does
+/// not give).
+pub(crate) fn answered(front: &Front, layers: &Layers, node: u32, clock: u64) -> bool {
     if node >= PENDING_NODES {
         return true;
     }
-    let forgotten = |o: &dyn Pending| front.decided.nodes.name_of(node).is_some_and(|name| o.forgets(name));
-    front.decided.answered(node, clock) && !own.is_some_and(forgotten)
+    let forgotten = || front.decided.nodes.name_of(node).is_some_and(|name| layers.forgets(name));
+    front.decided.answered(node, clock) && !forgotten()
 }
 
 /// The blocks of `keys` node `node` holds in its cache, by the clock it last ran them at: runs
@@ -172,7 +158,7 @@ pub(crate) fn node_runs(
     // (blocks, the node's clock on them) per stretch, deepest first.
     let mut start = 0;
     let mut per: Vec<(u64, Option<u64>)> = Vec::new();
-    for (i, named) in stretches(front, None, keys, read)? {
+    for (i, named) in stretches(front, &Layers::new(front, None), keys, read)? {
         let clock = named.iter().find(|m| m.0 == node).map(|m| m.1).filter(|&c| c > floor);
         per.push(((i + 1 - start) as u64, clock));
         start = i + 1;
@@ -187,44 +173,24 @@ pub(crate) fn node_runs(
     Some(runs)
 }
 
-/// One remembered node of a prompt: its id, how many blocks of the prompt it ran, and the clock
-/// it ran the deepest of them at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct NodeDepth {
-    pub node: u32,
-    pub blocks: usize,
-    pub clock: u64,
-}
-
-impl NodeDepth {
-    /// `warm_nodes`' order: the longest first, ties the newest first.
-    pub(crate) fn longest_first(a: &NodeDepth, b: &NodeDepth) -> std::cmp::Ordering {
-        b.blocks.cmp(&a.blocks).then(b.clock.cmp(&a.clock))
-    }
-}
-
 /// Every remembered node that ran a prefix of `keys` (a prefix-closed chain), each with the
 /// deepest block it is named on, longest first, ties newest first. A block names the node of the
 /// prefix table and its others, pending or committed: each node once, with its newest clock,
 /// those above the floor, the `nodes_per_prefix` newest; then forgotten nodes, and nodes whose cache
 /// no longer holds the block, are left out. `None` if `read` is not the whole view.
-pub(crate) fn warm_nodes(
-    front: &Front,
-    own: Option<&dyn Pending>,
-    keys: &[BlockKey],
-    read: &ViewRead,
-) -> Option<Vec<NodeDepth>> {
-    let stretches = stretches(front, own, keys, read)?;
-    let mut deepest: Vec<NodeDepth> = Vec::new();
+pub(crate) fn warm_nodes(front: &Front, layers: &Layers, keys: &[BlockKey], read: &ViewRead) -> Option<Vec<Found>> {
+    let stretches = stretches(front, layers, keys, read)?;
+    let mut deepest: Vec<Found> = Vec::new();
     for (i, named) in stretches {
-        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, own, node, clock)) {
+        for &(node, clock) in named.iter().filter(|&&(node, clock)| answered(front, layers, node, clock)) {
+            let at = Found { node, blocks: i + 1, clock, legacy: false };
             match deepest.iter_mut().find(|d| d.node == node) {
-                Some(d) => *d = NodeDepth { node, blocks: i + 1, clock },
-                None => deepest.push(NodeDepth { node, blocks: i + 1, clock }),
+                Some(d) => *d = at,
+                None => deepest.push(at),
             }
         }
     }
-    deepest.sort_unstable_by(NodeDepth::longest_first);
+    deepest.sort_unstable_by_key(|d| std::cmp::Reverse(d.rank()));
     Some(deepest)
 }
 
@@ -235,18 +201,15 @@ type Stretch = (usize, Vec<(u32, u64)>);
 /// for the last block `i` of each, in order, with what each block of it names (each node once
 /// with its newest clock, those above the floor, the `nodes_per_prefix` newest; forgotten
 /// nodes and caches not filtered yet). `None` if `read` is not the whole view.
-fn stretches(front: &Front, own: Option<&dyn Pending>, keys: &[BlockKey], read: &ViewRead) -> Option<Vec<Stretch>> {
-    let Some((_, len)) = longest(front, own, keys, read) else { return Some(Vec::new()) };
+fn stretches(front: &Front, layers: &Layers, keys: &[BlockKey], read: &ViewRead) -> Option<Vec<Stretch>> {
+    let Some(Found { blocks: len, .. }) = longest(front, layers, keys, read) else { return Some(Vec::new()) };
     if !read.is_whole() {
         return None;
     }
     let keys = &keys[..len];
     // Each source's node of each block, from its runs of equal clocks (one `ran` each, so one
-    // node): the last commit, and each pending batch. Where no source changes and no block has
-    // others, every block names the same nodes, so only the last block of such a stretch is
-    // looked at.
-    let maps: Vec<_> = front.memtable.maps().collect();
-    let pending = |map: &super::memtable::Map, k: &BlockKey| map.newest(k).filter(|&(_, c)| front.holds(c));
+    // node): the last commit, and each layer. Where no source changes and no block has others,
+    // every block names the same nodes, so only the last block of such a stretch is looked at.
     let mut looked_at: Vec<usize> = Vec::new();
     let mut sources: Vec<Vec<Option<(u32, u64)>>> = Vec::new();
     let mut committed = vec![None; len];
@@ -258,32 +221,22 @@ fn stretches(front: &Front, own: Option<&dyn Pending>, keys: &[BlockKey], read: 
         start = end;
     }
     sources.push(committed);
-    for map in &maps {
-        let found = search(keys, |k| Ok::<_, Infallible>(pending(map, k))).unwrap_or(None);
-        sources.push(by_runs(keys, found, |k| Ok(pending(map, k)), &mut looked_at));
-    }
-    // `own`'s writes: one more source, and the blocks with more than one of them.
-    let mut own_writes: Vec<Vec<(u32, u64)>> = Vec::new();
-    if let Some(own) = own {
-        let found = search(keys, |k| Ok::<_, Infallible>(own.newest(k))).unwrap_or(None);
-        let covered = found.map_or(0, |(_, n)| n);
-        for (i, key) in keys.iter().enumerate().take(covered) {
-            let mut writes = Vec::new();
-            if own.writes(key, &mut writes) {
-                looked_at.extend([i.saturating_sub(1), i]);
+    // A layer's blocks with more than one write (a batch whose `ran`s moved a block between
+    // nodes): each a stretch of its own, with every write.
+    let mut several: Vec<(usize, Vec<(u32, u64)>)> = Vec::new();
+    for layer in layers.iter() {
+        let newest = |k: &BlockKey| Ok::<_, Infallible>(layer.newest(k));
+        let found = search(keys, newest).unwrap_or(None);
+        if layer.has_earlier() {
+            for (i, key) in keys.iter().enumerate().take(found.map_or(0, |(_, n)| n)) {
+                let mut writes = Vec::new();
+                if layer.writes(key, &mut writes) {
+                    looked_at.extend([i.saturating_sub(1), i]);
+                    several.push((i, writes));
+                }
             }
-            own_writes.push(writes);
         }
-        sources.push(by_runs(keys, found, |k| Ok(own.newest(k)), &mut looked_at));
-    }
-    let mut earlier_at = Vec::new();
-    for (map, source) in maps.iter().zip(&sources[1..=maps.len()]).filter(|(m, _)| m.has_earlier()) {
-        // Only a block the batch wrote can have earlier writers in it.
-        let covered = source.iter().take_while(|s| s.is_some()).count();
-        earlier_at.extend((0..covered).filter(|&i| !map.earlier(&keys[i]).is_empty()));
-    }
-    for &i in &earlier_at {
-        looked_at.extend([i.saturating_sub(1), i]);
+        sources.push(by_runs(keys, found, newest, &mut looked_at));
     }
     // Neighbours with the same others (a moved conversation's blocks mostly list the same
     // nodes) are one stretch.
@@ -294,10 +247,7 @@ fn stretches(front: &Front, own: Option<&dyn Pending>, keys: &[BlockKey], read: 
     let mut stretches = Vec::with_capacity(looked_at.len());
     for i in looked_at {
         let mut named: Vec<(u32, u64)> = sources.iter().filter_map(|s| s[i]).collect();
-        for map in &maps {
-            named.extend_from_slice(map.earlier(&keys[i]));
-        }
-        if let Some(writes) = own_writes.get(i) {
+        for (_, writes) in several.iter().filter(|(at, _)| *at == i) {
             named.extend_from_slice(writes);
         }
         if let Some(row) = read.row(i) {
@@ -416,15 +366,6 @@ pub(crate) fn walk<T, E>(
     Ok(best)
 }
 
-/// The longer of the two; the first wins a tie.
-pub(crate) fn longer<T>(new: Longest<T>, old: Longest<T>) -> Longest<T> {
-    match (new, old) {
-        (Some(n), Some(o)) if o.1 > n.1 => Some(o),
-        (None, o) => o,
-        (n, _) => n,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::indexing_slicing)]
@@ -469,10 +410,6 @@ mod tests {
         assert_eq!(walk(&chain, held), Ok(Some((1, 2))));
         let failing = |_: &BlockKey| Err::<Option<u8>, &str>("disk");
         assert_eq!(search(&chain, failing), Err("disk"), "a failed probe is the search's error");
-        assert_eq!(longer(Some(('a', 3)), Some(('b', 3))), Some(('a', 3)), "a tie goes to the first");
-        assert_eq!(longer(Some(('a', 2)), Some(('b', 3))), Some(('b', 3)));
-        assert_eq!(longer(None, Some(('b', 3))), Some(('b', 3)));
-        assert_eq!(longer(Some(('a', 2)), None), Some(('a', 2)));
     }
 
     /// Chains whose clocks never increase, in runs of every shape: the runs are found whole, in

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use super::answer;
 use super::decided::Decided;
 use super::front::{Front, Published, View};
+use super::layer::Layers;
 use super::others::OthersCache;
 use super::read_index::ReadIndex;
 use super::warm::Hit;
@@ -85,7 +86,7 @@ impl ReadIndex for Reader {
         self.owner.check()?;
         answer::same_scheme(self.scheme, prefix)?;
         answer::answer_with(&self.front, &self.others, prefix, false, |front, read| {
-            answer::warmest(front, None, prefix, read)
+            answer::warmest(front, &Layers::new(front, None), prefix, read)
         })
     }
 
@@ -93,7 +94,7 @@ impl ReadIndex for Reader {
         self.owner.check()?;
         answer::same_scheme(self.scheme, prefix)?;
         answer::answer_with(&self.front, &self.others, prefix, true, |front, read| {
-            answer::warm_nodes(front, None, prefix, read)
+            answer::warm_nodes(front, &Layers::new(front, None), prefix, read)
         })
     }
 }

@@ -23,9 +23,9 @@ use super::commit::{
 };
 use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
+use super::layer::{Layer, Layers};
 use super::lookup;
 use super::others::OthersCache;
-use super::pending::Pending;
 use super::presence::Filters;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
@@ -751,23 +751,24 @@ impl ReadIndex for Warm {
 impl Warm {
     /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
     /// yet back from the stream), then the memtable and the last commit: one read path.
-    pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Option<Hit>> {
+    pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Layer>) -> Result<Option<Hit>> {
         self.in_owner()?;
         self.same_scheme(prefix)?;
         let (front, others) = (&self.inner.front, &self.inner.others);
-        let hit =
-            answer::answer_with(front, others, prefix, false, |front, read| answer::warmest(front, own, prefix, read))?;
+        let hit = answer::answer_with(front, others, prefix, false, |front, read| {
+            answer::warmest(front, &Layers::new(front, own), prefix, read)
+        })?;
         telemetry::answered(prefix.tokens(), hit.as_ref().map_or(0, |h| h.tokens));
         Ok(hit)
     }
 
     /// [`ReadIndex::warm_nodes_prefix`] over `own`'s writes first, as [`Warm::warmest_with`].
-    pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Pending>) -> Result<Vec<Hit>> {
+    pub(crate) fn warm_nodes_with(&self, prefix: &Prefix, own: Option<&dyn Layer>) -> Result<Vec<Hit>> {
         self.in_owner()?;
         self.same_scheme(prefix)?;
         let (front, others) = (&self.inner.front, &self.inner.others);
         let hits = answer::answer_with(front, others, prefix, true, |front, read| {
-            answer::warm_nodes(front, own, prefix, read)
+            answer::warm_nodes(front, &Layers::new(front, own), prefix, read)
         })?;
         telemetry::answered(prefix.tokens(), hits.first().map_or(0, |h| h.tokens));
         Ok(hits)

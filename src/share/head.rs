@@ -15,7 +15,7 @@ use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
 use crate::index::engine_events::EngineSink;
-use crate::index::pending::Pending;
+use crate::index::layer::Layer;
 use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
 use crate::keys::{Namespace, Prefix, check_node};
@@ -505,7 +505,7 @@ impl ReadIndex for SharedWarm {
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {
         self.shared.warm.in_owner()?;
         let own = self.own_view(prefix);
-        self.shared.warm.warmest_with(prefix, own.as_ref().map(|o| o as &dyn Pending))
+        self.shared.warm.warmest_with(prefix, own.as_ref().map(|o| o as &dyn Layer))
     }
 
     /// As a [`Warm`]'s, with this head's own events not yet back from the stream (listed first
@@ -513,7 +513,7 @@ impl ReadIndex for SharedWarm {
     fn warm_nodes_prefix(&self, prefix: &Prefix) -> Result<Vec<Hit>> {
         self.shared.warm.in_owner()?;
         let own = self.own_view(prefix);
-        self.shared.warm.warm_nodes_with(prefix, own.as_ref().map(|o| o as &dyn Pending))
+        self.shared.warm.warm_nodes_with(prefix, own.as_ref().map(|o| o as &dyn Layer))
     }
 }
 

@@ -6,8 +6,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+use crate::index::layer::{Layer, PENDING_CLOCKS, PENDING_NODES};
 use crate::index::memtable::Map;
-use crate::index::pending::{PENDING_CLOCKS, PENDING_NODES, Pending};
 use crate::keys::BlockKey;
 
 /// One own event not yet applied.
@@ -128,7 +128,7 @@ pub(crate) struct OwnView {
     names: Vec<Arc<str>>,
 }
 
-impl Pending for OwnView {
+impl Layer for OwnView {
     fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
         self.keys.get(key).map(|(newest, _)| *newest)
     }
@@ -148,7 +148,7 @@ impl Pending for OwnView {
     }
 }
 
-impl Pending for OwnEvents {
+impl Layer for OwnEvents {
     fn newest(&self, key: &BlockKey) -> Option<(u32, u64)> {
         let newest = self.writes.newest(key)?;
         if self.forgets.is_empty() {

@@ -169,7 +169,7 @@ impl std::error::Error for DecodeError {}
 /// wrong types, hashes or token ids out of range, missing required fields, or nesting deeper than
 /// [`MAX_DEPTH`]. A batch is taken whole or not at all.
 pub(crate) fn decode_batch(payload: &[u8]) -> Result<Batch, DecodeError> {
-    let mut r = Reader { buf: payload, pos: 0 };
+    let mut r = WireCursor { buf: payload, pos: 0 };
     let start = r.pos;
     let len = match r.head()? {
         Head::Array(n) => n,
@@ -290,14 +290,14 @@ impl Kind {
 const EVENT_DEPTH: usize = 3;
 
 /// A cursor over the payload.
-struct Reader<'a> {
+struct WireCursor<'a> {
     /// The whole payload.
     buf: &'a [u8],
     /// Offset of the next unread byte.
     pos: usize,
 }
 
-impl<'a> Reader<'a> {
+impl<'a> WireCursor<'a> {
     /// Bytes not read yet.
     fn remaining(&self) -> usize {
         self.buf.len().saturating_sub(self.pos)
@@ -1080,7 +1080,7 @@ mod tests {
 
     #[test]
     fn declared_lengths_allocate_nothing_without_the_bytes() {
-        let r = Reader { buf: &[0; 10], pos: 0 };
+        let r = WireCursor { buf: &[0; 10], pos: 0 };
         assert_eq!(r.capacity(u32::MAX, 1), 10);
         assert_eq!(r.capacity(3, 1), 3);
         let mut w = W::default();

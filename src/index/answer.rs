@@ -6,7 +6,7 @@ use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 
 use super::front::Front;
-use super::layer::{Found, Layers, PENDING_NODES, settle};
+use super::layer::{Found, Layers, OWN_NODES, settle};
 use super::lookup;
 use super::others::OthersCache;
 use super::view_read::{Part, ViewRead};
@@ -84,11 +84,11 @@ pub(crate) fn view_read(
         let front = front.lock().map_err(|_| Error::Poisoned)?;
         #[cfg(test)]
         let _held = super::view_read::probe::held();
-        let last = front.read.clone().filter(|r| r.is_for(front.view.generation, prefix, whole));
+        let last = front.read.clone().filter(|r| r.is_for(front.view.version, prefix, whole));
         // Past the memtable's remembered prefix (in memory: found under the lock).
         let from = match whole || last.is_some() {
             true => 0,
-            false => lookup::search(&prefix.blocks, |k| Ok::<_, Infallible>(lookup::pending(&front, k)))
+            false => lookup::search(&prefix.blocks, |k| Ok::<_, Infallible>(lookup::in_memtable(&front, k)))
                 .unwrap_or(None)
                 .map_or(0, |(_, n)| n),
         };
@@ -165,7 +165,7 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
 
 /// The name of node `node`: the file's, or a layer's for its own nodes.
 fn node_name(front: &Front, layers: &Layers, node: u32) -> String {
-    match Some(layers).filter(|_| node >= PENDING_NODES).and_then(|l| l.name(node)) {
+    match Some(layers).filter(|_| node >= OWN_NODES).and_then(|l| l.name(node)) {
         Some(name) => name.to_string(),
         None => front.decided.nodes.name(node),
     }

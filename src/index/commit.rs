@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 
 use redb::{Database, ReadableDatabase, ReadableTable};
 
-use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published, Queued};
+use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published};
+use super::queue::Queued;
 use super::others::OthersCache;
 use super::presence::Filters;
 use super::warm::Opened;
@@ -31,12 +32,26 @@ pub(crate) struct Back {
     pub batch: Vec<Queued>,
 }
 
+/// The locks of a `Warm`, in the order they are taken when more than one is held: a lock is
+/// never taken while one after it in this table is held.
+///
+/// | # | lock             | guards                                            | held by, for              |
+/// |---|------------------|---------------------------------------------------|---------------------------|
+/// | 1 | `back`           | redb's writer and the batch being committed       | a flush: a commit         |
+/// | 2 | `presence`       | the presence filters and their rebuild            | a flush, with `back` held |
+/// | 3 | `front`          | the callers' state: decided, memtable, view, queue | every call: microseconds, never across a file read |
+/// | 4 | `others`         | the callers' copy of committed others rows        | a copy in or out          |
+/// | 5 | `queue_recorded` | which reading of the queue's figures was recorded | a compare and a store     |
+///
+/// A sharing head's locks (`share/link.rs`) are taken before `front` or with none of these.
+pub(crate) const LOCK_ORDER: [&str; 5] = ["back", "presence", "front", "others", "queue_recorded"];
+
 /// Dropped in this order: the batch and the read view, then redb (which closes the file), then
-/// the sealer (which seals the closed file and lets go of its lock).
+/// the sealer (which seals the closed file and lets go of its lock). Its locks: [`LOCK_ORDER`].
 pub(crate) struct Inner {
     pub back: Mutex<Back>,
     pub front: Mutex<Front>,
-    /// The callers' copy of the committed view's others: locked after `front` when both are.
+    /// The callers' copy of the committed view's others.
     pub others: Mutex<OthersCache>,
     /// Wakes the commit thread (work queued, or closing).
     pub wake: Condvar,
@@ -49,7 +64,7 @@ pub(crate) struct Inner {
     /// Whether the file holds 0.1.7's imported entries (`Published::legacy_entries > 0`), kept
     /// beside it so that hashing a prompt never waits for the callers' lock.
     pub legacy: AtomicBool,
-    /// The filter of the committed keys, and its rebuild; touched only with the writer held.
+    /// The filter of the committed keys, and its rebuild.
     pub presence: Mutex<Filters>,
     pub db: Database,
     pub sealer: Sealer,
@@ -179,7 +194,7 @@ pub(crate) fn flush_locked(inner: &Inner, back: &mut Back, how: Flush) -> Result
 /// Takes the queue from the callers, and whether its oldest change is a window old.
 fn take_queue(inner: &Inner) -> Result<(Vec<Queued>, bool)> {
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
-    let due = front.oldest_pending.is_some_and(|t| t.elapsed() >= inner.window);
+    let due = front.queue().oldest().is_some_and(|t| t.elapsed() >= inner.window);
     let queue = front.take();
     let waiting = front.queue_figures();
     drop(front);
@@ -245,8 +260,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
                     // Their memtable maps stay (answered from there) until a commit's view is
                     // installed: the commit thread tries again a window from now, so that a
                     // `ran` waiting for the maps' room is not left waiting.
-                    let again = front.queue.first().map(|q| q.at).unwrap_or_else(std::time::Instant::now);
-                    front.oldest_pending = Some(again);
+                    front.retry_later();
                     drop(committed);
                     (Ok(()), None)
                 }
@@ -397,7 +411,7 @@ fn build_presence(inner: &Inner) {
                 Ok((front, _)) => front,
                 Err(_) => return,
             };
-            if !front.queue.is_empty() || front.closing {
+            if !front.queue().is_empty() || front.closing {
                 return;
             }
             continue;
@@ -422,7 +436,7 @@ fn build_presence(inner: &Inner) {
         }
         drop(filters);
         drop(back);
-        if inner.front.lock().map_or(true, |front| !front.queue.is_empty() || front.closing) {
+        if inner.front.lock().map_or(true, |front| !front.queue().is_empty() || front.closing) {
             return;
         }
     }
@@ -480,10 +494,10 @@ pub(crate) fn flush_loop(inner: &Inner) {
                     }
                     continue;
                 }
-                if !front.queue.is_empty() {
+                if !front.queue().is_empty() {
                     break Flush::IfDue;
                 }
-                let wait = match front.oldest_pending {
+                let wait = match front.queue().oldest() {
                     None => None,
                     Some(since) => match inner.window.checked_sub(since.elapsed()) {
                         Some(left) if !left.is_zero() => Some(left),

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use super::decided::Decided;
 use super::memtable::{Map, Memtable};
 use super::presence::Presence;
+use super::queue::{Queue, Queued};
 use super::view_read::ViewRead;
 use crate::error::Error;
 use crate::keys::BlockKey;
@@ -45,47 +46,6 @@ pub(crate) const MAX_BATCH_BLOCKS: usize = 1 << 16;
 /// of the request's start, so a few seconds cover a loaded engine and a slow link.
 pub const DEFAULT_ENGINE_GRACE: Duration = Duration::from_secs(3);
 
-/// What an engine effect costs in the queue besides its row's bytes: the effect, and the row's
-/// shared header and allocation.
-const ENGINE_EFFECT_BYTES: usize = std::mem::size_of::<Effect>() + 32;
-
-/// A decided change, queued for the commit thread.
-pub(crate) struct Queued {
-    pub effects: Vec<Effect>,
-    /// When it was decided (for the sync window).
-    pub at: Instant,
-    /// For a head sharing through a stream: the stream sequence of the event it applies (written
-    /// with the batch that persists it); 0 for a head's own change.
-    pub position: u64,
-}
-
-impl Queued {
-    /// Blocks it writes.
-    pub(crate) fn blocks(&self) -> usize {
-        self.effects.iter().map(Effect::blocks).sum()
-    }
-
-    /// Bytes its engine rows hold (what the memtable does not count).
-    pub(crate) fn engine_bytes(&self) -> usize {
-        self.effects
-            .iter()
-            .map(|e| match e {
-                Effect::EngineBlock { row, .. } => ENGINE_EFFECT_BYTES + row.as_ref().map_or(0, |r| r.len()),
-                Effect::EngineStream { .. } | Effect::EngineClear { .. } => ENGINE_EFFECT_BYTES,
-                _ => 0,
-            })
-            .sum()
-    }
-
-    /// The keys it writes.
-    pub(crate) fn keys(&self) -> impl Iterator<Item = &[BlockKey]> {
-        self.effects.iter().filter_map(|e| match e {
-            Effect::Put { blocks, .. } => Some(&blocks[..]),
-            _ => None,
-        })
-    }
-}
-
 /// The file's figures as of the last flush (what `stats` reports).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Published {
@@ -97,9 +57,9 @@ pub(crate) struct Published {
 }
 
 /// The committed view: one immutable value, built outside the front lock and swapped whole.
-/// Its generation changes with every swap, and keys the callers' memos.
+/// Its version changes with every swap, and keys the callers' memos.
 pub(crate) struct View {
-    pub generation: u64,
+    pub version: u64,
     /// The tables as of the last commit.
     pub tables: Arc<(Committed, CommittedOthers)>,
     /// A filter of the keys the prefix table holds (and more), once one is built: a key it does
@@ -109,18 +69,18 @@ pub(crate) struct View {
 }
 
 impl View {
-    /// This view with `change` made, as the next generation (the tables are shared).
+    /// This view with `change` made, as the next version (the tables are shared).
     pub(crate) fn next(&self, change: impl FnOnce(&mut View)) -> View {
         let mut next = self.with_published(self.published.clone());
-        next.generation += 1;
+        next.version += 1;
         change(&mut next);
         next
     }
 
-    /// This view with other figures: the same answers, so the same generation.
+    /// This view with other figures: the same answers, so the same version.
     pub(crate) fn with_published(&self, published: Published) -> View {
         View {
-            generation: self.generation,
+            version: self.version,
             tables: Arc::clone(&self.tables),
             presence: self.presence.clone(),
             published,
@@ -145,15 +105,8 @@ pub(crate) struct Front {
     /// The last commit: replaced whole, with the memtable maps that commit made redundant
     /// dropped, under this lock, so every `ran` is always in one or the other.
     pub view: Arc<View>,
-    /// Changes the commit thread has not taken yet, oldest first.
-    pub queue: Vec<Queued>,
-    pub queued_blocks: usize,
-    /// Bytes of engine rows in the queue, and in the batch being committed (the memtable holds
-    /// none of them).
-    pub queued_engine_bytes: usize,
-    pub taken_engine_bytes: usize,
-    /// When the oldest change not yet committed was made.
-    pub oldest_pending: Option<Instant>,
+    /// Changes the commit thread has not taken yet, and their figures.
+    queue: Queue,
     /// Nodes a block keeps.
     pub nodes_per_prefix: usize,
     /// The committed view's part of the last answer (read with no lock held): a `ran` that
@@ -166,9 +119,6 @@ pub(crate) struct Front {
     pub failed: Option<Error>,
     /// Set when the handle is closing: the commit thread stops.
     pub closing: bool,
-    /// Numbers the queue's figures as they are taken (under this lock), so that an older
-    /// reading recorded late never replaces a newer one.
-    pub queue_reading: u64,
     /// `ran`s on nodes whose engines report what they hold, oldest first: (node, clock, when).
     /// Each is answered as a claim until `engine_grace` has passed (or the engine removed
     /// something since).
@@ -183,17 +133,12 @@ impl Front {
             decided,
             memtable: Memtable::default(),
             view: Arc::new(view),
-            queue: Vec::new(),
-            queued_blocks: 0,
-            queued_engine_bytes: 0,
-            taken_engine_bytes: 0,
-            oldest_pending: None,
+            queue: Queue::default(),
             nodes_per_prefix,
             read: None,
             importing: false,
             failed: None,
             closing: false,
-            queue_reading: 0,
             claims: VecDeque::new(),
             engine_grace: DEFAULT_ENGINE_GRACE,
         }
@@ -214,16 +159,13 @@ impl Front {
     /// Bytes of the changes not yet committed: the memtable's maps, and each uncommitted block's
     /// key (held once, shared by the queue or the batch and the writer).
     pub(crate) fn uncommitted_bytes(&self) -> usize {
-        self.memtable.bytes()
-            + self.memtable.blocks() * std::mem::size_of::<BlockKey>()
-            + self.queued_engine_bytes
-            + self.taken_engine_bytes
+        self.memtable.bytes() + self.memtable.blocks() * std::mem::size_of::<BlockKey>() + self.queue.engine_bytes()
     }
 
     /// Whether engine batches must wait for the commit thread: their uncommitted rows passed
     /// [`MAX_UNCOMMITTED_ENGINE_BYTES`].
     pub(crate) fn engine_rows_full(&self) -> bool {
-        self.queued_engine_bytes + self.taken_engine_bytes > MAX_UNCOMMITTED_ENGINE_BYTES
+        self.queue.engine_bytes() > MAX_UNCOMMITTED_ENGINE_BYTES
     }
 
     /// Whether an entry of `clock` is live (not yet evicted by 0.1.7's rule).
@@ -238,47 +180,48 @@ impl Front {
                 self.memtable.push(*clock, blocks, *node, self.nodes_per_prefix > 1);
             }
         }
-        self.queued_blocks += queued.blocks();
-        self.queued_engine_bytes += queued.engine_bytes();
-        self.oldest_pending.get_or_insert(queued.at);
         self.queue.push(queued);
+    }
+
+    /// The queue: what the commit thread has not taken yet (read-only; it changes through
+    /// [`Front::push`], [`Front::take`], [`Front::requeue`], [`Front::install`] and
+    /// [`Front::retry_later`]).
+    pub(crate) fn queue(&self) -> &Queue {
+        &self.queue
     }
 
     /// The queue's figures now, numbered: (reading, blocks queued, bytes uncommitted).
     pub(crate) fn queue_figures(&mut self) -> (u64, usize, usize) {
-        self.queue_reading += 1;
-        (self.queue_reading, self.queued_blocks, self.uncommitted_bytes())
+        let bytes = self.uncommitted_bytes();
+        self.queue.figures(bytes)
     }
 
-    /// Takes the queue for the commit thread.
+    /// Takes the queue for the commit thread, freezing the memtable's open map with it.
     pub(crate) fn take(&mut self) -> Vec<Queued> {
-        self.queued_blocks = 0;
-        self.taken_engine_bytes += std::mem::take(&mut self.queued_engine_bytes);
-        self.memtable.seal(self.nodes_per_prefix > 1);
-        std::mem::take(&mut self.queue)
+        self.memtable.freeze(self.nodes_per_prefix > 1);
+        self.queue.take()
     }
 
     /// Puts back `changes` (from a failed commit, oldest first) ahead of what was queued since:
     /// they are still in the memtable and will be retried.
-    pub(crate) fn requeue(&mut self, mut changes: Vec<Queued>) {
-        self.queued_blocks += changes.iter().map(Queued::blocks).sum::<usize>();
-        let bytes = changes.iter().map(Queued::engine_bytes).sum::<usize>();
-        self.queued_engine_bytes += bytes;
-        self.taken_engine_bytes = self.taken_engine_bytes.saturating_sub(bytes);
-        changes.append(&mut self.queue);
-        self.queue = changes;
-        self.oldest_pending = self.queue.first().map(|q| q.at);
+    pub(crate) fn requeue(&mut self, changes: Vec<Queued>) {
+        self.queue.requeue(changes);
+    }
+
+    /// A commit wrote nothing new to install (its changes stay answered from the memtable): the
+    /// commit thread tries again a window from now.
+    pub(crate) fn retry_later(&mut self) {
+        self.queue.retry_later();
     }
 
     /// Installs `view`, a commit of everything the commit thread had taken, and drops the
-    /// memtable's sealed map: every change in it was taken before that commit (a take seals
+    /// memtable's frozen map: every change in it was taken before that commit (a take freezes
     /// the open map, and both happen with the writer held). Returns what is replaced, to drop
     /// outside the lock.
     pub(crate) fn install(&mut self, view: View) -> (Arc<View>, Option<Map>) {
         let old = std::mem::replace(&mut self.view, Arc::new(view));
-        let gone = self.memtable.drop_sealed();
-        self.taken_engine_bytes = 0;
-        self.oldest_pending = self.queue.first().map(|q| q.at);
+        let gone = self.memtable.drop_frozen();
+        self.queue.committed();
         (old, gone)
     }
 }

@@ -1,5 +1,5 @@
 //! The layers of writes an answer reads above the committed view, newest first: a sharing
-//! head's own events not yet back from the stream (`share/pending.rs`), then each batch of the
+//! head's own events not yet back from the stream (`share/own_events.rs`), then each batch of the
 //! memtable, newest first. Each is a [`Layer`]; [`Layers`] is the list one answer reads, built
 //! once per answer under the callers' lock. The one read path (`lookup.rs`) reads every layer
 //! alike and settles what they say with one tie rule ([`settle`]). Nothing is decided from a
@@ -11,12 +11,12 @@ use super::memtable::Map;
 use crate::keys::BlockKey;
 
 /// Node ids from this one up name a layer's own nodes (in its own numbering), never a file's.
-pub(crate) const PENDING_NODES: u32 = 1 << 31;
+pub(crate) const OWN_NODES: u32 = 1 << 31;
 
 /// Clocks from this one up are a sharing head's own events': newer than any a file holds (at
 /// most `MAX_CLOCK`, 2^62), as its events not yet applied are the newest it knows.
 #[cfg_attr(not(feature = "nats"), allow(dead_code))] // a sharing head's own writes only
-pub(crate) const PENDING_CLOCKS: u64 = 1 << 63;
+pub(crate) const OWN_CLOCKS: u64 = 1 << 63;
 
 /// Writes answered above the committed view. Each layer's writes are prefix-closed along a
 /// chain (a `ran` writes every block of its prompt at one clock), so a binary search finds the
@@ -40,7 +40,7 @@ pub(crate) trait Layer {
         false
     }
 
-    /// The name of its node `node` (from [`PENDING_NODES`] up), if it has its own nodes.
+    /// The name of its node `node` (from [`OWN_NODES`] up), if it has its own nodes.
     fn name(&self, _node: u32) -> Option<&str> {
         None
     }
@@ -115,7 +115,7 @@ impl Found {
     /// The one tie rule of every answer, as a sort key (greater wins): the longer; at equal
     /// length the new chain's over 0.1.7's imported entries (which promise no prefix); then the
     /// newer. Newer covers every source: a sharing head's own events (clocks from
-    /// [`PENDING_CLOCKS`]) over the memtable's batches, newest first, over the committed view,
+    /// [`OWN_CLOCKS`]) over the memtable's batches, newest first, over the committed view,
     /// and a claim against an engine's holding by when each was made.
     pub(crate) fn rank(&self) -> (usize, bool, u64) {
         (self.blocks, !self.legacy, self.clock)
@@ -144,7 +144,7 @@ mod tests {
     fn the_longer_wins_then_the_new_chain_then_the_newer() {
         assert_eq!(settle([at(1, 3, 9, false), at(2, 4, 1, false)]), at(2, 4, 1, false), "longer");
         assert_eq!(settle([at(1, 4, 1, false), at(2, 4, 9, false)]), at(2, 4, 9, false), "newer at equal length");
-        let own = at(3, 4, PENDING_CLOCKS, false);
+        let own = at(3, 4, OWN_CLOCKS, false);
         assert_eq!(settle([at(1, 4, 9, false), own]), own, "a head's own event over a committed write");
         assert_eq!(settle([at(1, 4, 1, false), at(2, 4, 9, true)]), at(1, 4, 1, false), "0.1.7's lose a tie");
         assert_eq!(settle([at(1, 4, 9, true), at(2, 5, 1, true)]), at(2, 5, 1, true), "and win by length");

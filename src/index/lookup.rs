@@ -15,7 +15,7 @@
 use std::convert::Infallible;
 
 use super::front::Front;
-use super::layer::{Found, Layers, PENDING_NODES, settle};
+use super::layer::{Found, Layers, OWN_NODES, settle};
 use super::view_read::ViewRead;
 use crate::error::Result;
 use crate::keys::BlockKey;
@@ -72,7 +72,7 @@ pub(crate) type Longest<T> = Option<(T, usize)>;
 /// Who ran `key` last (node id), and when, by the memtable alone: nothing if that is at or
 /// below the callers' eviction floor (evicted, whether the commit thread has removed it yet or
 /// not). A forgotten node's entries are still found: they count for eviction until they go.
-pub(crate) fn pending(front: &Front, key: &BlockKey) -> Option<(u32, u64)> {
+pub(crate) fn in_memtable(front: &Front, key: &BlockKey) -> Option<(u32, u64)> {
     front.memtable.get(key).filter(|&(_, clock)| front.holds(clock))
 }
 
@@ -89,7 +89,7 @@ pub(crate) fn longest(front: &Front, layers: &Layers, keys: &[BlockKey], read: &
 /// of equal clocks, `((node, clock), blocks)` from the first block on: the memtable's runs, then
 /// the view's past them (clocks never increase along a chain).
 pub(crate) fn remembered_runs(front: &Front, keys: &[BlockKey], read: &ViewRead) -> Vec<((u32, u64), u64)> {
-    let probe = |k: &BlockKey| Ok::<_, Infallible>(pending(front, k));
+    let probe = |k: &BlockKey| Ok::<_, Infallible>(in_memtable(front, k));
     let found = search(keys, probe).unwrap_or(None);
     let mut all = runs(keys, found, probe, |&(_, c)| c).unwrap_or_default();
     let mut at = found.map_or(0, |(_, n)| n as u64);
@@ -127,7 +127,7 @@ pub(crate) fn legacy_walk(front: &Front, keys: &[BlockKey], read: &ViewRead) -> 
 /// in its cache. A layer's own nodes' writes are answered (those it no longer answers it does
 /// not give).
 pub(crate) fn answered(front: &Front, layers: &Layers, node: u32, clock: u64) -> bool {
-    if node >= PENDING_NODES {
+    if node >= OWN_NODES {
         return true;
     }
     let forgotten = || front.decided.nodes.name_of(node).is_some_and(|name| layers.forgets(name));

@@ -1,7 +1,7 @@
 //! The memtable: every `ran` not yet committed, answerable by block key. One small entry per
 //! block: the last 8 bytes of its key (already a uniform hash of everything up to it) → the index
 //! of the node that wrote it and the clock of that `ran`. `ran`s go into the open map; when the
-//! commit thread takes the queue, the open map joins the sealed one, which holds everything taken
+//! commit thread takes the queue, the open map joins the frozen one, which holds everything taken
 //! and not yet committed; the commit that holds it drops it whole. So inserts go to a small map,
 //! and forgetting a batch costs nothing per block.
 
@@ -51,7 +51,7 @@ pub(crate) struct Map {
 #[derive(Default)]
 pub(crate) struct Memtable {
     /// What the commit thread has taken and not yet committed: (blocks written, map).
-    sealed: Option<(usize, Map)>,
+    frozen: Option<(usize, Map)>,
     open: Map,
     open_blocks: usize,
     /// A committed batch's map, emptied with its room kept: the next open map. A map a batch,
@@ -211,18 +211,18 @@ impl Memtable {
         self.open_blocks += blocks.len();
     }
 
-    /// Closes the open batch: the commit thread has taken its `ran`s. They join the sealed map
+    /// Closes the open batch: the commit thread has taken its `ran`s. They join the frozen map
     /// of the batch not yet committed, if there is one (the commit thread takes the queue as
     /// it comes, many times a commit): one map a commit, so a lookup that misses reads one or
-    /// two maps, not one per `ran` since the last commit. Everything in the sealed map is
+    /// two maps, not one per `ran` since the last commit. Everything in the frozen map is
     /// committed by the same commit: the takes and the commit all hold the writer's lock.
-    pub(crate) fn seal(&mut self, others: bool) {
+    pub(crate) fn freeze(&mut self, others: bool) {
         if self.open_blocks == 0 {
             return;
         }
         // The next open map starts with the room this one needed: grown from empty, each
         // batch's first `ran`s would rehash it several times.
-        match self.sealed.as_mut() {
+        match self.frozen.as_mut() {
             Some((blocks, map)) => {
                 map.absorb(&mut self.open, others);
                 self.open.earlier = Tails::default();
@@ -233,7 +233,7 @@ impl Memtable {
                 let room = self.open.newest.len().min(MAX_ROOM);
                 let next = self.spare.take().unwrap_or_else(|| Map::with_room(room));
                 let open = std::mem::replace(&mut self.open, next);
-                self.sealed = Some((self.open_blocks, open));
+                self.frozen = Some((self.open_blocks, open));
             }
         }
         self.open_blocks = 0;
@@ -246,7 +246,7 @@ impl Memtable {
         if let Some(&found) = self.open.newest.get(&t) {
             return Some(found);
         }
-        self.sealed.as_ref().and_then(|(_, map)| map.newest.get(&t).copied())
+        self.frozen.as_ref().and_then(|(_, map)| map.newest.get(&t).copied())
     }
 
     /// Every pending write of `key`, (node id, clock), in no order, pushed onto `into`.
@@ -262,16 +262,16 @@ impl Memtable {
 
     /// The batches' maps, oldest first, the open one last.
     pub(crate) fn maps(&self) -> impl Iterator<Item = &Map> {
-        self.sealed.iter().map(|(_, m)| m).chain([&self.open])
+        self.frozen.iter().map(|(_, m)| m).chain([&self.open])
     }
 
-    /// Takes out the sealed map: the commit that holds what it holds is installed. The caller
+    /// Takes out the frozen map: the commit that holds what it holds is installed. The caller
     /// drops it (outside its lock).
-    pub(crate) fn drop_sealed(&mut self) -> Option<Map> {
-        self.sealed.take().map(|(_, map)| map)
+    pub(crate) fn drop_frozen(&mut self) -> Option<Map> {
+        self.frozen.take().map(|(_, map)| map)
     }
 
-    /// Takes back a map [`Memtable::drop_sealed`] gave out, emptied by the caller outside its
+    /// Takes back a map [`Memtable::drop_frozen`] gave out, emptied by the caller outside its
     /// lock, as the next open map; given back (for the caller to drop outside its lock) if one
     /// is kept already, or if its batch used under a quarter of its room (a burst's room is not
     /// held for good).
@@ -290,7 +290,7 @@ impl Memtable {
 
     /// Blocks held, counting each `ran`'s.
     pub(crate) fn blocks(&self) -> usize {
-        self.open_blocks + self.sealed.as_ref().map_or(0, |(n, _)| *n)
+        self.open_blocks + self.frozen.as_ref().map_or(0, |(n, _)| *n)
     }
 }
 
@@ -311,10 +311,10 @@ mod tests {
         let mut memtable = Memtable::default();
         let a = chain(1, 40);
         memtable.push(1, &a, 0, true);
-        memtable.seal(true);
+        memtable.freeze(true);
         memtable.push(2, &a[..20], 1, true);
         memtable.push(3, &a[..10], 2, true);
-        assert_eq!(memtable.get(&a[5]), Some((2, 3)), "the open batch is newer than the sealed one");
+        assert_eq!(memtable.get(&a[5]), Some((2, 3)), "the open batch is newer than the frozen one");
         assert_eq!(memtable.get(&a[15]), Some((1, 2)));
         assert_eq!(memtable.get(&a[30]), Some((0, 1)));
         let mut writes = Vec::new();
@@ -323,35 +323,35 @@ mod tests {
         assert_eq!(writes, vec![(0, 1), (1, 2), (2, 3)], "every node that wrote it, in either batch");
         assert_eq!(memtable.get(&chain(2, 1)[0]), None);
         assert_eq!(memtable.blocks(), 70);
-        assert!(memtable.drop_sealed().is_some(), "batch 1's commit is installed");
+        assert!(memtable.drop_frozen().is_some(), "batch 1's commit is installed");
         assert_eq!(memtable.get(&a[30]), None, "a's own blocks went with its batch");
         assert_eq!(memtable.get(&a[5]), Some((2, 3)), "the open batch stays");
         assert_eq!(memtable.blocks(), 30);
-        assert!(memtable.drop_sealed().is_none(), "an open batch is never dropped");
+        assert!(memtable.drop_frozen().is_none(), "an open batch is never dropped");
         assert_eq!(memtable.get(&a[5]), Some((2, 3)));
-        memtable.seal(true);
-        assert!(memtable.drop_sealed().is_some());
+        memtable.freeze(true);
+        assert!(memtable.drop_frozen().is_some());
         assert_eq!((memtable.get(&a[5]), memtable.blocks()), (None, 0));
     }
 
-    /// Takes before a commit join one sealed map, keeping every node that wrote a key; the
+    /// Takes before a commit join one frozen map, keeping every node that wrote a key; the
     /// commit of the newest drops it whole.
     #[test]
-    fn takes_between_commits_share_one_sealed_map() {
+    fn takes_between_commits_share_one_frozen_map() {
         let mut memtable = Memtable::default();
         let a = chain(3, 12);
         for (clock, node) in [(1, 0), (2, 1), (3, 0), (4, 2)] {
             memtable.push(clock, &a[..(clock as usize * 3)], node, true);
-            memtable.seal(true);
+            memtable.freeze(true);
         }
-        assert!(memtable.sealed.is_some(), "one map a commit");
+        assert!(memtable.frozen.is_some(), "one map a commit");
         assert_eq!(memtable.get(&a[0]), Some((2, 4)));
         assert_eq!(memtable.get(&a[8]), Some((2, 4)));
         let mut writes = Vec::new();
         memtable.writes(&a[0], &mut writes);
         writes.sort_unstable();
         assert_eq!(writes, vec![(0, 3), (1, 2), (2, 4)], "each node once, with its newest write");
-        assert!(memtable.drop_sealed().is_some());
+        assert!(memtable.drop_frozen().is_some());
         assert_eq!(memtable.blocks(), 0);
     }
 
@@ -363,19 +363,19 @@ mod tests {
         let a = chain(7, 300);
         memtable.push(1, &a, 0, true);
         memtable.push(2, &a[..5], 1, true);
-        memtable.seal(true);
-        let Some(mut map) = memtable.drop_sealed() else { panic!("a sealed map") };
+        memtable.freeze(true);
+        let Some(mut map) = memtable.drop_frozen() else { panic!("a frozen map") };
         let used = map.clear();
         assert_eq!(used, 300);
         assert!(map.earlier(&a[0]).is_empty() && map.newest(&a[0]).is_none(), "emptied");
         assert!(memtable.reuse(map, used).is_none(), "kept as the next open map");
         let b = chain(8, 10);
         memtable.push(3, &b, 2, true);
-        memtable.seal(true);
+        memtable.freeze(true);
         assert_eq!(memtable.get(&a[0]), None, "nothing of the committed batch answers");
         assert_eq!(memtable.get(&b[9]), Some((2, 3)));
-        assert!(memtable.spare.is_none(), "the spare became the open map, then the sealed one");
-        let Some(mut sized_for_a) = memtable.drop_sealed() else { panic!("a sealed map") };
+        assert!(memtable.spare.is_none(), "the spare became the open map, then the frozen one");
+        let Some(mut sized_for_a) = memtable.drop_frozen() else { panic!("a frozen map") };
         let used = sized_for_a.clear();
         assert_eq!(used, 10);
         assert!(memtable.reuse(sized_for_a, used).is_some(), "10 keys in room for 300: not kept");
@@ -395,10 +395,10 @@ mod tests {
         memtable.push(1, &a, 0, true);
         let one = memtable.bytes();
         assert!(one >= 200 * std::mem::size_of::<(u64, (u32, u64))>(), "{one} bytes for 200 keys");
-        memtable.seal(true);
+        memtable.freeze(true);
         memtable.push(2, &chain(6, 200), 1, true);
         assert!(memtable.bytes() > one, "two batches hold more than one");
-        let gone = memtable.drop_sealed();
+        let gone = memtable.drop_frozen();
         assert!(gone.is_some());
         assert!(memtable.bytes() < 2 * one + 64, "the committed batch's map went");
     }

@@ -13,6 +13,7 @@ pub(crate) mod lookup;
 pub(crate) mod memtable;
 pub(crate) mod others;
 pub(crate) mod presence;
+pub(crate) mod queue;
 pub(crate) mod read_index;
 pub(crate) mod reader;
 pub(crate) mod view_read;

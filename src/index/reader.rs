@@ -68,7 +68,7 @@ impl Reader {
             capacity: meta.capacity,
             held: Arc::from(Vec::new()),
         };
-        let view = View { generation: 0, tables: Arc::new((prefixes, others)), presence: None, published };
+        let view = View { version: 0, tables: Arc::new((prefixes, others)), presence: None, published };
         let legacy = meta.legacy_entries > 0;
         // Every node a block keeps is read: how many a head keeps is its own setting.
         let others = Mutex::new(OthersCache::of(&view.tables));

@@ -22,8 +22,8 @@ use crate::store::tables::{Entry, table_key};
 
 /// The committed view's part of an answer about one prompt.
 pub(crate) struct ViewRead {
-    /// The generation of the view it was read from.
-    generation: u64,
+    /// The version of the view it was read from.
+    version: u64,
     /// The callers' floor when it was read: entries at or below it were not counted.
     floor: u64,
     /// The chains it is of: the last key and length of the prompt's chain and of its 0.1.7 chain.
@@ -73,21 +73,21 @@ impl ViewRead {
                 None => break,
             }
         }
-        Ok(ViewRead { generation: view.generation, floor, chain: chains(prefix), from, whole, runs, rows, legacy })
+        Ok(ViewRead { version: view.version, floor, chain: chains(prefix), from, whole, runs, rows, legacy })
     }
 
-    /// Whether this read answers for `prefix` on a view of `generation` (the whole view, if
+    /// Whether this read answers for `prefix` on a view of `version` (the whole view, if
     /// `whole`). A read from a later block stays good while the view is the same: the memtable
     /// only grows until a commit replaces the view, and where a raised floor cut its prefix
     /// short, the view's older blocks are cut too.
-    pub(crate) fn is_for(&self, generation: u64, prefix: &Prefix, whole: bool) -> bool {
-        self.generation == generation && self.chain == chains(prefix) && (!whole || self.is_whole())
+    pub(crate) fn is_for(&self, version: u64, prefix: &Prefix, whole: bool) -> bool {
+        self.version == version && self.chain == chains(prefix) && (!whole || self.is_whole())
     }
 
     /// Whether this read still answers under `front`'s lock: the view it was read from is
     /// still the callers', and their floor has not gone below the one it was read with.
     pub(crate) fn fits(&self, front: &Front) -> bool {
-        self.generation == front.view.generation && front.decided.horizon.floor >= self.floor
+        self.version == front.view.version && front.decided.horizon.floor >= self.floor
     }
 
     /// Whether it was read whole (what `warm_nodes` needs).

@@ -1,11 +1,11 @@
 //! `Warm`: the index a head links. Shared by reference (`&self`), `Send + Sync`.
 //!
-//! Two locks, taken in this order when both are held: `back` (redb's writer: the batch, held by
-//! the commit thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero) and
-//! `front` (the decided state, the memtable of uncommitted changes, the queue, the committed view). With a
-//! commit thread, `warmest` and `ran` take only `front`, for microseconds; they never wait for
-//! redb's writer, a commit or an fsync (only for back-pressure, when the commit thread is far
-//! behind).
+//! Its locks and their order: `commit::LOCK_ORDER`. `back` (redb's writer) is held by the commit
+//! thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero; `front` (the
+//! decided state, the memtable of uncommitted changes, the queue, the committed view) by every
+//! call. With a commit thread, `warmest` and `ran` take only `front`, for microseconds; they
+//! never wait for redb's writer, a commit or an fsync (only for back-pressure, when the commit
+//! thread is far behind).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -22,7 +22,8 @@ use super::commit::{
     record_queue,
 };
 use super::decided::Decided;
-use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, Queued, View};
+use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, View};
+use super::queue::Queued;
 use super::layer::{Layer, Layers};
 use super::lookup;
 use super::others::OthersCache;
@@ -182,7 +183,7 @@ impl Warm {
         compact_on_close: bool,
     ) -> Result<Warm> {
         let view =
-            View { generation: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
+            View { version: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
         let others = Mutex::new(OthersCache::of(&view.tables));
         let mut front = Front::new(decided, view, writer.nodes_per_prefix);
         front.engine_grace = engine_grace;
@@ -362,7 +363,7 @@ impl Warm {
             // an import in progress (with a commit thread; without one, it holds the writer).
             let mut waiting: Option<Instant> = None;
             while front.importing
-                || (front.queued_blocks > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
+                || (front.queue().blocks() > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
                     && self.flusher.is_some()
                     && front.failed.is_none()
             {
@@ -372,7 +373,7 @@ impl Warm {
             let waited = waiting.map(|since| since.elapsed());
             // While commits fail, the queue is not added to (it would only grow): with a commit
             // thread at all, without one past the back-pressure bound (each change retries).
-            let full = self.flusher.is_some() || front.queued_blocks > MAX_QUEUED_BLOCKS;
+            let full = self.flusher.is_some() || front.queue().blocks() > MAX_QUEUED_BLOCKS;
             if let Some(failed) = front.failed.as_ref().filter(|_| full) {
                 return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
@@ -383,7 +384,7 @@ impl Warm {
             // A change that decided no effects and acknowledges no stream position has nothing
             // to commit.
             if !effects.is_empty() || position > 0 {
-                let was_idle = front.oldest_pending.is_none();
+                let was_idle = front.queue().oldest().is_none();
                 front.push(Queued { effects, at: Instant::now(), position });
                 if self.flusher.is_some() && was_idle {
                     self.inner.wake.notify_one();
@@ -698,7 +699,7 @@ impl Warm {
             nodes: nodes.all().map(|(name, forgotten)| NodeStats { name: name.to_string(), forgotten }).collect(),
             others: named.saturating_sub(published.entries),
             reclaimable,
-            pending: front.oldest_pending.is_some(),
+            pending: front.queue().oldest().is_some(),
             open_check: self.inner.opened.check,
             upgraded_from: self.inner.opened.upgraded_from,
             recovered_from: self.inner.opened.recovered_from,

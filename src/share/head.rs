@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use super::event::{EVENT_VERSION, Event, Origin, What, WireBatch};
 use super::link::{self, Shared, Status, unix_ns};
 use super::outbox::{Out, Outbox};
-use super::pending::{OwnEvents, OwnView};
+use super::own_events::{OwnEvents, OwnView};
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;

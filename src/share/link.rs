@@ -17,7 +17,7 @@ use futures_util::StreamExt;
 
 use super::event::{Event, What};
 use super::outbox::Outbox;
-use super::pending::OwnEvents;
+use super::own_events::OwnEvents;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
 use crate::index::warm::Warm;

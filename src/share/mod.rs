@@ -5,7 +5,7 @@ mod event;
 mod head;
 mod link;
 mod outbox;
-mod pending;
+mod own_events;
 mod sharing;
 
 pub use head::{ShareStats, SharedWarm, Ticket};

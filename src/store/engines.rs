@@ -1335,7 +1335,7 @@ pub(crate) enum Layout {
 /// [`Error::Corrupted`] for bytes that are not such a row.
 pub(crate) fn decode_row(bytes: &[u8], layout: Layout, clock: u64) -> Result<Row> {
     let corrupt = || Error::Corrupted { detail: "an engine block row does not decode".into() };
-    let mut r = Reader(bytes);
+    let mut r = RowCursor(bytes);
     let flags = r.take::<1>().ok_or_else(corrupt)?[0];
     if layout == Layout::V6 && flags & OFFLOADED != 0 {
         return Err(corrupt());
@@ -1390,9 +1390,9 @@ pub(crate) fn upgrade_row(node: u32, hash: u64, bytes: &[u8]) -> Result<(BlockRo
 }
 
 /// Reads fixed-width fields off the front of a row.
-struct Reader<'a>(&'a [u8]);
+struct RowCursor<'a>(&'a [u8]);
 
-impl<'a> Reader<'a> {
+impl<'a> RowCursor<'a> {
     fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
         let (head, rest) = self.0.split_first_chunk::<N>()?;
         self.0 = rest;

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::engine_replay::{BACKLOG, Engines, simulated, wait_connected};
+use super::engine_replay::{BACKLOG, ReplayEngines, simulated, wait_connected};
 use super::engine_sim::{Publisher, SimEngine};
 use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
 use super::trace::Request;
@@ -173,7 +173,7 @@ pub fn run(
     url: &str,
     requests: &[Request],
     config: &Config,
-    engines: &Engines,
+    engines: &ReplayEngines,
     heads: usize,
 ) -> Result<EngineHeadsReport> {
     if config.nodes == 0 || heads == 0 {
@@ -242,7 +242,7 @@ fn side(
     heads: &[Head],
     requests: &[Request],
     config: &Config,
-    engines: &Engines,
+    engines: &ReplayEngines,
     prompt_tokens: &mut u64,
 ) -> Result<Side> {
     let nodes = config.nodes;

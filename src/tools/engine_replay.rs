@@ -16,7 +16,7 @@ use crate::{
 
 /// The engines of a replay.
 #[derive(Clone, Debug)]
-pub struct Engines {
+pub struct ReplayEngines {
     /// Tokens per engine block (vLLM's default 16).
     pub block: usize,
     /// Engine blocks each engine's cache holds.
@@ -36,17 +36,17 @@ pub struct Engines {
     pub port: Option<u16>,
 }
 
-impl Engines {
-    /// Engine `i`'s fixed ports (events, replays), if [`Engines::port`] is set and they fit.
+impl ReplayEngines {
+    /// Engine `i`'s fixed ports (events, replays), if [`ReplayEngines::port`] is set and they fit.
     pub fn ports(&self, i: usize) -> Option<(u16, u16)> {
         let base = u32::from(self.port?) + 2 * u32::try_from(i).ok()?;
         Some((u16::try_from(base).ok()?, u16::try_from(base + 1).ok()?))
     }
 }
 
-impl Default for Engines {
+impl Default for ReplayEngines {
     fn default() -> Self {
-        Engines {
+        ReplayEngines {
             block: 16,
             cache_blocks: 65_536,
             restart_every: None,
@@ -182,7 +182,7 @@ fn ask(
 /// As [`SimEngine::new`] and [`Publisher::new`].
 pub(super) fn simulated(
     config: &Config,
-    engines: &Engines,
+    engines: &ReplayEngines,
     names: &[String],
 ) -> Result<(Vec<SimEngine>, Vec<Publisher>, Vec<EngineEndpoint>)> {
     let sims = names
@@ -243,7 +243,7 @@ pub fn run(
     ingest_path: &std::path::Path,
     requests: &[Request],
     config: &Config,
-    engines: &Engines,
+    engines: &ReplayEngines,
     mut progress: impl FnMut(usize),
 ) -> Result<EngineReport> {
     let started = Instant::now();

@@ -13,7 +13,7 @@ use crate::replay_report::{
 };
 use clap::Args;
 use superfluid_warm::tools::engine_heads;
-use superfluid_warm::tools::engine_replay::{self, Engines};
+use superfluid_warm::tools::engine_replay::{self, ReplayEngines};
 use superfluid_warm::tools::heads::run_heads;
 use superfluid_warm::tools::replay::{self, Config, Policy};
 use superfluid_warm::tools::trace;
@@ -298,7 +298,7 @@ pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<Exit
     if let Some(blocks) = args.node_cache_blocks.filter(|_| !args.no_index_cache) {
         builder.node_cache_blocks(blocks);
     }
-    let engines = Engines {
+    let engines = ReplayEngines {
         block: args.engine_block as usize,
         cache_blocks: usize::try_from(args.engine_cache_blocks).unwrap_or(usize::MAX),
         restart_every: config.restart_every,

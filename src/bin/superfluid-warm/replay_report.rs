@@ -8,7 +8,7 @@ use crate::format::thousands;
 use serde_json::json;
 use superfluid_warm::DEFAULT_SYNC_WINDOW;
 use superfluid_warm::tools::engine_heads::{self, EngineHeadsReport};
-use superfluid_warm::tools::engine_replay::{EngineReport, Engines};
+use superfluid_warm::tools::engine_replay::{EngineReport, ReplayEngines};
 use superfluid_warm::tools::heads::HeadsReport;
 use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 
@@ -16,7 +16,7 @@ use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, T
 /// these machines (issue 26's figure), for scale beside ours.
 const DYNAMO_BLOCK_OPS_PER_S: f64 = 11.8e6;
 
-pub(crate) fn engines_text(r: &EngineReport, e: &Engines, source: &str) -> String {
+pub(crate) fn engines_text(r: &EngineReport, e: &ReplayEngines, source: &str) -> String {
     let pct = |x: f64| format!("{:.2}%", 100.0 * x);
     let ms = |x: Option<f64>| x.map_or_else(|| "-".to_string(), |v| format!("{:.1} ms", v * 1000.0));
     let lag50 =
@@ -82,7 +82,7 @@ pub(crate) fn engines_text(r: &EngineReport, e: &Engines, source: &str) -> Strin
     text
 }
 
-pub(crate) fn engines_json(r: &EngineReport, e: &Engines, source: &str) -> String {
+pub(crate) fn engines_json(r: &EngineReport, e: &ReplayEngines, source: &str) -> String {
     json!({
         "source": source, "requests": r.requests, "engines": r.load.len(), "engine_block": e.block,
         "engine_cache_blocks": e.cache_blocks, "claimed_share": r.claimed_share(), "cached_share": r.cached_share(),

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use crate::index::layer::{Layer, PENDING_CLOCKS, PENDING_NODES};
+use crate::index::layer::{Layer, OWN_CLOCKS, OWN_NODES};
 use crate::index::memtable::Map;
 use crate::keys::BlockKey;
 
@@ -28,8 +28,8 @@ impl Own {
 #[derive(Default)]
 pub(crate) struct OwnEvents {
     events: VecDeque<Own>,
-    /// The unapplied own `ran`s' writes: node [`PENDING_NODES`] + its index in `names`, clock
-    /// [`PENDING_CLOCKS`] + the event's local number.
+    /// The unapplied own `ran`s' writes: node [`OWN_NODES`] + its index in `names`, clock
+    /// [`OWN_CLOCKS`] + the event's local number.
     writes: Map,
     names: Vec<Arc<str>>,
     ids: HashMap<Arc<str>, u32>,
@@ -40,7 +40,7 @@ pub(crate) struct OwnEvents {
 impl OwnEvents {
     pub(crate) fn ran(&mut self, local: u64, keys: Arc<[BlockKey]>, node: &str) {
         let node = self.id(node);
-        self.writes.put(&keys, node, PENDING_CLOCKS + local, true);
+        self.writes.put(&keys, node, OWN_CLOCKS + local, true);
         self.events.push_back(Own::Ran { local, keys, node });
     }
 
@@ -57,12 +57,12 @@ impl OwnEvents {
         let Some(i) = self.events.iter().position(|e| e.local() == local) else { return };
         match self.events.remove(i) {
             Some(Own::Ran { keys, node, .. }) => {
-                self.writes.remove(&keys, node, PENDING_CLOCKS + local);
+                self.writes.remove(&keys, node, OWN_CLOCKS + local);
                 for older in self.events.iter().take(i) {
                     if let Own::Ran { local: l, keys, node: n } = older
                         && *n == node
                     {
-                        self.writes.restore(keys, node, PENDING_CLOCKS + l);
+                        self.writes.restore(keys, node, OWN_CLOCKS + l);
                     }
                 }
             }
@@ -84,7 +84,7 @@ impl OwnEvents {
         if let Some(&id) = self.ids.get(name) {
             return id;
         }
-        let id = PENDING_NODES.saturating_add(u32::try_from(self.names.len()).unwrap_or(u32::MAX));
+        let id = OWN_NODES.saturating_add(u32::try_from(self.names.len()).unwrap_or(u32::MAX));
         let name: Arc<str> = Arc::from(name);
         self.names.push(Arc::clone(&name));
         self.ids.insert(name, id);
@@ -94,7 +94,7 @@ impl OwnEvents {
     /// Whether a write by `node` at `clock` is hidden by a later own forget of it.
     fn hidden(&self, (node, clock): (u32, u64)) -> bool {
         let Some(name) = self.name(node) else { return false };
-        self.forgets.iter().any(|(f, n)| PENDING_CLOCKS + *f > clock && &**n == name)
+        self.forgets.iter().any(|(f, n)| OWN_CLOCKS + *f > clock && &**n == name)
     }
 }
 
@@ -144,7 +144,7 @@ impl Layer for OwnView {
     }
 
     fn name(&self, node: u32) -> Option<&str> {
-        self.names.get(node.checked_sub(PENDING_NODES)? as usize).map(|n| n.as_ref())
+        self.names.get(node.checked_sub(OWN_NODES)? as usize).map(|n| n.as_ref())
     }
 }
 
@@ -175,7 +175,7 @@ impl Layer for OwnEvents {
     }
 
     fn name(&self, node: u32) -> Option<&str> {
-        self.names.get(node.checked_sub(PENDING_NODES)? as usize).map(|n| n.as_ref())
+        self.names.get(node.checked_sub(OWN_NODES)? as usize).map(|n| n.as_ref())
     }
 }
 

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use redb::{Database, ReadableDatabase, ReadableTable};
 
 use super::front::{Committed, CommittedOthers, Front, MAX_BATCH_BLOCKS, Published};
-use super::queue::Queued;
 use super::others::OthersCache;
 use super::presence::Filters;
+use super::queue::Queued;
 use super::warm::Opened;
 use crate::error::{Error, Result, redb_err};
 use crate::file::lock::HeadLock;
@@ -43,11 +43,12 @@ pub(crate) struct Back {
 /// | 4 | `others`         | the callers' copy of committed others rows        | a copy in or out          |
 /// | 5 | `queue_recorded` | which reading of the queue's figures was recorded | a compare and a store     |
 ///
-/// A sharing head's locks (`share/link.rs`) are taken before `front` or with none of these.
-pub(crate) const LOCK_ORDER: [&str; 5] = ["back", "presence", "front", "others", "queue_recorded"];
-
+/// A sharing head's own locks (`share/link.rs`: `pending` before `outbox`; `status` alone) are
+/// never held while one of these is taken.
+/// Every lock of `Inner` is in this table (a test reads both).
+///
 /// Dropped in this order: the batch and the read view, then redb (which closes the file), then
-/// the sealer (which seals the closed file and lets go of its lock). Its locks: [`LOCK_ORDER`].
+/// the sealer (which seals the closed file and lets go of its lock).
 pub(crate) struct Inner {
     pub back: Mutex<Back>,
     pub front: Mutex<Front>,
@@ -519,5 +520,32 @@ pub(crate) fn flush_loop(inner: &Inner) {
         // A failure is kept by `flush` (in `failed`) for the callers, and retried.
         let _ = flush(inner, how);
         build_presence(inner);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The lock-order table on `Inner` lists every lock `Inner` holds, each once.
+    #[test]
+    fn the_lock_order_table_lists_every_lock_of_inner() {
+        let source = include_str!("commit.rs");
+        let start = source.find("pub(crate) struct Inner {").expect("Inner");
+        let body = source.get(start..).and_then(|s| s.split("\n}\n").next()).expect("its body");
+        let mut fields: Vec<&str> = body
+            .lines()
+            .filter(|l| l.contains(": Mutex<"))
+            .filter_map(|l| l.trim().strip_prefix("pub ")?.split(':').next())
+            .collect();
+        let doc = source.get(..start).and_then(|s| s.rsplit("/// The locks of a `Warm`").next()).expect("the table");
+        let mut listed: Vec<&str> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("/// | ")?.split(" | ").nth(1))
+            .filter_map(|cell| cell.trim().strip_prefix('`')?.strip_suffix('`'))
+            .collect();
+        assert!(fields.len() >= 5, "{fields:?}");
+        assert_eq!(listed.first(), Some(&"back"), "{listed:?}");
+        fields.sort_unstable();
+        listed.sort_unstable();
+        assert_eq!(fields, listed, "every lock of Inner in the table, and nothing else");
     }
 }

@@ -79,12 +79,7 @@ impl View {
 
     /// This view with other figures: the same answers, so the same version.
     pub(crate) fn with_published(&self, published: Published) -> View {
-        View {
-            version: self.version,
-            tables: Arc::clone(&self.tables),
-            presence: self.presence.clone(),
-            published,
-        }
+        View { version: self.version, tables: Arc::clone(&self.tables), presence: self.presence.clone(), published }
     }
 
     pub(crate) fn prefixes(&self) -> &Committed {

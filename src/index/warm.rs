@@ -1,6 +1,6 @@
 //! `Warm`: the index a head links. Shared by reference (`&self`), `Send + Sync`.
 //!
-//! Its locks and their order: `commit::LOCK_ORDER`. `back` (redb's writer) is held by the commit
+//! Its locks and their order: the table on `commit::Inner`. `back` (redb's writer) is held by the commit
 //! thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero; `front` (the
 //! decided state, the memtable of uncommitted changes, the queue, the committed view) by every
 //! call. With a commit thread, `warmest` and `ran` take only `front`, for microseconds; they
@@ -23,11 +23,11 @@ use super::commit::{
 };
 use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, View};
-use super::queue::Queued;
 use super::layer::{Layer, Layers};
 use super::lookup;
 use super::others::OthersCache;
 use super::presence::Filters;
+use super::queue::Queued;
 use super::read_index::ReadIndex;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;

@@ -1,9 +1,9 @@
 //! `Warm`: the index a head links. Shared by reference (`&self`), `Send + Sync`.
 //!
-//! Its locks and their order: the table on `commit::Inner`. `back` (redb's writer) is held by the commit
-//! thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero; `front` (the
-//! decided state, the memtable of uncommitted changes, the queue, the committed view) by every
-//! call. With a commit thread, `warmest` and `ran` take only `front`, for microseconds; they
+//! Its locks and their order: the table on `commit::Inner`. `back` (redb's writer) is held by
+//! the commit thread, `sync`, `stats`, `import_json`, and `ran` when the sync window is zero;
+//! `front` (the decided state, the memtable of uncommitted changes, the queue, the committed
+//! view) by every call. With a commit thread, `warmest` and `ran` take only `front`, for microseconds; they
 //! never wait for redb's writer, a commit or an fsync (only for back-pressure, when the commit
 //! thread is far behind).
 

@@ -61,7 +61,7 @@ pub(crate) fn answer_with<T>(
         #[cfg(test)]
         let _held = super::view_read::probe::held();
         if let Some(out) = answer(&locked, &read) {
-            locked.read = Some(read);
+            locked.keep_read(read);
             return Ok(out);
         }
         whole = true;
@@ -84,7 +84,7 @@ pub(crate) fn view_read(
         let front = front.lock().map_err(|_| Error::Poisoned)?;
         #[cfg(test)]
         let _held = super::view_read::probe::held();
-        let last = front.read.clone().filter(|r| r.is_for(front.view.version, prefix, whole));
+        let last = front.last_read(prefix, whole);
         // Past the memtable's remembered prefix (in memory: found under the lock).
         let from = match whole || last.is_some() {
             true => 0,
@@ -92,7 +92,7 @@ pub(crate) fn view_read(
                 .unwrap_or(None)
                 .map_or(0, |(_, n)| n),
         };
-        (Arc::clone(&front.view), front.decided.horizon.floor, from, last, front.nodes_per_prefix > 1)
+        (Arc::clone(front.view()), front.decided.horizon.floor, from, last, front.nodes_per_prefix > 1)
     };
     if let Some(last) = last {
         return Ok(last);

@@ -236,16 +236,15 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     inner.legacy.store(figures.legacy_entries > 0, Ordering::Relaxed);
     // The figures a commit changed, recorded once the lock is released.
     let recorded = committed_now.then(|| FileFigures::of(&front, &figures, file_bytes));
-    let was_failing = front.failed.is_some();
-    let needed_reopen = front.failed.as_ref().is_some_and(Error::needs_reopen);
+    let (was_failing, needed_reopen) = (front.failed().is_some(), front.failed().is_some_and(Error::needs_reopen));
     // What is replaced is dropped after the lock is released.
     let (result, replaced) = match outcome {
         Ok(Some(committed)) => {
-            front.failed = None;
+            front.commit_succeeded();
             inner.durable_position.store(back.writer.position, Ordering::Release);
             match fresh {
                 Some(tables) => {
-                    let view = front.view.next(|v| {
+                    let view = front.view().next(|v| {
                         v.tables = tables;
                         v.published = figures;
                     });
@@ -268,15 +267,12 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
             }
         }
         Ok(None) => {
-            if front.view.published != figures {
-                let view = front.view.with_published(figures);
-                front.view = Arc::new(view);
-            }
+            front.refigure(figures);
             (Ok(()), None)
         }
         Err(rolled_back) => {
             let RolledBack { error } = *rolled_back;
-            front.failed = Some(error.clone());
+            front.commit_failed(error.clone());
             front.requeue(std::mem::take(&mut back.batch));
             (Err(error), None)
         }
@@ -288,7 +284,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
         // The committed batch's map, emptied outside the callers' lock, is the next open map.
         drop(old_view);
         let used = map.clear();
-        let unused = inner.front.lock().ok().and_then(|mut front| front.memtable.reuse(map, used));
+        let unused = inner.front.lock().ok().and_then(|mut front| front.reuse_map(map, used));
         drop(unused);
     }
     // Recorded and logged with no lock of the callers held.
@@ -412,7 +408,7 @@ fn build_presence(inner: &Inner) {
                 Ok((front, _)) => front,
                 Err(_) => return,
             };
-            if !front.queue().is_empty() || front.closing {
+            if !front.queue().is_empty() || front.closing() {
                 return;
             }
             continue;
@@ -427,8 +423,7 @@ fn build_presence(inner: &Inner) {
         match stepped {
             Ok(Some(whole)) => {
                 if let Ok(mut front) = inner.front.lock() {
-                    let view = front.view.next(|v| v.presence = Some(whole));
-                    front.view = Arc::new(view);
+                    front.change_view(|v| v.presence = Some(whole));
                 }
                 return;
             }
@@ -437,7 +432,7 @@ fn build_presence(inner: &Inner) {
         }
         drop(filters);
         drop(back);
-        if inner.front.lock().map_or(true, |front| !front.queue().is_empty() || front.closing) {
+        if inner.front.lock().map_or(true, |front| !front.queue().is_empty() || front.closing()) {
             return;
         }
     }
@@ -477,20 +472,20 @@ pub(crate) fn flush_loop(inner: &Inner) {
         let how = {
             let Ok(mut front) = inner.front.lock() else { return };
             loop {
-                if front.closing {
+                if front.closing() {
                     return;
                 }
-                if front.failed.is_some() {
+                if front.failed().is_some() {
                     // Retry a failed commit a window later (or sooner, at a caller's sync); a
                     // commit that succeeds, even of nothing, clears the failure.
                     front = match inner.wake.wait_timeout(front, inner.window) {
                         Ok((guard, _)) => guard,
                         Err(_) => return,
                     };
-                    if front.closing {
+                    if front.closing() {
                         return;
                     }
-                    if front.failed.is_some() {
+                    if front.failed().is_some() {
                         break Flush::Commit;
                     }
                     continue;

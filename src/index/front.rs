@@ -91,39 +91,41 @@ impl View {
     }
 }
 
-/// The caller's side.
+/// The caller's side. Its state changes only through its named methods (the decided state
+/// through [`Decided`]'s): the memtable and the queue with a change pushed, taken, requeued or
+/// installed; the view swapped whole; a commit's failure and success; an import; the close.
 pub(crate) struct Front {
     /// What the callers have decided: the one copy.
     pub decided: Decided,
     /// Every change not yet committed, by block key.
-    pub memtable: Memtable,
+    memtable: Memtable,
     /// The last commit: replaced whole, with the memtable maps that commit made redundant
     /// dropped, under this lock, so every `ran` is always in one or the other.
-    pub view: Arc<View>,
+    view: Arc<View>,
     /// Changes the commit thread has not taken yet, and their figures.
     queue: Queue,
     /// Nodes a block keeps.
     pub nodes_per_prefix: usize,
     /// The committed view's part of the last answer (read with no lock held): a `ran` that
     /// follows the `warmest` or `warm_nodes` of its prompt does not read it again.
-    pub read: Option<Arc<ViewRead>>,
+    read: Option<Arc<ViewRead>>,
     /// Set while a change is made with the writer held alone (an import, a cache size): changes
     /// wait for it.
-    pub importing: bool,
+    importing: bool,
     /// The error of the last commit, while none has succeeded since.
-    pub failed: Option<Error>,
+    failed: Option<Error>,
     /// Set when the handle is closing: the commit thread stops.
-    pub closing: bool,
+    closing: bool,
     /// `ran`s on nodes whose engines report what they hold, oldest first: (node, clock, when).
     /// Each is answered as a claim until `engine_grace` has passed (or the engine removed
     /// something since).
-    pub claims: VecDeque<(u32, u64, Instant)>,
+    claims: VecDeque<(u32, u64, Instant)>,
     /// How long a `ran` on such a node is answered before its engine's events confirm it.
-    pub engine_grace: Duration,
+    engine_grace: Duration,
 }
 
 impl Front {
-    pub(crate) fn new(decided: Decided, view: View, nodes_per_prefix: usize) -> Front {
+    pub(crate) fn new(decided: Decided, view: View, nodes_per_prefix: usize, engine_grace: Duration) -> Front {
         Front {
             decided,
             memtable: Memtable::default(),
@@ -135,8 +137,92 @@ impl Front {
             failed: None,
             closing: false,
             claims: VecDeque::new(),
-            engine_grace: DEFAULT_ENGINE_GRACE,
+            engine_grace,
         }
+    }
+
+    /// The committed view answers read.
+    pub(crate) fn view(&self) -> &Arc<View> {
+        &self.view
+    }
+
+    /// Gives the callers the view with `change` made, as its next version (a presence filter
+    /// built or dropped: what answers read changes).
+    pub(crate) fn change_view(&mut self, change: impl FnOnce(&mut View)) {
+        self.view = Arc::new(self.view.next(change));
+    }
+
+    /// Gives the callers the file's figures as of the last flush (the same answers: the same
+    /// version).
+    pub(crate) fn refigure(&mut self, published: Published) {
+        if self.view.published != published {
+            self.view = Arc::new(self.view.with_published(published));
+        }
+    }
+
+    /// The changes not yet committed (read-only: they change through [`Front::push`],
+    /// [`Front::take`] and [`Front::install`]).
+    pub(crate) fn memtable(&self) -> &Memtable {
+        &self.memtable
+    }
+
+    /// Gives back a map [`Front::install`] dropped, emptied outside the lock (`used`: the keys it
+    /// held), as the next open map; returns it if it is not wanted.
+    pub(crate) fn reuse_map(&mut self, map: Map, used: usize) -> Option<Map> {
+        self.memtable.reuse(map, used)
+    }
+
+    /// The committed view's part of the last answer, if it answers for `prefix` on the view now
+    /// (the whole view, if `whole`).
+    pub(crate) fn last_read(&self, prefix: &crate::keys::Prefix, whole: bool) -> Option<Arc<ViewRead>> {
+        self.read.clone().filter(|r| r.is_for(self.view.version, prefix, whole))
+    }
+
+    /// Keeps `read`, the committed view's part of an answer, for the `ran` that follows it.
+    pub(crate) fn keep_read(&mut self, read: Arc<ViewRead>) {
+        self.read = Some(read);
+    }
+
+    /// The error of the last commit, while none has succeeded since.
+    pub(crate) fn failed(&self) -> Option<&Error> {
+        self.failed.as_ref()
+    }
+
+    /// A commit failed with `error`: changes are refused until one succeeds.
+    pub(crate) fn commit_failed(&mut self, error: Error) {
+        self.failed = Some(error);
+    }
+
+    /// A commit succeeded: changes are taken again. Returns the failure it ends, if any.
+    pub(crate) fn commit_succeeded(&mut self) -> Option<Error> {
+        self.failed.take()
+    }
+
+    /// Whether a change is being made with the writer held alone (an import, a cache size):
+    /// other changes wait for it.
+    pub(crate) fn importing(&self) -> bool {
+        self.importing
+    }
+
+    /// Starts (`true`) or ends (`false`) a change made with the writer held alone.
+    pub(crate) fn set_importing(&mut self, importing: bool) {
+        self.importing = importing;
+    }
+
+    /// Whether the handle is closing (the commit thread stops).
+    pub(crate) fn closing(&self) -> bool {
+        self.closing
+    }
+
+    /// Marks the handle closing.
+    pub(crate) fn close(&mut self) {
+        self.closing = true;
+    }
+
+    /// Answers the `ran` just decided on `node`, whose engine reports what it holds, as a claim
+    /// until the engine grace has passed.
+    pub(crate) fn claim(&mut self, node: u32) {
+        self.claims.push_back((node, self.decided.clock, Instant::now()));
     }
 
     /// Ends the claims whose grace window has passed.

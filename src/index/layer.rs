@@ -80,7 +80,7 @@ pub(crate) struct Layers<'a> {
 impl<'a> Layers<'a> {
     /// `own` (a sharing head's own events), then the memtable's batches, newest first.
     pub(crate) fn new(front: &'a Front, own: Option<&'a dyn Layer>) -> Layers<'a> {
-        let mut batches: Vec<Batch<'a>> = front.memtable.maps().map(|map| Batch { map, front }).collect();
+        let mut batches: Vec<Batch<'a>> = front.memtable().maps().map(|map| Batch { map, front }).collect();
         batches.reverse();
         Layers { own, batches }
     }

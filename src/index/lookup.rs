@@ -73,7 +73,7 @@ pub(crate) type Longest<T> = Option<(T, usize)>;
 /// below the callers' eviction floor (evicted, whether the commit thread has removed it yet or
 /// not). A forgotten node's entries are still found: they count for eviction until they go.
 pub(crate) fn in_memtable(front: &Front, key: &BlockKey) -> Option<(u32, u64)> {
-    front.memtable.get(key).filter(|&(_, clock)| front.holds(clock))
+    front.memtable().get(key).filter(|&(_, clock)| front.holds(clock))
 }
 
 /// The longest remembered prefix of `keys`, over the layers (a sharing head's own events not yet
@@ -116,7 +116,7 @@ pub(crate) fn remembered_runs(front: &Front, keys: &[BlockKey], read: &ViewRead)
 pub(crate) fn legacy_walk(front: &Front, keys: &[BlockKey], read: &ViewRead) -> Option<Found> {
     let mut at = 0;
     let found = walk(keys, |key| {
-        let stored = front.memtable.get(key).or_else(|| read.legacy(at));
+        let stored = front.memtable().get(key).or_else(|| read.legacy(at));
         at += 1;
         Ok::<_, Infallible>(stored.filter(|&(node, clock)| front.holds(clock) && !front.decided.nodes.is_retired(node)))
     });

@@ -72,7 +72,7 @@ impl Reader {
         let legacy = meta.legacy_entries > 0;
         // Every node a block keeps is read: how many a head keeps is its own setting.
         let others = Mutex::new(OthersCache::of(&view.tables));
-        let front = Front::new(decided, view, MAX_NODES_PER_PREFIX);
+        let front = Front::new(decided, view, MAX_NODES_PER_PREFIX, crate::DEFAULT_ENGINE_GRACE);
         Ok(Reader { front: Mutex::new(front), others, scheme, legacy, owner: Owner::current(), _snapshot: snapshot })
     }
 }

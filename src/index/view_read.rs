@@ -87,7 +87,7 @@ impl ViewRead {
     /// Whether this read still answers under `front`'s lock: the view it was read from is
     /// still the callers', and their floor has not gone below the one it was read with.
     pub(crate) fn fits(&self, front: &Front) -> bool {
-        self.version == front.view.version && front.decided.horizon.floor >= self.floor
+        self.version == front.view().version && front.decided.horizon.floor >= self.floor
     }
 
     /// Whether it was read whole (what `warm_nodes` needs).

@@ -185,8 +185,7 @@ impl Warm {
         let view =
             View { version: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
         let others = Mutex::new(OthersCache::of(&view.tables));
-        let mut front = Front::new(decided, view, writer.nodes_per_prefix);
-        front.engine_grace = engine_grace;
+        let front = Front::new(decided, view, writer.nodes_per_prefix, engine_grace);
         let inner = Arc::new(Inner {
             others,
             durable_position: AtomicU64::new(writer.position),
@@ -322,7 +321,7 @@ impl Warm {
                     // grace window passes.
                     if let Some(id) = front.decided.nodes.current(node).filter(|&id| front.decided.engines.streams(id))
                     {
-                        front.claims.push_back((id, front.decided.clock, Instant::now()));
+                        front.claim(id);
                     }
                     Ok(Some(((), effects)))
                 },
@@ -362,10 +361,10 @@ impl Warm {
             // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
             let mut waiting: Option<Instant> = None;
-            while front.importing
+            while front.importing()
                 || (front.queue().blocks() > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
                     && self.flusher.is_some()
-                    && front.failed.is_none()
+                    && front.failed().is_none()
             {
                 waiting.get_or_insert_with(Instant::now);
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
@@ -374,7 +373,7 @@ impl Warm {
             // While commits fail, the queue is not added to (it would only grow): with a commit
             // thread at all, without one past the back-pressure bound (each change retries).
             let full = self.flusher.is_some() || front.queue().blocks() > MAX_QUEUED_BLOCKS;
-            if let Some(failed) = front.failed.as_ref().filter(|_| full) {
+            if let Some(failed) = front.failed().filter(|_| full) {
                 return Err(Error::CommitFailed { source: Box::new(failed.clone()) });
             }
             front.expire_claims();
@@ -488,7 +487,7 @@ impl Warm {
     fn change_caches(&self, name: Option<&str>, blocks: Option<u64>, position: u64) -> Result<()> {
         self.in_owner()?;
         let mut back = self.back()?;
-        self.front()?.importing = true;
+        self.front()?.set_importing(true);
         let mut decided = false;
         let changed = self.change_caches_locked(&mut back, (name, blocks, position), &mut decided);
         self.end_alone(changed.is_err() && decided)?;
@@ -538,12 +537,12 @@ impl Warm {
     fn end_alone(&self, undo: bool) -> Result<()> {
         let reloaded = if undo { Some(Decided::load(&self.inner.db, self.inner.scheme)) } else { None };
         let mut front = self.front()?;
-        front.importing = false;
+        front.set_importing(false);
         match reloaded {
             Some(Ok(decided)) => front.decided = decided,
             // What was decided is ahead of the file and cannot be read back: changes are refused
             // (`CommitFailed`, saying to reopen) rather than decided from it.
-            Some(Err(e)) => front.failed = Some(e),
+            Some(Err(e)) => front.commit_failed(e),
             None => {}
         }
         drop(front);
@@ -571,7 +570,7 @@ impl Warm {
         }
         let mut front = self.front()?;
         let mut waiting: Option<Instant> = None;
-        while front.engine_rows_full() && front.failed.is_none() {
+        while front.engine_rows_full() && front.failed().is_none() {
             waiting.get_or_insert_with(Instant::now);
             front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
         }
@@ -619,14 +618,13 @@ impl Warm {
         let mut back = self.back()?;
         // Changes wait for the import; after it, what was decided is read again from the file
         // as the import committed it (with everything before it).
-        self.front()?.importing = true;
+        self.front()?.set_importing(true);
         // The import writes keys no batch carries: the callers read the file until a filter
         // is rebuilt from it.
         *self.inner.presence.lock().map_err(|_| Error::Poisoned)? = Filters::default();
         {
             let mut front = self.front()?;
-            let view = front.view.next(|v| v.presence = None);
-            front.view = Arc::new(view);
+            front.change_view(|v| v.presence = None);
         }
         let mut decided = false;
         let imported = self.import_locked(&mut back, file, &mut decided);
@@ -688,7 +686,7 @@ impl Warm {
         self.in_owner()?;
         flush(&self.inner, Flush::Write)?;
         let front = self.front()?;
-        let (published, nodes) = (&front.view.published, &front.decided.nodes);
+        let (published, nodes) = (&front.view().published, &front.decided.nodes);
         let named: u64 = published.held.iter().sum();
         let reclaimable = published.held.iter().zip(nodes.all()).filter(|(_, (_, gone))| *gone).map(|(h, _)| h).sum();
         Ok(Stats {
@@ -718,7 +716,7 @@ impl Warm {
     fn shutdown(&mut self) -> Result<()> {
         self.in_owner()?;
         if let Ok(mut front) = self.inner.front.lock() {
-            front.closing = true;
+            front.close();
         }
         self.inner.wake.notify_all();
         if let Some(handle) = self.flusher.take() {
@@ -825,9 +823,8 @@ mod presence_tests {
     /// Gives the callers a view with `filter` instead; returns the one it had.
     fn set_filter(warm: &Warm, filter: Option<Arc<Presence>>) -> Result<Option<Arc<Presence>>> {
         let mut front = warm.front()?;
-        let old = front.view.presence.clone();
-        let view = front.view.next(|v| v.presence = filter);
-        front.view = Arc::new(view);
+        let old = front.view().presence.clone();
+        front.change_view(|v| v.presence = filter);
         Ok(old)
     }
 
@@ -852,13 +849,13 @@ mod presence_tests {
             warm.sync()?;
             let started = Instant::now();
             let settling = || {
-                lock_filters(&warm.inner).building.is_some() || warm.front().is_ok_and(|f| f.view.presence.is_none())
+                lock_filters(&warm.inner).building.is_some() || warm.front().is_ok_and(|f| f.view().presence.is_none())
             };
             while settling() && started.elapsed() < Duration::from_secs(5) {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let front = warm.front()?;
-            let Some(filter) = front.view.presence.clone() else { panic!("round {round}: no filter") };
+            let Some(filter) = front.view().presence.clone() else { panic!("round {round}: no filter") };
             let read = warm.inner.db.begin_read().map_err(redb_err("read"))?;
             let table = read.open_table(PREFIXES).map_err(redb_err("table"))?;
             for item in table.iter().map_err(redb_err("iter"))? {
@@ -881,7 +878,7 @@ mod presence_tests {
                 let without = warm.warmest("m", tokens)?;
                 // Unless the commit thread gave the callers a rebuilt filter meanwhile (putting
                 // the old one back would leave them one that misses the keys written since).
-                if warm.front()?.view.presence.is_none() {
+                if warm.front()?.view().presence.is_none() {
                     set_filter(&warm, hold)?;
                 }
                 assert_eq!(with, without, "round {round}: the filter changed an answer");

@@ -14,11 +14,10 @@ use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
 use crate::store::caches::{NodeCacheStats, NodeCaches, each_named_pair};
 use crate::store::codec;
 use crate::store::engines::{EngineStats, read_engines};
-use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, read_meta, read_nodes};
+use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, read_meta, read_registry};
 use crate::store::schema;
 use crate::store::tables::{
-    Entry, GENERATIONS, HELD, LIVE, MEMBER_BYTES, META, NAMESPACES, NODES, OTHERS, PREFIXES, RETIRED, STATE,
-    generation_keys, members,
+    Entry, GENERATIONS, HELD, LIVE, MEMBER_BYTES, META, NAMESPACES, OTHERS, PREFIXES, STATE, generation_keys, members,
 };
 use crate::store::writer::{count, read_floor, read_position};
 use crate::telemetry;
@@ -266,17 +265,7 @@ impl Snapshot {
         })?;
         let meta = read_meta(&meta_table)?.ok_or_else(|| being_created(Error::unknown_format("no meta record")))?;
         schema::check(&meta)?;
-        let nodes = read_nodes(&txn.open_table(NODES).map_err(redb_err("opening nodes"))?)?;
-        // Schema 2 and 3 files (which only a writer upgrades) have neither table.
-        let mut retired = vec![false; nodes.len()];
-        if let Some(table) = optional(txn.open_table(RETIRED))? {
-            for item in table.iter().map_err(redb_err("reading retired nodes"))? {
-                let (id, _) = item.map_err(redb_err("reading retired nodes"))?;
-                if let Some(r) = retired.get_mut(id.value() as usize) {
-                    *r = true;
-                }
-            }
-        }
+        let (nodes, retired) = read_registry(&txn)?;
         let (floor, position) = match optional(txn.open_table(STATE))? {
             Some(table) => (read_floor(&table)?, read_position(&table)?),
             None => (0, 0),

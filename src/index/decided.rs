@@ -19,9 +19,9 @@ use crate::keys::{BlockKey, Namespace};
 use crate::store::caches::NodeCaches;
 use crate::store::effect::Effect;
 use crate::store::engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS, read_engines};
-use crate::store::records::{MAX_CLOCK, read_meta, read_nodes};
-use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODES, RETIRED, STATE};
-use crate::store::writer::{by_node, read_floor};
+use crate::store::records::{MAX_CLOCK, read_meta, read_registry};
+use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE};
+use crate::store::writer::read_floor;
 
 /// Every node incarnation by id (nodes are few, so all of them are kept in memory).
 #[derive(Default)]
@@ -124,19 +124,13 @@ impl Decided {
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
         let newest = generations.last().map_err(redb_err("reading the generations"))?.map_or(0, |(c, _)| c.value());
-        let names = read_nodes(&read.open_table(NODES).map_err(redb_err("reading nodes"))?)?;
+        let (names, retired) = read_registry(read)?;
         let next_node = u32::try_from(names.len()).unwrap_or(u32::MAX);
         // The registry hands out the next id after the node table's; the meta record must agree.
         if next_node != meta.next_node {
             return Err(Error::Corrupted {
                 detail: format!("the node table holds {next_node} nodes, the meta record counts {}", meta.next_node),
             });
-        }
-        let mut retired = vec![false; names.len()];
-        for (id, _) in by_node(&read.open_table(RETIRED).map_err(redb_err("reading retired nodes"))?, next_node)? {
-            if let Some(r) = retired.get_mut(id) {
-                *r = true;
-            }
         }
         let names: Vec<Arc<str>> = names.into_iter().map(Arc::from).collect();
         // The newest live incarnation of each name is its current id.

@@ -153,3 +153,28 @@ pub(crate) fn read_nodes(table: &impl ReadableTable<u32, &'static [u8]>) -> Resu
     }
     Ok(names)
 }
+
+/// The node registry as the file keeps it: each id's name (the node table) and whether that
+/// incarnation is retired (forgotten). A file without a retired table (schema 2 and 3) retires
+/// none. One reading for a head's decided state and a snapshot alike.
+///
+/// # Errors
+/// [`Error::Corrupted`] if the ids are not dense from 0, or a retired row names an id the node
+/// table does not hold; [`Error::Codec`]; [`Error::Storage`].
+pub(crate) fn read_registry(read: &redb::ReadTransaction) -> Result<(Vec<String>, Vec<bool>)> {
+    let names = read_nodes(&read.open_table(super::tables::NODES).map_err(redb_err("reading nodes"))?)?;
+    let mut retired = vec![false; names.len()];
+    let next_node = u32::try_from(names.len()).unwrap_or(u32::MAX);
+    match read.open_table(super::tables::RETIRED) {
+        Ok(table) => {
+            for (id, _) in super::writer::by_node(&table, next_node)? {
+                if let Some(r) = retired.get_mut(id) {
+                    *r = true;
+                }
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => {}
+        Err(e) => return Err(redb_err("reading retired nodes")(e)),
+    }
+    Ok((names, retired))
+}

@@ -14,7 +14,7 @@ use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
 use crate::store::caches::{NodeCacheStats, NodeCaches, each_named_pair};
 use crate::store::codec;
 use crate::store::engines::{EngineStats, read_engines};
-use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, read_meta, read_registry};
+use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, NodeRecords, read_meta, read_registry};
 use crate::store::schema;
 use crate::store::tables::{
     Entry, GENERATIONS, HELD, LIVE, MEMBER_BYTES, META, NAMESPACES, OTHERS, PREFIXES, STATE, generation_keys, members,
@@ -265,7 +265,8 @@ impl Snapshot {
         })?;
         let meta = read_meta(&meta_table)?.ok_or_else(|| being_created(Error::unknown_format("no meta record")))?;
         schema::check(&meta)?;
-        let (nodes, retired) = read_registry(&txn)?;
+        // Retired rows of unknown ids are read past here; a head refuses them.
+        let NodeRecords { names: nodes, retired, .. } = read_registry(&txn)?;
         let (floor, position) = match optional(txn.open_table(STATE))? {
             Some(table) => (read_floor(&table)?, read_position(&table)?),
             None => (0, 0),

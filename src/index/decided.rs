@@ -19,7 +19,7 @@ use crate::keys::{BlockKey, Namespace};
 use crate::store::caches::NodeCaches;
 use crate::store::effect::Effect;
 use crate::store::engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS, read_engines};
-use crate::store::records::{MAX_CLOCK, read_meta, read_registry};
+use crate::store::records::{MAX_CLOCK, NodeRecords, read_meta, read_registry};
 use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE};
 use crate::store::writer::read_floor;
 
@@ -124,7 +124,10 @@ impl Decided {
         // The clock never goes back, whatever the meta record says.
         let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
         let newest = generations.last().map_err(redb_err("reading the generations"))?.map_or(0, |(c, _)| c.value());
-        let (names, retired) = read_registry(read)?;
+        let NodeRecords { names, retired, stray } = read_registry(read)?;
+        if let Some(id) = stray.first() {
+            return Err(Error::Corrupted { detail: format!("node id {id} has a row and no node record") });
+        }
         let next_node = u32::try_from(names.len()).unwrap_or(u32::MAX);
         // The registry hands out the next id after the node table's; the meta record must agree.
         if next_node != meta.next_node {

@@ -154,27 +154,40 @@ pub(crate) fn read_nodes(table: &impl ReadableTable<u32, &'static [u8]>) -> Resu
     Ok(names)
 }
 
-/// The node registry as the file keeps it: each id's name (the node table) and whether that
-/// incarnation is retired (forgotten). A file without a retired table (schema 2 and 3) retires
-/// none. One reading for a head's decided state and a snapshot alike.
+/// The node registry as the file keeps it: each id's name (the node table), whether that
+/// incarnation is retired (forgotten), and the ids of retired rows the node table does not hold
+/// (none in a sound file: a head refuses a file with any, a snapshot reads past them). A file
+/// without a retired table (schema 2 and 3) retires none. One reading for a head's decided state
+/// and a snapshot alike.
 ///
 /// # Errors
-/// [`Error::Corrupted`] if the ids are not dense from 0, or a retired row names an id the node
-/// table does not hold; [`Error::Codec`]; [`Error::Storage`].
-pub(crate) fn read_registry(read: &redb::ReadTransaction) -> Result<(Vec<String>, Vec<bool>)> {
+/// [`Error::Corrupted`] if the ids are not dense from 0; [`Error::Codec`]; [`Error::Storage`].
+pub(crate) fn read_registry(read: &redb::ReadTransaction) -> Result<NodeRecords> {
     let names = read_nodes(&read.open_table(super::tables::NODES).map_err(redb_err("reading nodes"))?)?;
     let mut retired = vec![false; names.len()];
-    let next_node = u32::try_from(names.len()).unwrap_or(u32::MAX);
+    let mut stray = Vec::new();
     match read.open_table(super::tables::RETIRED) {
         Ok(table) => {
-            for (id, _) in super::writer::by_node(&table, next_node)? {
-                if let Some(r) = retired.get_mut(id) {
-                    *r = true;
+            for item in table.iter().map_err(redb_err("reading retired nodes"))? {
+                let (id, _) = item.map_err(redb_err("reading retired nodes"))?;
+                match retired.get_mut(id.value() as usize) {
+                    Some(r) => *r = true,
+                    None => stray.push(id.value()),
                 }
             }
         }
         Err(redb::TableError::TableDoesNotExist(_)) => {}
         Err(e) => return Err(redb_err("reading retired nodes")(e)),
     }
-    Ok((names, retired))
+    Ok(NodeRecords { names, retired, stray })
+}
+
+/// The node registry as [`read_registry`] reads it.
+pub(crate) struct NodeRecords {
+    /// Each id's name.
+    pub names: Vec<String>,
+    /// Whether each id's incarnation is retired.
+    pub retired: Vec<bool>,
+    /// Retired rows of ids the node table does not hold.
+    pub stray: Vec<u32>,
 }

@@ -395,3 +395,26 @@ fn imported_entries_never_count_in_a_node_cache_even_among_others() -> Result<()
     assert_eq!(held(&warm)?, Some(4));
     Ok(())
 }
+
+/// One tie rule for `warmest` and `warm_nodes`: where a node found by 0.1.7's imported entries
+/// ties in length with a node of the new chain, the new chain's comes first in both, whichever
+/// clock is newer (0.1.7's clocks come with its file, and may be past the index's).
+#[test]
+fn an_imported_entry_loses_a_tie_to_the_new_chain_in_warm_nodes_as_in_warmest() -> Result<(), Error> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let json = dir.path().join("warm.json");
+    let prompt: Vec<u32> = (0..256).collect();
+    let mut old = superfluid_warm::tools::baseline::Baseline::kept_in(json.clone(), 1 << 16);
+    for i in 0..20u32 {
+        old.ran("m", &[i + 1000; 256], "elsewhere");
+    }
+    old.ran("m", &prompt, "legacy-node");
+    assert!(old.save() > 0, "0.1.7's file written");
+    let warm = Warm::open(dir.path().join("w.redb"))?;
+    warm.ran("m", &prompt, "new-node")?;
+    warm.import_json(&json)?;
+    let nodes: Vec<String> = warm.warm_nodes("m", &prompt)?.into_iter().map(|h| h.node).collect();
+    assert_eq!(nodes, ["new-node", "legacy-node"], "both hold the whole prompt; the new chain first");
+    assert_eq!(warm.warmest("m", &prompt)?, Some(Hit::new("new-node", 256)));
+    Ok(())
+}

@@ -119,11 +119,8 @@ pub(crate) fn warmest(front: &Front, layers: &Layers, prefix: &Prefix, read: &Vi
         }
         found => found,
     };
-    // What the engines hold, by their events; 0.1.7's imported entries.
-    let legacy = match prefix.legacy.is_empty() {
-        true => None,
-        false => lookup::legacy_walk(front, &prefix.legacy, read),
-    };
+    // What the engines hold, by their events; 0.1.7's imported entries (none without a chain).
+    let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
     let found = settle([claimed, lookup::engine_search(front, &prefix.blocks), legacy]);
     Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, &prefix.blocks, f.blocks)))
 }
@@ -140,10 +137,7 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
     let mut found: Vec<Found> = lookup::warm_nodes(front, layers, &prefix.blocks, read)?;
     // What each engine holds, by its events, and 0.1.7's imported entries: each node once, at
     // what wins by the tie rule.
-    let legacy = match prefix.legacy.is_empty() {
-        true => None,
-        false => lookup::legacy_walk(front, &prefix.legacy, read),
-    };
+    let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
     for other in lookup::engine_depths(front, &prefix.blocks).into_iter().chain(legacy) {
         match found.iter_mut().find(|d| d.node == other.node) {
             Some(d) => *d = settle([Some(*d), Some(other)]).unwrap_or(*d),
@@ -165,7 +159,7 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
 
 /// The name of node `node`: the file's, or a layer's for its own nodes.
 fn node_name(front: &Front, layers: &Layers, node: u32) -> String {
-    match Some(layers).filter(|_| node >= OWN_NODES).and_then(|l| l.name(node)) {
+    match (node >= OWN_NODES).then(|| layers.name(node)).flatten() {
         Some(name) => name.to_string(),
         None => front.decided.nodes.name(node),
     }

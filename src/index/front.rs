@@ -193,9 +193,9 @@ impl Front {
         self.failed = Some(error);
     }
 
-    /// A commit succeeded: changes are taken again. Returns the failure it ends, if any.
-    pub(crate) fn commit_succeeded(&mut self) -> Option<Error> {
-        self.failed.take()
+    /// A commit succeeded: changes are taken again.
+    pub(crate) fn commit_succeeded(&mut self) {
+        self.failed = None;
     }
 
     /// Whether a change is being made with the writer held alone (an import, a cache size):

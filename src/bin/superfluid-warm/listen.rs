@@ -98,12 +98,11 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
             Sink::Own(Arc::new(warm))
         }
     };
-    let status = args.path.clone();
     // The status file is refreshed every --status-every seconds, or every 10 s without lines.
     let refresh = if every.is_zero() { Duration::from_secs(10) } else { every };
     if signals.came(Duration::from_millis(10)) {
         eprintln!("superfluid-warm: stopped while starting (SIGTERM or SIGINT)");
-        write_listen_status(&status, &[], &ListenHealth::default(), false, refresh);
+        write_listen_status(&args.path, &[], &ListenHealth::default(), false, refresh);
         return match sink.close() {
             Some(Err(e)) => Err(e.into()),
             _ => emit(out, &format!("stopped; {} closed cleanly", args.path.display())),
@@ -116,7 +115,7 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
     let listener = Listener::start(watched, &engines, timeout)?;
     let mut health = ListenHealth::default();
     health.look(&sink, args.nats.is_none());
-    write_listen_status(&status, &listener.stats(), &health, true, refresh);
+    write_listen_status(&args.path, &listener.stats(), &health, true, refresh);
     eprintln!("superfluid-warm: listening to {} engine(s) into {}", engines.len(), args.path.display());
     let print = |stats: &[ListenStats], health: &ListenHealth| {
         for s in stats {
@@ -174,7 +173,7 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
         if Instant::now() >= next_refresh {
             next_refresh += refresh;
             let stats = listener.stats();
-            write_listen_status(&status, &stats, &health, true, refresh);
+            write_listen_status(&args.path, &stats, &health, true, refresh);
             if !every.is_zero() {
                 print(&stats, &health);
             }
@@ -184,7 +183,7 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
     // The file at the path is not the one opened: closing the handle closes the old one.
     let gone = file_identity(&args.path) != opened;
     let stats = listener.stop();
-    write_listen_status(&status, &stats, &health, false, refresh);
+    write_listen_status(&args.path, &stats, &health, false, refresh);
     print(&stats, &health);
     // Every listening thread has ended, and with it its handle on the index.
     let closed = sink.close();

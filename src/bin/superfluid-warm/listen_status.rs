@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::listen::ListenHealth;
-use superfluid_warm::{EngineStatus, IndexFile, ListenStats, ListenStatus};
+use superfluid_warm::{EngineStatus, Error, IndexFile, ListenStats, ListenStatus};
 
 /// Writes `listen`'s status file. A failure is said on stderr and does not stop the listener.
 pub(crate) fn write_listen_status(
@@ -36,7 +36,8 @@ pub(crate) fn write_listen_status(
 /// stopped on its own, if it did.
 pub(crate) fn listen_status(path: &Path) -> (Option<String>, Vec<EngineStatus>, Option<String>) {
     match IndexFile::new(path).listen_status() {
-        Ok(None) => (None, Vec::new(), None),
+        // One that cannot be read is taken as none, as before it was a type.
+        Ok(None) | Err(Error::Io { .. }) => (None, Vec::new(), None),
         Err(_) => (Some("its status file does not parse".into()), Vec::new(), None),
         Ok(Some(status)) => (status.down(), status.engines, status.error),
     }

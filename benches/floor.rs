@@ -14,10 +14,10 @@ use std::hint::black_box;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use harness::baseline::Baseline;
+use harness::replay::node_name;
+use harness::trace;
 use redb::{Database, TableDefinition};
-use superfluid_warm::tools::baseline::Baseline;
-use superfluid_warm::tools::replay::node_name;
-use superfluid_warm::tools::trace;
 
 const MODEL: &str = "mooncake-conversation";
 /// The prefix table's key and value types (`docs/design.md`).
@@ -97,7 +97,7 @@ fn main() {
     for run in 0..5 {
         let small = redb_insert(dir.path(), run, 1 << 16);
         let insert = redb_insert(dir.path(), run, 1 << 20);
-        let mut base = Baseline::in_memory(superfluid_warm::tools::baseline::MAX_0_1_7);
+        let mut base = Baseline::in_memory(harness::baseline::MAX_0_1_7);
         let t = Instant::now();
         for (i, p) in prompts.iter().enumerate() {
             black_box(base.warmest(MODEL, p));

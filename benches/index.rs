@@ -9,9 +9,9 @@ use std::time::{Duration, Instant};
 use superfluid_warm::ReadIndex;
 
 use criterion::{Criterion, criterion_group};
-use superfluid_warm::tools::baseline::{Baseline, MAX_0_1_7};
-use superfluid_warm::tools::replay::node_name;
-use superfluid_warm::tools::trace;
+use harness::baseline::{Baseline, MAX_0_1_7};
+use harness::replay::node_name;
+use harness::trace;
 use superfluid_warm::{Namespace, Warm};
 
 const MODEL: &str = "mooncake-conversation";
@@ -102,7 +102,7 @@ fn caller(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::Wall
 fn with_recorder(c: &mut Criterion) {
     let reqs = requests();
     // With the library's buckets, as the binary's exporter keeps them.
-    superfluid_warm::tools::prometheus::builder().expect("buckets").install_recorder().expect("a recorder");
+    harness::prometheus::builder().expect("buckets").install_recorder().expect("a recorder");
     superfluid_warm::describe_metrics();
     let mut group = c.benchmark_group("request (warmest + ran), Mooncake trace");
     caller(&mut group, "superfluid-warm caller, Prometheus recorder installed", &reqs);

@@ -12,8 +12,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use superfluid_warm::ReadIndex;
 
-use superfluid_warm::tools::baseline::Baseline;
-use superfluid_warm::tools::replay::{Timing, node_name};
+use harness::baseline::Baseline;
+use harness::replay::{Timing, node_name};
 use superfluid_warm::{Namespace, OpenCheck, Warm};
 
 const MODEL: &str = "bench";
@@ -250,7 +250,7 @@ fn answer_child(path: &Path, entries: u64) {
     let mut times = Vec::new();
     let mut hits = 0;
     for _ in 0..20_000 {
-        state = superfluid_warm::tools::trace::splitmix64(state);
+        state = harness::trace::splitmix64(state);
         let i = (state % u64::from(n)) as u32;
         let p = warm.prefix(&ns, &prompt(i));
         let t = Instant::now();
@@ -330,8 +330,8 @@ fn threads() {
 /// them as a listening head does (decode, `engine_batch`), closes, and reopens the file: its
 /// peak resident memory is what a head following 8 full engines needs.
 fn engines() {
-    use superfluid_warm::tools::engine_sim::{SimEngine, encode};
-    use superfluid_warm::tools::trace;
+    use harness::engine_sim::{SimEngine, encode};
+    use harness::trace;
     let dir = tempfile::tempdir().expect("tempdir");
     let batches = dir.path().join("batches.bin");
     let requests =

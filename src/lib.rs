@@ -26,10 +26,8 @@
 //!   [`EngineBatch`]es (rmp), for a caller that receives them itself.
 //! - `engines`: with `kv-events`, the ZMQ [`Listener`] that subscribes to engines, replays their
 //!   gaps and applies their batches (libzmq, built by the `zmq` crate).
-//! - `tools`: the 0.1.7 design, request traces and the replay, for the binary, the tests and
-//!   the benches. Hidden from these docs and outside semver: not for production use.
-//! - `cli`: the `superfluid-warm` binary (with `tools` and `nats`). Built from the repository's
-//!   root, the workspace turns it on.
+//! - `cli`: the `superfluid-warm` binary (with `nats` and `engines`). Built from the
+//!   repository's root, the workspace turns it on.
 #![forbid(unsafe_code)]
 #![deny(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
@@ -43,10 +41,6 @@ mod keys;
 mod share;
 mod store;
 mod telemetry;
-
-#[cfg(feature = "tools")]
-#[doc(hidden)]
-pub mod tools;
 
 #[cfg(feature = "engines")]
 pub use engine::listener::{DEFAULT_REPLAY_TIMEOUT, EngineEndpoint, ListenStats, Listener};

@@ -224,7 +224,7 @@ fn v1_prefixes(path: &Path) -> Vec<V1Entry> {
 /// (tenant?, tokens, node), in order.
 fn v2_fixture_prompts() -> Vec<(bool, Vec<u32>, String)> {
     let trace = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/mooncake-conversation.jsonl");
-    let requests = superfluid_warm::tools::trace::read(&trace).expect("the trace");
+    let requests = harness::trace::read(&trace).expect("the trace");
     requests
         .iter()
         .take(40)
@@ -250,14 +250,14 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
     let path = dir.path().join("warm-v2.redb");
     std::fs::copy(&fixture, &path).expect("copy the fixture");
     let prompts = v2_fixture_prompts();
-    let mut model = superfluid_warm::tools::baseline::Baseline::in_memory(1 << 16);
+    let mut model = harness::baseline::Baseline::in_memory(1 << 16);
     let name = |tenant: bool| if tenant { "fixture-model/tenant-a" } else { "fixture-model" };
     for (tenant, tokens, node) in &prompts {
         model.ran(name(*tenant), tokens, node);
     }
     let shared = superfluid_warm::Namespace::new("fixture-model")?;
     let tenant_a = superfluid_warm::Namespace::with_tenant("fixture-model", b"tenant-a")?;
-    let answers = |warm: &Warm, model: &superfluid_warm::tools::baseline::Baseline| -> Result<usize, Error> {
+    let answers = |warm: &Warm, model: &harness::baseline::Baseline| -> Result<usize, Error> {
         let mut hits = 0;
         for (tenant, tokens, _) in &prompts {
             let prefix = warm.prefix(if *tenant { &tenant_a } else { &shared }, tokens);
@@ -316,7 +316,7 @@ fn an_import_past_the_capacity_evicts_and_reports_it() -> Result<(), Error> {
 
 #[test]
 fn after_an_import_evictions_keep_0_1_7s_order_between_old_and_new_entries() -> Result<(), Error> {
-    use superfluid_warm::tools::baseline::Baseline;
+    use harness::baseline::Baseline;
     let dir = tempfile::tempdir().expect("tempdir");
     let capacity = 320;
     let warm = Warm::builder().capacity(capacity).open(dir.path().join("warm.redb"))?;
@@ -404,7 +404,7 @@ fn an_imported_entry_loses_a_tie_to_the_new_chain_in_warm_nodes_as_in_warmest() 
     let dir = tempfile::tempdir().expect("tempdir");
     let json = dir.path().join("warm.json");
     let prompt: Vec<u32> = (0..256).collect();
-    let mut old = superfluid_warm::tools::baseline::Baseline::kept_in(json.clone(), 1 << 16);
+    let mut old = harness::baseline::Baseline::kept_in(json.clone(), 1 << 16);
     for i in 0..20u32 {
         old.ran("m", &[i + 1000; 256], "elsewhere");
     }

@@ -11,7 +11,7 @@ use superfluid_warm::ReadIndex;
 
 use common::backend::{Disk, Op, crash_images};
 use common::{Conversations, Rng, db_path, tempdir, torture, torture_writer};
-use superfluid_warm::tools::baseline::Baseline;
+use harness::baseline::Baseline;
 use superfluid_warm::{Error, Hit, IndexFile, OpenCheck, Snapshot, Warm};
 
 /// Opens (so recovers) the file as a head would, then checks every invariant read-only. Returns
@@ -95,7 +95,7 @@ fn kill_9_at_random_moments_never_loses_a_durable_ran() -> Result<(), Error> {
         let mut prompts = torture::prompts(seed);
         prompts.truncate(survived.max(1));
         for (i, tokens) in prompts.iter().enumerate().take(survived) {
-            model.ran("torture", tokens, &superfluid_warm::tools::replay::node_name(i % 5));
+            model.ran("torture", tokens, &harness::replay::node_name(i % 5));
         }
         if let Some((i, acked_clock)) = last_acked {
             acked_total += 1;
@@ -159,7 +159,7 @@ fn kill_9_during_the_compacting_close_loses_nothing() -> Result<(), Error> {
         let prompts: Vec<Vec<u32>> =
             torture::prompts(seed).iter().take(rans).enumerate().map(|(i, p)| torture::distinct(p, i)).collect();
         for (i, tokens) in prompts.iter().enumerate() {
-            model.ran("torture", tokens, &superfluid_warm::tools::replay::node_name(i % 5));
+            model.ran("torture", tokens, &harness::replay::node_name(i % 5));
         }
         compared += answers_as_the_model(&path, &model, prompts.iter().rev().take(40), round)?;
         if round == 0 {

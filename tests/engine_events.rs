@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::Rng;
-use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine, engine_hash};
+use harness::engine_sim::{Publisher, SimEngine as Engine, engine_hash};
 use superfluid_warm::{
     EngineBatch, EngineEndpoint, EngineEvent, EngineOutcome, EngineStored, Error, Hit, Listener, Medium, Namespace,
     ReadIndex, Warm,

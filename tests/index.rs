@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use superfluid_warm::ReadIndex;
 
 use common::{Conversations, Rng, db_path, tempdir};
-use superfluid_warm::tools::baseline::Baseline;
+use harness::baseline::Baseline;
 use superfluid_warm::{Error, Hit, Snapshot, Warm};
 
 fn as_hit(answer: Option<(&str, usize)>) -> Option<Hit> {

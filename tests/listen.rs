@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::Reaped;
 use common::Rng;
-use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
+use harness::engine_sim::{Publisher, SimEngine as Engine};
 use superfluid_warm::{EngineEndpoint, Error, IndexFile, Listener, ReadIndex, Snapshot, Warm};
 
 /// Waits until the index has applied the engine's last batch (`applied`: the last one it has),

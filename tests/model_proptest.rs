@@ -2,9 +2,9 @@
 
 mod common;
 
+use harness::baseline::Baseline;
 use proptest::prelude::*;
 use superfluid_warm::ReadIndex;
-use superfluid_warm::tools::baseline::Baseline;
 use superfluid_warm::{Hit, Warm};
 
 #[derive(Clone, Debug)]

@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 use common::Reaped;
 use common::Rng;
 use common::nats::{NatsServer, Proxy};
+use harness::engine_sim::{Publisher, SimEngine};
+use harness::replay::{self, Config};
+use harness::trace;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use superfluid_warm::tools::engine_sim::{Publisher, SimEngine};
-use superfluid_warm::tools::replay::{self, Config};
-use superfluid_warm::tools::trace;
 use superfluid_warm::{
     EngineEndpoint, Error, Listener, METRICS, MetricKind, ReadIndex, SharedWarm, Sharing, Warm, describe_metrics,
 };
@@ -47,7 +47,7 @@ impl Write for Logs {
 
 /// A Prometheus builder with the buckets the library asks for.
 fn prometheus() -> PrometheusBuilder {
-    superfluid_warm::tools::prometheus::builder().expect("buckets")
+    harness::prometheus::builder().expect("buckets")
 }
 
 fn observed() -> &'static Observed {

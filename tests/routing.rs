@@ -1,7 +1,7 @@
 //! The replay's routing policy balances load without giving up much warmth.
 
-use superfluid_warm::tools::replay::{self, Config, Policy};
-use superfluid_warm::tools::trace;
+use harness::replay::{self, Config, Policy};
+use harness::trace;
 use superfluid_warm::{Error, Warm};
 
 #[test]

@@ -73,7 +73,7 @@ fn tenants_never_share_a_prefix() -> Result<(), Error> {
 /// as the model still.
 #[test]
 fn back_to_back_over_the_whole_trace_every_answer_is_0_1_7s() -> Result<(), Error> {
-    use superfluid_warm::tools::{baseline::Baseline, trace};
+    use harness::{baseline::Baseline, trace};
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/traces/mooncake-conversation.jsonl");
     let requests = trace::read(std::path::Path::new(path)).expect("the shared trace");
     let dir = tempfile::tempdir().map_err(|e| Error::Io { path: "tmp".into(), source: e.into() })?;

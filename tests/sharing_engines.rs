@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use common::Reaped;
 use common::Rng;
 use common::nats::NatsServer;
-use superfluid_warm::tools::engine_sim::{Publisher, SimEngine as Engine};
+use harness::engine_sim::{Publisher, SimEngine as Engine};
 use superfluid_warm::{
     EngineBlockEntry, EngineEndpoint, EngineStats, Listener, ReadIndex, SharedWarm, Sharing, Snapshot, Warm,
 };

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::nats::NatsServer;
-use superfluid_warm::tools::replay::Config;
-use superfluid_warm::tools::trace;
+use harness::replay::Config;
+use harness::trace;
 use superfluid_warm::{Builder, Error, SharedWarm, Sharing, Warm};
 
 const MODEL: &str = "m";
@@ -58,8 +58,7 @@ fn replay_heads(url: &str) -> (Error, Duration) {
     let dir = tempfile::tempdir().expect("dir");
     let requests = trace::synthetic(100, 10, 42);
     let started = Instant::now();
-    let result =
-        superfluid_warm::tools::heads::run_heads(&builder(), dir.path(), url, &requests, &Config::default(), 2);
+    let result = harness::heads::run_heads(&builder(), dir.path(), url, &requests, &Config::default(), 2);
     match result {
         Ok(r) => panic!("the replay over heads succeeded against {url}: {r:?}"),
         Err(e) => (e, started.elapsed()),
@@ -210,8 +209,8 @@ fn listen_without_a_usable_nats_server_warns_and_exits_non_zero() {
 /// cleanly.
 #[test]
 fn listen_stops_when_its_stream_is_deleted() -> Result<(), Error> {
+    use harness::engine_sim::{Publisher, SimEngine};
     use superfluid_warm::Snapshot;
-    use superfluid_warm::tools::engine_sim::{Publisher, SimEngine};
     let dir = tempfile::tempdir().expect("dir");
     let server = NatsServer::start(&dir.path().join("js"));
     let publisher = Publisher::new(Duration::ZERO)?;

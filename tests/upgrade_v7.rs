@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use common::fixtures::queries;
 use common::upgrade::{check_answers, crash_every_write_of_the_upgrade};
-use superfluid_warm::tools::engine_sim::engine_hash;
-use superfluid_warm::tools::trace;
+use harness::engine_sim::engine_hash;
+use harness::trace;
 use superfluid_warm::{
     EngineBatch, EngineEvent, EngineOutcome, EngineStored, Error, Medium, ReadIndex, Snapshot, Warm,
 };

@@ -11,6 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ $# -gt 0 ] || set -- --trace traces/mooncake-conversation.jsonl
 bin=target/release/superfluid-warm
+replay=target/release/replay
 work=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"' EXIT
 nodes=8
@@ -53,7 +54,7 @@ done
 listen_pid=$!
 sleep 1
 started=$(date +%s)
-"$bin" replay --nodes $nodes --engine-events --engine-port "$engine_port" --metrics "$replay_metrics" \
+"$replay" --nodes $nodes --engine-events --engine-port "$engine_port" --metrics "$replay_metrics" \
   --no-back-to-back "$@" >"$work/replay.out" 2>"$work/replay.log" &
 replay_pid=$!
 # A scrape of listen while the replay runs, linted by Prometheus' own promtool.

@@ -1,5 +1,5 @@
 """The shared Mooncake conversation trace, turned into tokens by the rule every tool of the
-repository uses (``traces/README.md``, ``src/tools/trace.rs``), and a pure-Python model of
+repository uses (``traces/README.md``, ``benches/harness/src/trace.rs``), and a pure-Python model of
 0.1.7's answers to check the index against."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def chain(prompt: npt.NDArray[np.uint32]) -> Iterator[int]:
 
 
 class Model017:
-    """0.1.7's semantics (``src/tools/baseline.rs``): a map from each block of a prefix to the
+    """0.1.7's semantics (``benches/harness/src/baseline.rs``): a map from each block of a prefix to the
     node that last ran it and a clock; ``warmest`` walks the blocks from the first while they
     are known; past ``capacity`` entries, every entry at or below the clock of the oldest
     eighth's boundary is evicted."""

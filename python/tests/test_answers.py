@@ -19,8 +19,8 @@ from mooncake import Model017, naive_node
 Answer = Optional[Tuple[str, int]]
 
 
-def test_the_token_rule_is_the_rust_tools_one() -> None:
-    # Printed by `superfluid_warm::tools::trace::Request::tokens` (the Rust tools) for these
+def test_the_token_rule_is_the_rust_harness_one() -> None:
+    # Printed by `harness::trace::Request::tokens` (the Rust harness) for these
     # requests: length, first four tokens, last token, sum.
     golden = {
         0: (6758, [3793791033, 2433363436, 2539140574, 487265508], 4261017302, 14449076934712),

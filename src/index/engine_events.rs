@@ -142,10 +142,13 @@ impl Warm {
         Ok(())
     }
 
-    /// Where node `node`'s engine stream stands: the last batch applied (its number and publish
-    /// time), if any.
-    #[cfg(all(feature = "nats", feature = "tools", feature = "engines"))]
-    pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
+    /// Where node `node`'s engine stream stands: the last batch applied (its sequence number
+    /// and publish time, in seconds since the Unix epoch), if any. One lookup, where
+    /// [`Warm::engine_stats`] counts every node's blocks.
+    ///
+    /// # Errors
+    /// [`crate::Error::Poisoned`] after a panic in another caller.
+    pub fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
         self.in_owner()?;
         let front = self.front()?;
         let id = front.decided.nodes.current(node);

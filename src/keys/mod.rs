@@ -10,8 +10,6 @@ mod prefix;
 pub(crate) use chain::HASH_SCHEME_V2;
 pub use chain::{BLOCK_TOKENS, BlockKey, HASH_SCHEME, MIN_BLOCKS};
 pub(crate) use chain::{ChainState, Scheme};
-#[cfg(feature = "tools")]
-pub(crate) use legacy::fnv_chain;
 pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};
 pub(crate) use namespace::check_node;
 pub use namespace::{MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, Namespace};

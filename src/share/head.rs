@@ -423,9 +423,12 @@ impl SharedWarm {
         self.shared.warm.engine_stats()
     }
 
-    /// Where node `node`'s engine stream stands in this head's file: the last batch applied.
-    #[cfg(all(feature = "tools", feature = "engines"))]
-    pub(crate) fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
+    /// Where node `node`'s engine stream stands in this head's file
+    /// ([`Warm::engine_position`]).
+    ///
+    /// # Errors
+    /// As [`Warm::engine_position`].
+    pub fn engine_position(&self, node: &str) -> Result<Option<(u64, f64)>> {
         self.shared.warm.engine_position(node)
     }
 

@@ -412,7 +412,6 @@ impl Engines {
     }
 
     /// Where node `node`'s stream stands: the last batch applied (number, publish time).
-    #[cfg(feature = "nats")]
     pub(crate) fn position(&self, node: u32) -> Option<(u64, f64)> {
         let s = self.streams.get(&node)?;
         s.record.last.map(|seq| (seq, s.record.last_ts))

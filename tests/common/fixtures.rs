@@ -52,8 +52,7 @@ fn hit(a: Answer) -> Hit {
 /// Every query recorded in `dir`'s `answers.jsonl` and `legacy-answers.jsonl`.
 pub fn queries(dir: &Path) -> Vec<Query> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let requests =
-        superfluid_warm::tools::trace::read(&root.join("traces/mooncake-conversation.jsonl")).expect("the trace");
+    let requests = harness::trace::read(&root.join("traces/mooncake-conversation.jsonl")).expect("the trace");
     let shared = Namespace::new("fixture-model").expect("namespace");
     let tenant = Namespace::with_tenant("fixture-model", b"tenant-a").expect("namespace");
     let mut out = Vec::new();

@@ -14,7 +14,7 @@ pub struct Rng(pub u64);
 
 impl Rng {
     pub fn next(&mut self) -> u64 {
-        let out = superfluid_warm::tools::trace::splitmix64(self.0);
+        let out = harness::trace::splitmix64(self.0);
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         out
     }

@@ -1,7 +1,7 @@
 //! The torture writer's workload, shared by the writer (`tests/helpers/torture_writer.rs`) and
 //! the tests that check what survived it.
 
-use superfluid_warm::tools::trace;
+use harness::trace;
 
 /// Requests the writer cycles through.
 pub const CYCLE: usize = 5000;

@@ -8,8 +8,8 @@
 use std::io::Write;
 use std::time::Duration;
 
+use harness::replay::node_name;
 use superfluid_warm::Warm;
-use superfluid_warm::tools::replay::node_name;
 
 #[path = "../common/torture.rs"]
 mod torture;

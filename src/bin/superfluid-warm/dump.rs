@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use crate::CliError;
-use crate::format::{emit, hex, thousands};
+use crate::emit;
+use crate::format::{hex, thousands};
 use clap::Args;
 use serde_json::json;
 use superfluid_warm::{DumpEntry, Snapshot};

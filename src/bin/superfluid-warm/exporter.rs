@@ -5,9 +5,8 @@
 use std::io::IsTerminal;
 use std::net::SocketAddr;
 
-use metrics_exporter_prometheus::PrometheusBuilder;
-use superfluid_warm::tools::prometheus;
-use superfluid_warm::{SnapshotStats, describe_metrics};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+use superfluid_warm::{METRICS, SnapshotStats, describe_metrics};
 use tracing_subscriber::EnvFilter;
 
 /// How log lines are written.
@@ -31,9 +30,16 @@ pub fn init_logs(format: LogFormat, default: &str) {
     };
 }
 
-/// The exporter's settings: histograms with the library's buckets.
+/// The exporter's settings: histograms with the buckets the library asks for (so that quantiles
+/// aggregate across heads).
 fn builder() -> Result<PrometheusBuilder, String> {
-    prometheus::builder().map_err(|e| format!("metric buckets: {e}"))
+    METRICS
+        .iter()
+        .filter(|m| !m.buckets.is_empty())
+        .try_fold(PrometheusBuilder::new(), |b, m| {
+            b.set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets)
+        })
+        .map_err(|e| format!("metric buckets: {e}"))
 }
 
 /// Serves `/metrics` in Prometheus' text format on `addr` from a thread of its own, and makes

@@ -1,11 +1,9 @@
-//! What several commands share of how their output is written: a line out, figures with
-//! thousands separators, keys in hex, tier names, and what opening a file did, said on stderr.
+//! What several commands share of how their output is written: figures with thousands
+//! separators, keys in hex, tier names, and what opening a file did, said on stderr. Knows
+//! nothing of the command it is in: the harness's `replay` binary includes this file too.
 
-use std::io::Write;
 use std::path::Path;
-use std::process::ExitCode;
 
-use crate::CliError;
 use superfluid_warm::{Medium, Stats};
 
 /// A medium's name, as vLLM's events spell it.
@@ -16,11 +14,6 @@ pub(crate) fn tier_name(m: Medium) -> &'static str {
         Medium::Storage => "STORAGE",
         _ => "other",
     }
-}
-
-pub(crate) fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, CliError> {
-    writeln!(out, "{text}").map_err(CliError::Output)?;
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Says on stderr what opening the file as a head did besides opening it: recovering a crashed

@@ -4,8 +4,9 @@ use std::io::Write;
 use std::path::Path;
 use std::process::ExitCode;
 
+use crate::emit;
 use crate::exporter::render_stats;
-use crate::format::{emit, thousands, tier_name};
+use crate::format::{thousands, tier_name};
 use crate::listen_status::listen_status;
 use crate::{CliError, UNHEALTHY};
 use serde_json::json;

@@ -8,8 +8,9 @@ use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::emit;
 use crate::exporter::serve_metrics;
-use crate::format::{emit, say_how_opened};
+use crate::format::say_how_opened;
 use crate::listen_status::write_listen_status;
 use crate::{CliError, storage_cause};
 use clap::Args;

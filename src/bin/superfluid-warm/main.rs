@@ -1,4 +1,4 @@
-//! The `superfluid-warm` command: inspect an index, import a 0.1.7 file, replay a workload.
+//! The `superfluid-warm` command: inspect an index, import a 0.1.7 file, follow engines.
 //!
 //! The command line: the only code that knows clap and how output is formatted. This file holds
 //! the options (`Cli`, `Command`), the dispatch, and how errors map to messages and exit codes;
@@ -12,8 +12,6 @@ mod inspect;
 mod listen;
 mod listen_status;
 mod malloc;
-mod replay;
-mod replay_report;
 mod write;
 
 use std::path::PathBuf;
@@ -22,21 +20,19 @@ use std::process::ExitCode;
 use crate::dump::DumpArgs;
 use crate::exporter::{LogFormat, init_logs};
 use crate::listen::ListenArgs;
-use crate::replay::ReplayArgs;
 use clap::{Parser, Subcommand};
 use superfluid_warm::Error;
-use superfluid_warm::tools::trace::TraceError;
 
 /// What every command does with a file a crashed head left, said once.
 const CRASH_RULE: &str = "A file left open by a head that crashed: `dump` and `stats` refuse it and `check` reports \
-it, until it is recovered; the commands that write (`check --repair`, `compact`, `forget`, `import`, `replay --db`) \
+it, until it is recovered; the commands that write (`check --repair`, `compact`, `forget`, `import`, `listen`) \
 recover it to its last commit and say so.";
 
 #[derive(Parser)]
 #[command(
     name = "superfluid-warm",
     version,
-    about = "Which node last ran each prompt prefix: inspect, import, replay",
+    about = "Which node last ran each prompt prefix: inspect, import, follow engines",
     after_help = CRASH_RULE
 )]
 struct Cli {
@@ -101,8 +97,6 @@ enum Command {
         /// The node's name.
         node: String,
     },
-    /// Replays a conversation workload through the index and reports what routing found.
-    Replay(ReplayArgs),
     /// Answers `warm_nodes` for each prompt of a file (one JSON array of token ids a line), from
     /// the index's last commit, whether or not a head has it open.
     Ask {
@@ -136,14 +130,12 @@ enum Command {
     Listen(ListenArgs),
 }
 
-/// What can stop a command: the index's errors, a trace's, a refusal of the command's own, or
-/// the output going away.
+/// What can stop a command: the index's errors, a refusal of the command's own, or the output
+/// going away.
 #[derive(Debug)]
 enum CliError {
     Index(Error),
-    Trace(TraceError),
     Output(std::io::Error),
-    TempDir(std::io::Error),
     /// The command refuses what it was asked (exit 2, like a usage error): the message says why
     /// and what to ask instead.
     Refused(String),
@@ -156,12 +148,6 @@ enum CliError {
 impl From<Error> for CliError {
     fn from(e: Error) -> Self {
         CliError::Index(e)
-    }
-}
-
-impl From<TraceError> for CliError {
-    fn from(e: TraceError) -> Self {
-        CliError::Trace(e)
     }
 }
 
@@ -186,12 +172,16 @@ impl std::fmt::Display for CliError {
                 storage_cause(e)
             ),
             CliError::Index(e) => write!(f, "{e}"),
-            CliError::Trace(e) => write!(f, "{e}"),
             CliError::Output(e) => write!(f, "writing the output: {e}"),
-            CliError::TempDir(e) => write!(f, "cannot make a temporary directory for the index: {e}; pass --db PATH"),
             CliError::Refused(why) | CliError::NotFound(why) | CliError::Stopped(why) => write!(f, "{why}"),
         }
     }
+}
+
+/// Writes a command's output, a line.
+fn emit(out: &mut impl std::io::Write, text: &str) -> Result<ExitCode, CliError> {
+    writeln!(out, "{text}").map_err(CliError::Output)?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// What the storage said underneath a failed write, without the library's advice to its callers.
@@ -243,7 +233,6 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Compact { path } => write::compact(out, &path),
         Command::Import { old, path } => write::import(out, &old, &path),
         Command::Forget { path, node } => write::forget(out, &path, &node),
-        Command::Replay(args) => replay::replay_cmd(out, &args),
         Command::Listen(args) => listen::listen(out, &args),
         Command::Ask { path, model, tenant, prompts, json } => {
             inspect::ask(out, &path, (&model, tenant.as_deref()), &prompts, json)

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::CliError;
-use crate::format::{emit, say_how_opened, say_recovered};
+use crate::emit;
+use crate::format::{say_how_opened, say_recovered};
 use superfluid_warm::{Error, IndexFile, LegacyJson, Snapshot, Warm};
 
 /// An index file that must already be there (a typo must not create one).

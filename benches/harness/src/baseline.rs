@@ -1,13 +1,36 @@
 //! The 0.1.7 design, kept faithfully for comparison: an in-memory `HashMap` of FNV-1a chained
 //! block hashes, eviction by sorting every clock, and a `save` that rewrites the whole JSON file.
-//! The benchmarks and the `replay` report measure it beside [`crate::Warm`] in the same run, and
+//! The benchmarks and the `replay` report measure it beside [`superfluid_warm::Warm`] in the same run, and
 //! the tests use it as the model of the semantics to keep. Not for production use.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, fnv_chain};
-use crate::store::import::WarmJson;
+use serde::{Deserialize, Serialize};
+use superfluid_warm::{BLOCK_TOKENS, MIN_BLOCKS};
+
+/// 0.1.7's `warm.json`: every prefix as (FNV hash, node, clock). 0.1.7's own struct, as the
+/// model keeps 0.1.7's code rather than the index's reading of it.
+#[derive(Serialize, Deserialize)]
+struct WarmJson {
+    prefixes: Vec<(u64, String, u64)>,
+}
+
+/// 0.1.7's chain: FNV-1a 64 of the model, then of every whole block's token bytes
+/// (little-endian), one hash per block. 0.1.7's code, kept apart from the index's own copy
+/// (`keys/legacy.rs`), so that the two are checked against each other.
+pub fn fnv_chain<'a>(model: &str, tokens: &'a [u32]) -> impl Iterator<Item = u64> + 'a {
+    const PRIME: u64 = 0x0000_0100_0000_01B3;
+    let seed = model.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(PRIME));
+    tokens.chunks_exact(BLOCK_TOKENS).scan(seed, |h, block| {
+        for t in block {
+            for b in t.to_le_bytes() {
+                *h = (*h ^ u64::from(b)).wrapping_mul(PRIME);
+            }
+        }
+        Some(*h)
+    })
+}
 
 /// 0.1.7's capacity: prefixes remembered at most.
 pub const MAX_0_1_7: usize = 1 << 16;

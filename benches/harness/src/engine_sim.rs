@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::tools::trace::splitmix64;
-use crate::{EngineBatch, EngineEvent, EngineStored, Error, Medium, Namespace, Result};
+use crate::trace::splitmix64;
+use superfluid_warm::{EngineBatch, EngineEvent, EngineStored, Error, Medium, Namespace, Result};
 
 /// Batches an engine keeps for replays (vLLM's `buffer_steps`).
 pub const REPLAY_BUFFER: usize = 10_000;

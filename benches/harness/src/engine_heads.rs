@@ -9,11 +9,11 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::engine_replay::{BACKLOG, ReplayEngines, simulated, wait_connected};
-use super::engine_sim::{Publisher, SimEngine};
-use super::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
-use super::trace::Request;
-use crate::{
+use crate::engine_replay::{BACKLOG, ReplayEngines, simulated, wait_connected};
+use crate::engine_sim::{Publisher, SimEngine};
+use crate::replay::{Config, Load, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
+use crate::trace::Request;
+use superfluid_warm::{
     BLOCK_TOKENS, Builder, Error, Listener, MIN_BLOCKS, Namespace, ReadIndex, Result, SharedWarm, Sharing, Warm,
 };
 
@@ -136,7 +136,7 @@ impl Head {
         }
     }
 
-    fn ran(&self, prefix: &crate::Prefix, node: &str) -> Result<()> {
+    fn ran(&self, prefix: &superfluid_warm::Prefix, node: &str) -> Result<()> {
         match self {
             Head::Shared(h) => h.ran_prefix(prefix, node).map(drop),
             Head::Alone(h) => h.ran_prefix(prefix, node),
@@ -316,7 +316,7 @@ fn side(
         sims.iter().map(SimEngine::heap_bytes).chain(publishers.iter().map(Publisher::buffered_bytes)).sum();
     out.engines_bytes = engines_bytes as u64;
     let seen: Vec<_> = listeners.into_iter().flat_map(Listener::stop).collect();
-    let worst = |f: fn(&crate::ListenStats) -> Option<f64>| {
+    let worst = |f: fn(&superfluid_warm::ListenStats) -> Option<f64>| {
         seen.iter().filter_map(f).fold(None, |a: Option<f64>, v| Some(a.map_or(v, |a| a.max(v))))
     };
     out.engine_lag = (worst(|s| s.lag_p50), worst(|s| s.lag_p99));

@@ -2,16 +2,16 @@
 //! one view through a NATS JetStream stream, beside the same requests over `H` heads that do
 //! not share (each knows only what it routed).
 
-use crate::ReadIndex;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use superfluid_warm::ReadIndex;
 
-use super::replay::{
+use crate::replay::{
     Config, Load, Policy, choose_among, conversations, imbalance, node_name, nth, nth_mut, prompt, share,
 };
-use super::trace::Request;
-use crate::{Builder, Error, Hit, Namespace, Result, SharedWarm, Sharing, Ticket, Warm};
+use crate::trace::Request;
+use superfluid_warm::{Builder, Error, Hit, Namespace, Result, SharedWarm, Sharing, Ticket, Warm};
 
 /// How long a head waits for a conversation's previous turn to reach it before it routes the
 /// next one without it.

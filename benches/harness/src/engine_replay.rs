@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::engine_sim::{Publisher, SimEngine};
-use super::replay::{Config, Load, Policy, Timing, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
-use super::trace::{Request, splitmix64};
-use crate::{
+use crate::engine_sim::{Publisher, SimEngine};
+use crate::replay::{Config, Load, Policy, Timing, choose_among, imbalance, node_name, nth, nth_mut, prompt, share};
+use crate::trace::{Request, splitmix64};
+use superfluid_warm::{
     BLOCK_TOKENS, EngineBatch, EngineEndpoint, EngineEvent, ListenStats, Listener, MIN_BLOCKS, Namespace, ReadIndex,
     Result, Warm, decode_engine_batch,
 };
@@ -163,7 +163,7 @@ fn ask(
     names: &[String],
     policy: Policy,
     tokens: &[u32],
-) -> Result<(crate::Prefix, Vec<TieredHit>)> {
+) -> Result<(superfluid_warm::Prefix, Vec<TieredHit>)> {
     let prefix = warm.prefix(namespace, tokens);
     let found = match policy {
         Policy::Balanced => warm.warm_nodes_prefix(&prefix)?,
@@ -330,7 +330,7 @@ pub fn run(
         report.block_events += block_events(&batch);
         nth(&publishers, chosen)?.publish(&batch, false)?;
         *nth_mut(&mut sent, chosen)? += 1;
-        all.push((chosen, batch.seq, super::engine_sim::encode(&batch)));
+        all.push((chosen, batch.seq, crate::engine_sim::encode(&batch)));
         load.add(chosen, tokens.len() as u64)?;
         *nth_mut(&mut report.load, chosen)? += tokens.len() as u64;
         report.prompt_tokens += tokens.len() as u64;

@@ -1,29 +1,42 @@
-//! `replay`: its options, and the run they choose (paced beside 0.1.7, on head threads, over
-//! sharing heads, over engines that publish their KV events); `replay_report` writes what it found.
+//! `replay`: replays a conversation workload through the index and reports what routing
+//! found. Its options, and the run they choose (paced beside 0.1.7, on head threads, over
+//! sharing heads, over engines that publish their KV events); `report.rs` writes what it found.
+#![deny(unsafe_code)]
+
+mod report;
+
+// The `superfluid-warm` binary's output helpers (thousands separators, what opening a file did),
+// one copy for both binaries; not every one is used here.
+#[allow(dead_code)]
+#[path = "../../../../../src/bin/superfluid-warm/format.rs"]
+mod format;
 
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use crate::CliError;
-use crate::exporter::serve_metrics;
-use crate::format::{emit, say_how_opened, thousands};
-use crate::replay_report::{
+use crate::format::{say_how_opened, thousands};
+use crate::report::{
     engine_heads_report, engines_json, engines_text, heads_json, heads_text, replay_json, replay_text,
 };
-use clap::Args;
-use superfluid_warm::tools::engine_heads;
-use superfluid_warm::tools::engine_replay::{self, ReplayEngines};
-use superfluid_warm::tools::heads::run_heads;
-use superfluid_warm::tools::replay::{self, Config, Policy};
-use superfluid_warm::tools::trace;
-use superfluid_warm::{DEFAULT_NODES_PER_PREFIX, Error, MAX_CAPACITY, Snapshot, Warm};
+use clap::Parser;
+use harness::engine_heads;
+use harness::engine_replay::{self, ReplayEngines};
+use harness::heads::run_heads;
+use harness::replay::{self, Config, Policy};
+use harness::trace::{self, TraceError};
+use superfluid_warm::{DEFAULT_NODES_PER_PREFIX, Error, MAX_CAPACITY, Snapshot, Warm, describe_metrics};
+use tracing_subscriber::EnvFilter;
 
 /// Most head threads a replay starts.
 const MAX_THREADS: u32 = 256;
 
-#[derive(Args)]
-pub(crate) struct ReplayArgs {
+/// Replays a conversation workload through the index beside 0.1.7's design, and reports what
+/// routing found: the warm share, the load spread, time per request, and (with the options
+/// below) node caches, restarts, heads sharing through NATS, engines publishing KV events.
+#[derive(Parser)]
+#[command(name = "replay", version)]
+struct ReplayArgs {
     /// A Mooncake JSONL trace; without it, a built-in synthetic conversation workload.
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -210,7 +223,7 @@ fn progress(len: usize, label: &'static str) -> indicatif::ProgressBar {
 
 /// Refuses a --capacity or --node-cache-blocks that would change what an existing --db file
 /// records, unless --resize says so: a smaller capacity evicts entries for good.
-fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
+fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), ReplayError> {
     let asks = args.capacity.is_some() || (args.node_cache_blocks.is_some() && !args.no_index_cache);
     if !asks || args.resize || std::fs::metadata(db).map_or(true, |m| m.len() == 0) {
         return Ok(());
@@ -218,7 +231,7 @@ fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
     let snapshot = match Snapshot::open(db) {
         Ok(snapshot) => snapshot,
         Err(Error::CrashedWriter { pid }) => {
-            return Err(CliError::Refused(format!(
+            return Err(ReplayError::Refused(format!(
                 "{} was left open by a head{} that crashed, so its settings cannot be read to compare: recover it \
                  with `superfluid-warm check --repair` first, or add --resize",
                 db.display(),
@@ -235,7 +248,7 @@ fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
         } else {
             "evicting nothing now".to_string()
         };
-        return Err(CliError::Refused(format!(
+        return Err(ReplayError::Refused(format!(
             "{} holds {} entries at capacity {}; --capacity {} would record a new capacity, {effect}: add --resize to \
              change it, or leave --capacity out to keep the file's",
             db.display(),
@@ -246,7 +259,7 @@ fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
     }
     let recorded = snapshot.node_cache_default()?;
     if let Some(asked) = args.node_cache_blocks.filter(|&b| !args.no_index_cache && Some(b) != recorded) {
-        return Err(CliError::Refused(format!(
+        return Err(ReplayError::Refused(format!(
             "{} records {}; --node-cache-blocks {asked} would record a new size for every node (a smaller one \
              forgets what no longer fits): add --resize to change it, or leave it out",
             db.display(),
@@ -256,9 +269,82 @@ fn guard_settings(args: &ReplayArgs, db: &Path) -> Result<(), CliError> {
     Ok(())
 }
 
-pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, CliError> {
+/// What can stop a replay: the index's errors, the trace's, a refused option, or the output
+/// going away.
+#[derive(Debug)]
+enum ReplayError {
+    Index(Error),
+    Trace(TraceError),
+    Output(std::io::Error),
+    TempDir(std::io::Error),
+    /// The options ask for what the replay refuses (exit 2, like a usage error): the message
+    /// says why and what to ask instead.
+    Refused(String),
+}
+
+impl From<Error> for ReplayError {
+    fn from(e: Error) -> Self {
+        ReplayError::Index(e)
+    }
+}
+
+impl From<TraceError> for ReplayError {
+    fn from(e: TraceError) -> Self {
+        ReplayError::Trace(e)
+    }
+}
+
+impl std::fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplayError::Index(e) => write!(f, "{e}"),
+            ReplayError::Trace(e) => write!(f, "{e}"),
+            ReplayError::Output(e) => write!(f, "writing the output: {e}"),
+            ReplayError::TempDir(e) => {
+                write!(f, "cannot make a temporary directory for the index: {e}; pass --db PATH")
+            }
+            ReplayError::Refused(why) => write!(f, "{why}"),
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = ReplayArgs::parse();
+    // Warnings and errors on stderr; `RUST_LOG` (e.g. `superfluid_warm=debug`) for more.
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    match run(&mut std::io::stdout().lock(), &args) {
+        Ok(code) => code,
+        // A reader that went away (`replay | head`) ends the replay quietly, as it asked.
+        Err(ReplayError::Output(e)) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("replay: {e}");
+            ExitCode::from(if matches!(e, ReplayError::Refused(_)) { 2 } else { 1 })
+        }
+    }
+}
+
+/// Writes the report, a line.
+fn emit(out: &mut impl Write, text: &str) -> Result<ExitCode, ReplayError> {
+    writeln!(out, "{text}").map_err(ReplayError::Output)?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Serves `/metrics` in Prometheus' text format on `addr` from a thread of its own, and makes
+/// its recorder the process's.
+fn serve_metrics(addr: std::net::SocketAddr) -> Result<(), String> {
+    harness::prometheus::builder()
+        .map_err(|e| format!("metric buckets: {e}"))?
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    describe_metrics();
+    Ok(())
+}
+
+fn run(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, ReplayError> {
     if let Some(addr) = args.metrics {
-        serve_metrics(addr).map_err(CliError::Refused)?;
+        serve_metrics(addr).map_err(ReplayError::Refused)?;
     }
     let config = args.config();
     let wanted = args.requests.map(|n| usize::try_from(n).unwrap_or(usize::MAX));
@@ -277,7 +363,7 @@ pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<Exit
         workload.truncate(n);
     }
     if workload.is_empty() {
-        return Err(CliError::Refused(format!("{source} holds no request: nothing to replay")));
+        return Err(ReplayError::Refused(format!("{source} holds no request: nothing to replay")));
     }
     // Without --db, the index lives in a temporary directory, removed with it.
     let (path, _temporary) = match &args.db {
@@ -286,7 +372,7 @@ pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<Exit
             (db.clone(), None)
         }
         None => {
-            let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+            let dir = tempfile::tempdir().map_err(ReplayError::TempDir)?;
             (dir.path().join("replay.redb"), Some(dir))
         }
     };
@@ -310,13 +396,13 @@ pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<Exit
         let nodes = args.nodes as usize;
         let Some(specs) = (0..nodes).map(|i| engines.ports(i)).collect::<Option<Vec<_>>>() else {
             let last = u64::from(port) + 2 * u64::from(args.nodes) - 1;
-            return Err(CliError::Refused(format!(
+            return Err(ReplayError::Refused(format!(
                 "--engine-port {port}: {} nodes need ports {port} to {last}, past 65535",
                 args.nodes
             )));
         };
         if args.heads.is_some() {
-            return Err(CliError::Refused(
+            return Err(ReplayError::Refused(
                 "--engine-port: not with --heads (each side drives engines of its own)".into(),
             ));
         }
@@ -327,20 +413,20 @@ pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<Exit
                 format!("--engine {}=tcp://127.0.0.1:{events},replay=tcp://127.0.0.1:{replays}", replay::node_name(i))
             })
             .collect();
-        eprintln!("superfluid-warm: the engines publish where `listen` can follow them:\n  {}", specs.join(" "));
+        eprintln!("replay: the engines publish where `listen` can follow them:\n  {}", specs.join(" "));
     }
     if let (Some(heads), Some(url), true) = (args.heads, args.nats.as_deref(), args.engine_events) {
-        let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+        let dir = tempfile::tempdir().map_err(ReplayError::TempDir)?;
         let r = engine_heads::run(&builder, dir.path(), url, &workload, &config, &engines, heads as usize)?;
         return emit(out, &engine_heads_report(&r, &source, args.json));
     }
     if let (Some(heads), Some(url)) = (args.heads, args.nats.as_deref()) {
-        let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+        let dir = tempfile::tempdir().map_err(ReplayError::TempDir)?;
         let r = run_heads(&builder, dir.path(), url, &workload, &config, heads as usize)?;
         return emit(out, &if args.json { heads_json(&r, &config, &source) } else { heads_text(&r, &config, &source) });
     }
     if args.engine_events {
-        let dir = tempfile::tempdir().map_err(CliError::TempDir)?;
+        let dir = tempfile::tempdir().map_err(ReplayError::TempDir)?;
         let bar = progress(workload.len(), "replaying over engines that publish their KV events");
         let report = engine_replay::run(&path, &dir.path().join("ingest.redb"), &workload, &config, &engines, |i| {
             bar.set_position(i as u64)
@@ -376,7 +462,7 @@ pub(crate) fn replay_cmd(out: &mut impl Write, args: &ReplayArgs) -> Result<Exit
                 Some(parent) => tempfile::tempdir_in(parent),
                 None => tempfile::tempdir(),
             }
-            .map_err(CliError::TempDir)?;
+            .map_err(ReplayError::TempDir)?;
             let warm = builder.open(dir.path().join("back-to-back.redb"))?;
             let bar = progress(workload.len(), "back to back, then 0.1.7 alone");
             let back = replay::back_to_back(&warm, &workload, &config, |i| bar.set_position(i as u64));

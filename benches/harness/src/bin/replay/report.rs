@@ -5,12 +5,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::format::thousands;
+use harness::engine_heads::{self, EngineHeadsReport};
+use harness::engine_replay::{EngineReport, ReplayEngines};
+use harness::heads::HeadsReport;
+use harness::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 use serde_json::json;
 use superfluid_warm::DEFAULT_SYNC_WINDOW;
-use superfluid_warm::tools::engine_heads::{self, EngineHeadsReport};
-use superfluid_warm::tools::engine_replay::{EngineReport, ReplayEngines};
-use superfluid_warm::tools::heads::HeadsReport;
-use superfluid_warm::tools::replay::{self, BackToBack, Config, Policy, Report, Threaded, Timing};
 
 /// Dynamo's KV router applying block events in memory, not durably, on the shared trace on
 /// these machines (issue 26's figure), for scale beside ours.

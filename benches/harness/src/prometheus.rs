@@ -1,5 +1,5 @@
-//! A Prometheus recorder's settings with the library's histogram buckets ([`crate::METRICS`]),
-//! one for the binary's exporter, the tests and the benches.
+//! A Prometheus recorder's settings with the library's histogram buckets ([`superfluid_warm::METRICS`]),
+//! for the replay's `--metrics` and the tests (the binary's exporter folds the same buckets).
 
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 
@@ -9,7 +9,7 @@ use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 /// # Errors
 /// A metric with empty buckets (none is).
 pub fn builder() -> Result<PrometheusBuilder, BuildError> {
-    crate::METRICS.iter().filter(|m| !m.buckets.is_empty()).try_fold(PrometheusBuilder::new(), |b, m| {
+    superfluid_warm::METRICS.iter().filter(|m| !m.buckets.is_empty()).try_fold(PrometheusBuilder::new(), |b, m| {
         b.set_buckets_for_metric(Matcher::Full(m.name.to_string()), m.buckets)
     })
 }

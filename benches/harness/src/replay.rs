@@ -2,18 +2,16 @@
 //! choose a node by a routing policy, record the `ran`. The 0.1.7 design is driven with the same
 //! decisions in the same run, so the two index times compare.
 
-use crate::ReadIndex;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+use superfluid_warm::ReadIndex;
 
-use super::baseline::{Baseline, MAX_0_1_7};
-use super::trace::Request;
-use crate::keys::{BLOCK_TOKENS, fnv_chain};
-use crate::{DEFAULT_SYNC_WINDOW, Error, Namespace, Result, Warm};
+use crate::baseline::{Baseline, MAX_0_1_7, fnv_chain};
+use crate::trace::Request;
+use superfluid_warm::{BLOCK_TOKENS, DEFAULT_SYNC_WINDOW, Error, Namespace, Result, Warm};
 
 /// How the head picks a node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Policy {
     /// Weigh warmth against load (the default, as cache-aware routers do).
     Balanced,
@@ -375,7 +373,7 @@ pub(super) fn choose_among(config: &Config, load: &Load, warm: &[(usize, usize)]
 
 /// What the index answered of a prompt.
 pub(super) struct Answered {
-    pub prefix: crate::Prefix,
+    pub prefix: superfluid_warm::Prefix,
     /// Its warm nodes by index into the replay's names, with the tokens each has warm, longest
     /// first.
     pub found: Vec<(usize, usize)>,
@@ -393,7 +391,7 @@ pub(super) fn ask(
     tokens: &[u32],
 ) -> Result<Answered> {
     let prefix = warm.prefix(namespace, tokens);
-    let hits: Vec<crate::Hit> = match policy {
+    let hits: Vec<superfluid_warm::Hit> = match policy {
         Policy::Balanced => warm.warm_nodes_prefix(&prefix)?,
         Policy::Warmest => warm.warmest_prefix(&prefix)?.into_iter().collect(),
     };
@@ -442,7 +440,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
     // 0.1.7 saves its whole file every sync window of its own time (its durability interval
     // matched to ours), into a directory removed after.
     let save_dir = match config.baseline {
-        true => Some(tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?),
+        true => Some(tempfile::tempdir().map_err(temp_dir_error)?),
         false => None,
     };
     let mut baseline = save_dir.as_ref().map(|d| Baseline::kept_in(d.path().join("warm.json"), MAX_0_1_7));
@@ -463,7 +461,7 @@ pub fn run(warm: &Warm, requests: &[Request], config: &Config, mut progress: imp
             && i > 0
             && i % every == 0
         {
-            let node = (crate::tools::trace::splitmix64(i as u64) % nodes as u64) as usize;
+            let node = (crate::trace::splitmix64(i as u64) % nodes as u64) as usize;
             nth_mut(ran, node)?.clear();
             restarts += 1;
             if config.forget {
@@ -631,7 +629,7 @@ pub fn back_to_back(
     report.bytes_written = written_before.zip(written_bytes()).map(|(a, b)| b.saturating_sub(a));
     report.entries = warm.stats()?.entries;
     if config.baseline {
-        let dir = tempfile::tempdir().map_err(|e| Error::io(std::env::temp_dir(), e))?;
+        let dir = tempfile::tempdir().map_err(temp_dir_error)?;
         let mut model = Baseline::kept_in(dir.path().join("warm.json"), MAX_0_1_7);
         let (mut total, mut saves) = (Duration::ZERO, Saves::default());
         for (tokens, &node) in prompts.iter().zip(&chosen) {
@@ -785,6 +783,12 @@ pub fn run_threads(warm: &Warm, requests: &[Request], config: &Config, threads: 
         None
     };
     Ok(Threaded { threads, report, requests_per_s, baseline_requests_per_s })
+}
+
+/// A temporary directory that could not be made, as the index's I/O error on the temporary
+/// folder.
+fn temp_dir_error(e: std::io::Error) -> Error {
+    Error::Io { path: std::env::temp_dir(), source: std::sync::Arc::new(e) }
 }
 
 #[cfg(test)]

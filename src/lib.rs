@@ -31,6 +31,7 @@
 #![forbid(unsafe_code)]
 #![deny(missing_docs, clippy::unwrap_used, clippy::indexing_slicing)]
 
+mod decided;
 #[cfg(feature = "kv-events")]
 mod engine;
 mod error;
@@ -42,6 +43,8 @@ mod share;
 mod store;
 mod telemetry;
 
+pub use decided::caches::NodeCacheStats;
+pub use decided::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
 #[cfg(feature = "engines")]
 pub use engine::listener::{DEFAULT_REPLAY_TIMEOUT, EngineEndpoint, ListenStats, Listener};
 #[cfg(feature = "kv-events")]
@@ -63,8 +66,6 @@ pub use keys::{
 };
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
-pub use store::caches::NodeCacheStats;
-pub use store::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
 pub use store::import::{ImportReport, LegacyJson};
 pub use store::records::{DEFAULT_CAPACITY, MAX_CAPACITY, MAX_CLOCK, SCHEMA_VERSION};
 pub use store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX};

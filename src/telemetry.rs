@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use metrics::{Unit, counter, gauge, histogram};
 
+use crate::decided::engines::EngineCounts;
 use crate::error::Error;
-use crate::store::engines::EngineCounts;
 
 /// A commit that takes longer than this is logged (warn): the durability promise is a sync
 /// window, and a commit this slow means the disk, not the batch, sets the pace.

@@ -7,12 +7,14 @@ use std::path::Path;
 const ALLOWED: &[(&str, &[&str])] = &[
     ("error", &[]),
     ("keys", &["error"]),
-    ("store", &["error", "keys"]),
-    ("telemetry", &["error", "store"]),
-    ("file", &["error", "keys", "store", "telemetry"]),
-    ("index", &["error", "keys", "store", "file", "telemetry"]),
-    ("share", &["error", "keys", "store", "index", "telemetry"]),
-    ("engine", &["error", "keys", "store", "file", "index", "telemetry"]),
+    // The decided state knows no storage: the store loads it and persists its effects.
+    ("decided", &["error", "keys"]),
+    ("store", &["error", "keys", "decided"]),
+    ("telemetry", &["error", "decided"]),
+    ("file", &["error", "keys", "decided", "store", "telemetry"]),
+    ("index", &["error", "keys", "decided", "store", "file", "telemetry"]),
+    ("share", &["error", "keys", "decided", "store", "index", "telemetry"]),
+    ("engine", &["error", "keys", "decided", "store", "file", "index", "telemetry"]),
 ];
 /// What sits on top and may use anything: `lib.rs`, and the binary (`src/bin/`, a crate of its
 /// own that uses the library through its public API).
@@ -112,6 +114,25 @@ fn no_layer_uses_a_layer_above_it() {
     println!("{checked} files of {} layers, {uses} crate paths", ALLOWED.len());
     assert!(checked > 20 && uses > 50, "the sources were found ({checked} files, {uses} paths)");
     assert!(wrong.is_empty(), "uses against the layering:\n{}", wrong.join("\n"));
+}
+
+/// The decided state decides in memory only: no file of `src/decided/` names redb (outside
+/// comments), so what it decides cannot depend on how, or whether, it was stored.
+#[test]
+fn the_decided_state_knows_no_storage() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/decided");
+    let mut files = Vec::new();
+    sources(&dir, &mut files);
+    assert!(files.len() >= 5, "the decided state's files were found: {files:?}");
+    let mut wrong = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).expect("utf-8 source");
+        let code = text.lines().filter(|l| !l.trim_start().starts_with("//"));
+        for line in code.filter(|l| l.contains("redb")) {
+            wrong.push(format!("{}: {}", file.display(), line.trim()));
+        }
+    }
+    assert!(wrong.is_empty(), "the decided state names storage:\n{}", wrong.join("\n"));
 }
 
 #[test]

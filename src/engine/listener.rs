@@ -9,11 +9,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::subscriber::{Endpoint, MAX_FRAME_BYTES, Message, Subscriber, host_port};
 use super::vllm::decode_engine_batch;
+use crate::decided::engines::{EngineBatch, EngineOutcome};
 use crate::error::{Error, Result};
 use crate::file::owner::Owner;
 use crate::index::engine_events::EngineSink;
 use crate::keys::{Namespace, check_node};
-use crate::store::engines::{EngineBatch, EngineOutcome};
 use crate::telemetry;
 
 /// How long a replay may take before the gap is taken as lost.

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 
 use super::decode::{self, Event, Extra};
+use crate::decided::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
 use crate::error::{Error, Result};
 use crate::keys::Namespace;
-use crate::store::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
 
 /// One batch of vLLM's (or SGLang's) KV cache events as the library's, for
 /// [`crate::Warm::engine_batch`]: `seq` is the message's second frame (8 bytes big-endian),

@@ -9,11 +9,13 @@ use redb::{ConcurrencyMode, ReadOnlyDatabase, ReadTransaction, ReadableDatabase,
 use super::lock;
 use super::seal;
 use super::verify::check_copy;
+use crate::decided::caches::{NodeCacheStats, NodeCaches};
+use crate::decided::engines::EngineStats;
 use crate::error::{Error, Result, open_error, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
-use crate::store::caches::{NodeCacheStats, NodeCaches, each_named_pair};
 use crate::store::codec;
-use crate::store::engines::{EngineStats, read_engines};
+use crate::store::load::read_engines;
+use crate::store::load::{each_named_pair, read_caches};
 use crate::store::records::{MAX_CLOCK, Meta, NamespaceRecord, NodeRecords, read_meta, read_registry};
 use crate::store::schema;
 use crate::store::tables::{
@@ -366,15 +368,14 @@ impl Snapshot {
     /// Each node's cache (`None` before schema 5).
     fn caches(&self) -> Result<Option<NodeCaches>> {
         use crate::store::tables::{NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS};
-        let (Some(clocks), Some(floors), Some(capacity), Some(state)) = (
+        let (Some(_), Some(_), Some(_)) = (
             optional(self.txn.open_table(NODE_CLOCKS))?,
             optional(self.txn.open_table(NODE_FLOORS))?,
             optional(self.txn.open_table(NODE_CAPACITY))?,
-            optional(self.txn.open_table(STATE))?,
         ) else {
             return Ok(None);
         };
-        NodeCaches::load(&clocks, &floors, &capacity, &state, (self.floor, self.meta.next_node)).map(Some)
+        read_caches(&self.txn, self.floor, self.meta.next_node).map(Some)
     }
 
     fn describe(&self, key: BlockKey, entry: Entry, others: Option<&[u8]>) -> DumpEntry {
@@ -433,7 +434,7 @@ impl Snapshot {
     /// # Errors
     /// [`Error::Corrupted`] for a row that does not decode; [`Error::Storage`].
     pub fn visit_engine_blocks(&self, mut visit: impl FnMut(EngineBlockEntry) -> bool) -> Result<()> {
-        crate::store::engines::visit_rows(&self.txn, |node, hash, row| {
+        crate::store::load::visit_rows(&self.txn, |node, hash, row| {
             visit(EngineBlockEntry {
                 node: self.node_name(node),
                 hash,

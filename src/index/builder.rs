@@ -5,14 +5,13 @@ use std::time::Duration;
 
 use redb::{ConcurrencyMode, Database};
 
-use super::decided::Decided;
 use super::front::DEFAULT_ENGINE_GRACE;
 use super::warm::{OpenCheck, Opened, Warm};
 use crate::error::{Error, Result, open_error};
 use crate::file::lock::{HeadLock, retry_while_held};
 use crate::file::seal;
-use crate::store::caches::named_pairs;
 use crate::store::import::{LegacyJson, read_json};
+use crate::store::load::named_pairs;
 use crate::store::records::MAX_CAPACITY;
 use crate::store::schema;
 use crate::store::writer::{DEFAULT_NODES_PER_PREFIX, MAX_NODES_PER_PREFIX, Writer};
@@ -224,7 +223,7 @@ impl Builder {
         // A file whose meta still names a writer was left open by one (this head holds the lock).
         let recovered_from = writer.meta.writer.as_ref().map(|w| w.pid);
         let check = Opened { check, upgraded_from: prepared.upgraded_from, recovered_from };
-        let mut decided = Decided::load(&db, scheme)?;
+        let mut decided = crate::store::load::load_decided(&db, scheme)?;
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.

@@ -4,11 +4,13 @@
 
 use super::front::Front;
 use super::warm::Warm;
+#[cfg(feature = "nats")]
+use crate::decided::engines::Applied;
+use crate::decided::engines::{
+    Cursor, EngineBatch, EngineCounts, EngineOutcome, EngineStats, PART_BLOCKS, ends_within,
+};
 use crate::error::Result;
 use crate::keys::check_node;
-#[cfg(feature = "nats")]
-use crate::store::engines::Applied;
-use crate::store::engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, EngineStats, PART_BLOCKS, ends_within};
 use crate::telemetry;
 
 impl Warm {

@@ -7,14 +7,14 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::decided::Decided;
 use super::memtable::{Map, Memtable};
 use super::presence::Presence;
 use super::queue::{Queue, Queued};
 use super::view_read::ViewRead;
+use crate::decided::Decided;
+use crate::decided::effect::Effect;
 use crate::error::Error;
 use crate::keys::BlockKey;
-use crate::store::effect::Effect;
 
 /// The prefix table as of a commit.
 pub(crate) type Committed = redb::ReadOnlyTable<u128, (u32, u32, u32, u64)>;
@@ -33,7 +33,7 @@ pub(crate) const MAX_UNCOMMITTED_BYTES: usize = 44 << 20;
 
 /// Bytes of engine rows not yet committed above which an engine batch waits for the commit
 /// thread. Lower than [`MAX_UNCOMMITTED_BYTES`]: a head following full engines holds their
-/// blocks in memory as well (`store/engines.rs`), and a commit of this many rows already
+/// blocks in memory as well (`decided/engines/`), and a commit of this many rows already
 /// amortises its sync.
 pub(crate) const MAX_UNCOMMITTED_ENGINE_BYTES: usize = 16 << 20;
 

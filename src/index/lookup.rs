@@ -17,10 +17,10 @@ use std::convert::Infallible;
 use super::front::Front;
 use super::layer::{Found, Layers, OWN_NODES, settle};
 use super::view_read::ViewRead;
+use crate::decided::engines::Medium;
+use crate::decided::node_set::keep;
 use crate::error::Result;
 use crate::keys::BlockKey;
-use crate::store::engines::Medium;
-use crate::store::tables::newest_members;
 
 /// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
 /// nodes holding its last block. Each node's held blocks are prefix-closed (an engine block is
@@ -253,8 +253,7 @@ fn stretches(front: &Front, layers: &Layers, keys: &[BlockKey], read: &ViewRead)
         if let Some(row) = read.row(i) {
             named.extend_from_slice(row);
         }
-        named.retain(|&(_, clock)| front.holds(clock));
-        newest_members(&mut named, front.nodes_per_prefix);
+        keep(&mut named, |clock| front.holds(clock), front.nodes_per_prefix);
         stretches.push((i, named));
     }
     Some(stretches)

@@ -7,8 +7,8 @@
 
 use std::collections::HashMap;
 
+use crate::decided::node_set::add_member;
 use crate::keys::BlockKey;
-use crate::store::tables::add_member;
 
 /// Hashes an memtable key as itself: it is already 8 bytes of a uniform hash, so there is nothing
 /// left to mix.

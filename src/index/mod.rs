@@ -4,10 +4,8 @@
 pub(crate) mod answer;
 pub(crate) mod builder;
 pub(crate) mod commit;
-pub(crate) mod decided;
 pub(crate) mod engine_events;
 pub(crate) mod front;
-pub(crate) mod horizon;
 pub(crate) mod layer;
 pub(crate) mod lookup;
 pub(crate) mod memtable;

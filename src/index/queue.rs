@@ -5,8 +5,8 @@
 
 use std::time::Instant;
 
+use crate::decided::effect::Effect;
 use crate::keys::BlockKey;
-use crate::store::effect::Effect;
 
 /// What an engine effect costs in the queue besides its row's bytes: the effect, and the row's
 /// shared header and allocation.

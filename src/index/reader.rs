@@ -6,7 +6,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use super::answer;
-use super::decided::Decided;
 use super::front::{Front, Published, View};
 use super::layer::Layers;
 use super::others::OthersCache;
@@ -59,7 +58,7 @@ impl Reader {
                 meta.schema
             )));
         }
-        let decided = Decided::read(read, scheme)?;
+        let decided = crate::store::load::read_decided(read, scheme)?;
         let prefixes = read.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
         let others = read.open_table(OTHERS).map_err(redb_err("opening the others"))?;
         let published = Published {

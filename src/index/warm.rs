@@ -21,7 +21,6 @@ use super::commit::{
     Back, Flush, Inner, Sealer, committed, flush, flush_locked, flush_loop, mark_open, published, record_opened,
     record_queue,
 };
-use super::decided::Decided;
 use super::front::{Front, MAX_QUEUED_BLOCKS, MAX_UNCOMMITTED_BYTES, View};
 use super::layer::{Layer, Layers};
 use super::lookup;
@@ -29,14 +28,16 @@ use super::others::OthersCache;
 use super::presence::Filters;
 use super::queue::Queued;
 use super::read_index::ReadIndex;
+use crate::decided::Decided;
+use crate::decided::caches::NodeCacheStats;
+use crate::decided::effect::Effect;
+use crate::decided::engines::Medium;
 use crate::error::{Error, Result};
 use crate::file::lock::HeadLock;
 use crate::file::owner::Owner;
 use crate::keys::{BlockKey, Namespace, Prefix, Scheme, check_node, legacy_key};
-use crate::store::caches::{NodeCacheStats, named_pairs};
-use crate::store::effect::Effect;
-use crate::store::engines::Medium;
 use crate::store::import::{ImportReport, LegacyJson, read_json};
+use crate::store::load::named_pairs;
 use crate::store::records::MAX_CAPACITY;
 use crate::store::writer::Writer;
 use crate::telemetry;
@@ -535,7 +536,8 @@ impl Warm {
     /// if it was decided and then failed, what was decided goes back to what the file holds;
     /// then the callers' changes go on.
     fn end_alone(&self, undo: bool) -> Result<()> {
-        let reloaded = if undo { Some(Decided::load(&self.inner.db, self.inner.scheme)) } else { None };
+        let reloaded =
+            if undo { Some(crate::store::load::load_decided(&self.inner.db, self.inner.scheme)) } else { None };
         let mut front = self.front()?;
         front.set_importing(false);
         match reloaded {
@@ -663,7 +665,7 @@ impl Warm {
         flush_locked(&self.inner, back, Flush::Commit)?;
         // What is live now is the file's: decided again from it, then 0.1.7's eviction to the
         // capacity.
-        let loaded = Decided::load(db, self.inner.scheme)?;
+        let loaded = crate::store::load::load_decided(db, self.inner.scheme)?;
         let before = back.writer.meta.entries;
         let effects = {
             let mut front = self.front()?;

@@ -4,10 +4,10 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::decided::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
 use crate::error::Result;
 use crate::keys::{BlockKey, Namespace};
 use crate::store::codec;
-use crate::store::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
 
 /// The version of the event encoding; an event of another version is skipped by every head.
 pub(crate) const EVENT_VERSION: u32 = 1;

@@ -12,6 +12,7 @@ use super::link::{self, Shared, Status, unix_ns};
 use super::outbox::{Out, Outbox};
 use super::own_events::{OwnEvents, OwnView};
 use super::sharing::Sharing;
+use crate::decided::engines::{Applied, EngineBatch, EngineOutcome, EngineStats, Follows};
 use crate::error::{Error, Result};
 use crate::index::builder::Builder;
 use crate::index::engine_events::EngineSink;
@@ -19,7 +20,6 @@ use crate::index::layer::Layer;
 use crate::index::read_index::ReadIndex;
 use crate::index::warm::{Hit, Stats, Warm, check_node_capacity};
 use crate::keys::{Namespace, Prefix, check_node};
-use crate::store::engines::{Applied, EngineBatch, EngineOutcome, EngineStats, Follows};
 use crate::telemetry;
 
 /// A head's event, as [`SharedWarm::ran`] returns it: another head that has applied it answers

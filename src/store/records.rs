@@ -36,9 +36,7 @@ pub const SCHEMA_VERSION: u32 = SCHEMA_V7;
 pub const DEFAULT_CAPACITY: u64 = 1 << 20;
 /// Most entries a file may be set to keep.
 pub const MAX_CAPACITY: u64 = 1 << 40;
-/// The newest clock a file or an import may hold: a head adds one a `ran`, so a clock past it
-/// could wrap (2^62 leaves room for a million `ran`s a second for 146,000 years).
-pub const MAX_CLOCK: u64 = 1 << 62;
+pub use crate::decided::MAX_CLOCK;
 
 /// The key of the meta record in the meta table.
 pub(crate) const META_KEY: &str = "meta";

@@ -4,7 +4,7 @@
 use redb::{Database, ReadableTableMetadata, TableHandle, WriteTransaction};
 
 use super::codec;
-use super::engines::upgrade_row;
+use crate::decided::engines::upgrade_row;
 use std::collections::BTreeMap;
 
 use redb::ReadableTable;

@@ -46,7 +46,7 @@ pub(crate) const NODE_FLOORS: TableDefinition<u32, u64> = TableDefinition::new("
 /// every incarnation of the name). Schema 5.
 pub(crate) const NODE_CAPACITY: TableDefinition<&str, u64> = TableDefinition::new("node_capacity/v5");
 /// (node id, clock of its store, engine hash) → one block the node's engine holds, as its KV
-/// events said (layout in `super::engines`): its parent's hash, its copies stored and not yet
+/// events said (layout in `decided/engines/row.rs`): its parent's hash, its copies stored and not yet
 /// removed (and of those, the offloaded ones), its tokens, and for a prompt's first block its
 /// namespace. Schema 7.
 pub(crate) const ENGINE_BLOCKS: TableDefinition<(u32, u64, u64), &[u8]> = TableDefinition::new("engine_blocks/v7");
@@ -54,8 +54,8 @@ pub(crate) const ENGINE_BLOCKS: TableDefinition<(u32, u64, u64), &[u8]> = TableD
 /// every copy on the GPU. Read from schema 6 files, and rewritten into [`ENGINE_BLOCKS`] by the
 /// upgrade to schema 7.
 pub(crate) const ENGINE_BLOCKS_V6: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("engine_blocks/v6");
-/// Node id → bincode [`super::engines::StreamRecord`]: where its engine's event stream stands
-/// (the last batch applied, its publish time) and its counts. Schema 6.
+/// Node id → bincode `StreamRecord` (`decided/engines/stream.rs`): where its engine's event
+/// stream stands (the last batch applied, its publish time) and its counts. Schema 6.
 pub(crate) const ENGINE_STREAMS: TableDefinition<u32, &[u8]> = TableDefinition::new("engine_streams/v6");
 /// Node id → bincode [`super::records::NodeRecord`].
 pub(crate) const NODES: TableDefinition<u32, &[u8]> = TableDefinition::new("nodes/v1");
@@ -109,32 +109,6 @@ pub(crate) fn members_row(members: &[(u32, u64)]) -> Vec<u8> {
     row
 }
 
-/// Keeps the `k` newest of `members` (node id, clock): each node once, with its newest clock,
-/// newest first (ties by node id). What a block names, whatever order its writes came in: the
-/// writer stores it, and readers take it of everything they see.
-pub(crate) fn newest_members(members: &mut Vec<(u32, u64)>, k: usize) {
-    if members.first().is_none_or(|first| members.iter().all(|m| m.0 == first.0)) {
-        // One node (the usual block): its newest write.
-        if let Some(newest) = members.iter().copied().max_by_key(|m| m.1) {
-            members.clear();
-            members.push(newest);
-        }
-    } else {
-        members.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-        members.dedup_by_key(|m| m.0);
-        members.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-    }
-    members.truncate(k);
-}
-
-/// Adds `member` to `list`, which holds each node once with its newest clock.
-pub(crate) fn add_member(list: &mut Vec<(u32, u64)>, (node, clock): (u32, u64)) {
-    match list.iter_mut().find(|m| m.0 == node) {
-        Some(m) => m.1 = m.1.max(clock),
-        None => list.push((node, clock)),
-    }
-}
-
 /// One entry of the prefix table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Entry {
@@ -161,25 +135,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_block_names_each_node_once_with_its_newest_clock_whatever_the_order() {
-        let writes = [(3, 5), (1, 9), (3, 7), (2, 2), (1, 4), (4, 8)];
-        for rotation in 0..writes.len() {
-            let mut all: Vec<(u32, u64)> = writes.iter().cycle().skip(rotation).take(writes.len()).copied().collect();
-            newest_members(&mut all, 3);
-            assert_eq!(all, vec![(1, 9), (4, 8), (3, 7)], "rotation {rotation}");
-            let mut listed = Vec::new();
-            for &w in writes.iter().cycle().skip(rotation).take(writes.len()) {
-                add_member(&mut listed, w);
-            }
-            listed.sort_unstable();
-            assert_eq!(listed, vec![(1, 9), (2, 2), (3, 7), (4, 8)]);
-        }
-        let mut one = vec![(5, 1), (5, 3), (5, 2)];
-        newest_members(&mut one, 4);
-        assert_eq!(one, vec![(5, 3)]);
-        let mut none: Vec<(u32, u64)> = Vec::new();
-        newest_members(&mut none, 4);
-        assert!(none.is_empty());
+    fn an_others_row_holds_its_members() {
         let row = members_row(&[(7, 1 << 40), (u32::MAX, 3)]);
         assert_eq!(row.len(), 2 * MEMBER_BYTES);
         assert_eq!(members(&row).collect::<Vec<_>>(), vec![(7, 1 << 40), (u32::MAX, 3)]);

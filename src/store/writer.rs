@@ -10,16 +10,17 @@ use std::sync::Arc;
 use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, WriteTransaction};
 
 use super::codec;
-use super::effect::Effect;
-use super::engines::{BlockRowKey, StreamRecord};
 use super::records::{
     DEFAULT_CAPACITY, Import, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta,
 };
 use super::tables::{
     ENGINE_BLOCKS, ENGINE_STREAMS, Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES,
     NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, POSITION_KEY, PREFIXES, RETIRED,
-    STATE, add_member, members, members_row, newest_members, table_key,
+    STATE, members, members_row, table_key,
 };
+use crate::decided::effect::Effect;
+use crate::decided::engines::{BlockRowKey, StreamRecord};
+use crate::decided::node_set::{add_member, keep};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, Namespace, is_legacy};
 
@@ -783,10 +784,10 @@ fn write_entries(
     Ok(written)
 }
 
-/// A block's others after `w` replaced `old`: the others before, the node it replaced and the
-/// batch's earlier writers, less the new node and any seen at or before `floor` (evicted: each
-/// node of a block ages out by its own clock), each node once with its newest clock, the `k - 1`
-/// newest kept. Which nodes a block names is the same whatever order the writes came in.
+/// A block's others after `w` replaced `old`: of the others before, the node it replaced, the
+/// batch's earlier writers and `w` itself, the nodes [`keep`] keeps (those seen after `floor`,
+/// each once, the `k` newest: each node of a block ages out by its own clock), less `w`'s own.
+/// Which nodes a block names is the same whatever order the writes came in.
 fn change_others(
     others: &mut redb::Table<u128, &[u8]>,
     held: &mut Held,
@@ -800,11 +801,14 @@ fn change_others(
         .map_err(redb_err("reading the others"))?
         .map(|g| members(g.value()).collect())
         .unwrap_or_default();
+    // The one node-set rule, of every write that named the block (the new one the newest); the
+    // new node is the block's own, the rest its others.
     let mut after: Vec<(u32, u64)> = before.clone();
+    after.push((w.entry.node, w.entry.clock));
     after.extend(old.map(|o| (o.node, o.clock)));
     after.extend_from_slice(earlier);
-    after.retain(|&(node, clock)| node != w.entry.node && clock > floor);
-    newest_members(&mut after, k.saturating_sub(1));
+    keep(&mut after, |clock| clock > floor, k);
+    after.retain(|&(node, _)| node != w.entry.node);
     let named_before: BTreeSet<u32> = before.iter().map(|m| m.0).chain(old.map(|o| o.node)).collect();
     let named_after: BTreeSet<u32> = after.iter().map(|m| m.0).chain([w.entry.node]).collect();
     for &gone in named_before.difference(&named_after) {

@@ -9,8 +9,8 @@
 //! keeps less, never more). A (block, node) pair at or below the node's floor is not answered,
 //! wherever it still is; it is reclaimed with its block, as a forgotten node's are.
 //!
-//! One copy, the callers' (`index/decided.rs`): each change is decided there once, and the
-//! rows it changes leave as effects (`effect.rs`) for the writer to persist.
+//! One copy, in the decided state ([`super::Decided`]): each change is decided there once, and
+//! the rows it changes leave as effects (`effect.rs`) for the writer to persist.
 //!
 //! The counts are of blocks the node ran, whether or not a block still names it: a block that
 //! dropped the node (past `nodes_per_prefix`) still takes room in that node's cache, as in an
@@ -20,12 +20,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable};
-
 use super::effect::Effect;
-use super::tables::{Entry, NODE_CACHE_KEY, OTHERS, PREFIXES, members};
-use crate::error::{Error, Result, redb_err};
-use crate::keys::is_legacy;
+use crate::error::{Error, Result};
 
 /// A node's cache as the index keeps it (`Stats::node_caches`, `SnapshotStats::node_caches`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,19 +65,19 @@ pub(crate) struct NodeCaches {
 }
 
 impl NodeCaches {
-    /// The caches of a file as committed.
+    /// The caches of a file as committed, from its rows (read by `store/load.rs`): per (node,
+    /// clock) the blocks held, each node's floor, the capacities by name, and the default size.
     ///
     /// # Errors
-    /// [`Error::Storage`]; [`Error::Corrupted`] for a count of 0 or a node id the file never
-    /// handed out.
-    pub(crate) fn load(
-        clocks: &impl ReadableTable<(u32, u64), u64>,
-        floors: &impl ReadableTable<u32, u64>,
-        capacity: &impl ReadableTable<&'static str, u64>,
-        state: &impl ReadableTable<&'static str, u64>,
+    /// The first error of the rows; [`Error::Corrupted`] for a count of 0 or a node id the file
+    /// never handed out.
+    pub(crate) fn from_rows(
+        clocks: impl IntoIterator<Item = Result<((u32, u64), u64)>>,
+        floors: impl IntoIterator<Item = Result<(u32, u64)>>,
+        capacity: impl IntoIterator<Item = Result<(Arc<str>, u64)>>,
+        default: Option<u64>,
         (global_floor, next_node): (u64, u32),
     ) -> Result<NodeCaches> {
-        const READ: &str = "reading the node caches";
         // A node id the file never handed out is a damaged row, refused before it sizes a Vec.
         let known = |node: u32| match node < next_node {
             true => Ok(node),
@@ -90,9 +86,8 @@ impl NodeCaches {
             }),
         };
         let mut caches = NodeCaches { global_floor, ..NodeCaches::default() };
-        for item in clocks.iter().map_err(redb_err(READ))? {
-            let (key, count) = item.map_err(redb_err(READ))?;
-            let ((node, clock), count) = (key.value(), count.value());
+        for item in clocks {
+            let ((node, clock), count) = item?;
             if count == 0 {
                 return Err(Error::Corrupted { detail: format!("node {node} holds 0 blocks of clock {clock}") });
             }
@@ -100,15 +95,15 @@ impl NodeCaches {
             cache.by_clock.insert(clock, count);
             cache.held += count;
         }
-        for item in floors.iter().map_err(redb_err(READ))? {
-            let (node, floor) = item.map_err(redb_err(READ))?;
-            caches.cache_mut(known(node.value())?).floor = floor.value();
+        for item in floors {
+            let (node, floor) = item?;
+            caches.cache_mut(known(node)?).floor = floor;
         }
-        for item in capacity.iter().map_err(redb_err(READ))? {
-            let (name, blocks) = item.map_err(redb_err(READ))?;
-            caches.capacity.insert(Arc::from(name.value()), blocks.value());
+        for item in capacity {
+            let (name, blocks) = item?;
+            caches.capacity.insert(name, blocks);
         }
-        caches.default = state.get(NODE_CACHE_KEY).map_err(redb_err(READ))?.map(|g| g.value()).filter(|&b| b > 0);
+        caches.default = default.filter(|&b| b > 0);
         Ok(caches)
     }
 
@@ -326,61 +321,6 @@ impl NodeCaches {
     pub(crate) fn len(&self) -> usize {
         self.nodes.len()
     }
-}
-
-/// Every (node, clock) pair the file ties a block to, 0.1.7's entries left out (node caches
-/// never count them): each block's node in the prefix table and the nodes among its others.
-/// What a size is seeded from, and what `check` recounts.
-///
-/// # Errors
-/// [`Error::Storage`] for a failed read.
-pub(crate) fn each_named_pair(
-    prefixes: &impl ReadableTable<u128, (u32, u32, u32, u64)>,
-    others: Option<&impl ReadableTable<u128, &'static [u8]>>,
-    mut see: impl FnMut(u32, u64),
-) -> Result<()> {
-    for item in prefixes.iter().map_err(redb_err("reading the prefix table"))? {
-        let (key, value) = item.map_err(redb_err("reading the prefix table"))?;
-        if !is_legacy(&key.value().to_be_bytes()) {
-            let entry = Entry::from_tuple(value.value());
-            see(entry.node, entry.clock);
-        }
-    }
-    let Some(others) = others else { return Ok(()) };
-    for item in others.iter().map_err(redb_err("reading the others"))? {
-        let (key, row) = item.map_err(redb_err("reading the others"))?;
-        if !is_legacy(&key.value().to_be_bytes()) {
-            members(row.value()).for_each(|(node, clock)| see(node, clock));
-        }
-    }
-    Ok(())
-}
-
-/// Per node of `ids`, the blocks the last commit names it on (prefix table or others), by
-/// clock, those above `above(node)` (the eviction floor and the node's own); 0.1.7's entries
-/// are not counted. What a node cache starts from when it is first kept: one scan of each
-/// table (nothing to scan for no ids).
-///
-/// # Errors
-/// [`Error::Storage`] for a failed read.
-pub(crate) fn named_pairs(
-    db: &Database,
-    ids: &[u32],
-    above: impl Fn(u32) -> u64,
-) -> Result<BTreeMap<u32, BTreeMap<u64, u64>>> {
-    let mut counts: BTreeMap<u32, BTreeMap<u64, u64>> = BTreeMap::new();
-    if ids.is_empty() {
-        return Ok(counts);
-    }
-    let read = db.begin_read().map_err(redb_err("starting a read"))?;
-    let primary = read.open_table(PREFIXES).map_err(redb_err("reading the prefix table"))?;
-    let others = read.open_table(OTHERS).map_err(redb_err("reading the others"))?;
-    each_named_pair(&primary, Some(&others), |node, clock| {
-        if ids.contains(&node) && clock > above(node) {
-            *counts.entry(node).or_default().entry(clock).or_default() += 1;
-        }
-    })?;
-    Ok(counts)
 }
 
 #[cfg(test)]

@@ -158,7 +158,7 @@ impl Default for Blocks {
 impl Slot {
     /// The fastest tier holding a copy: 0 GPU, 1 CPU, 2 storage.
     pub(crate) fn own_tier(&self) -> u8 {
-        if super::engines::gpu_copies(self.refs, self.offload) > 0 {
+        if super::gpu_copies(self.refs, self.offload) > 0 {
             0
         } else if self.offload[0] > 0 {
             1

@@ -11,9 +11,7 @@
 
 use std::collections::BTreeMap;
 
-use redb::ReadableTable;
-
-use crate::error::{Error, Result, redb_err};
+use crate::error::{Error, Result};
 
 /// The callers' view of what is live.
 #[derive(Debug, Default)]
@@ -28,22 +26,24 @@ pub(crate) struct Horizon {
 }
 
 impl Horizon {
-    /// The horizon of a file as committed (its live counts and its floor).
+    /// The horizon of a file as committed, from its live counts per clock (read by
+    /// `store/load.rs`) and its floor.
     ///
     /// # Errors
-    /// [`Error::Storage`]; [`Error::Corrupted`] if the live counts do not add up to `entries`.
-    pub(crate) fn load(
-        live: &impl ReadableTable<u64, u32>,
+    /// The first error of `live`; [`Error::Corrupted`] if the live counts do not add up to
+    /// `entries`.
+    pub(crate) fn from_counts(
+        live: impl IntoIterator<Item = Result<(u64, u32)>>,
         floor: u64,
         entries: u64,
         capacity: u64,
     ) -> Result<Horizon> {
         let mut counts = BTreeMap::new();
         let mut sum = 0u64;
-        for item in live.iter().map_err(redb_err("reading the live counts"))? {
-            let (clock, count) = item.map_err(redb_err("reading the live counts"))?;
-            counts.insert(clock.value(), u64::from(count.value()));
-            sum += u64::from(count.value());
+        for item in live {
+            let (clock, count) = item?;
+            counts.insert(clock, u64::from(count));
+            sum += u64::from(count);
         }
         if sum != entries {
             return Err(Error::Corrupted {

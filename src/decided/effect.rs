@@ -1,4 +1,4 @@
-//! Effects: what a change, decided once on the callers' side (`index/decided.rs`), does to the
+//! Effects: what a change, decided once on the callers' side (`decided/mod.rs`), does to the
 //! file. Each states its results (a key's new node and clock, a count to set, the new floor),
 //! never the inputs to decide again, so the writer decides nothing: it persists effects, in
 //! order, and keeps the file's own bookkeeping (generations, live counts, others rows, node
@@ -34,7 +34,7 @@ pub(crate) enum Effect {
     Capacity { name: Arc<str>, blocks: Option<u64> },
     /// The default cache size (`None`: caches are not kept).
     CacheDefault { blocks: Option<u64> },
-    /// Node `node`'s engine block `hash`, stored at `clock`, is `row` (`store/engines.rs`'s
+    /// Node `node`'s engine block `hash`, stored at `clock`, is `row` (`decided/engines/row.rs`'s
     /// layout; `None`: gone).
     EngineBlock { node: u32, clock: u64, hash: u64, row: Option<Arc<[u8]>> },
     /// Node `node`'s engine stream is at `row` (its position and counts), decided at `clock`.

@@ -12,8 +12,9 @@
 //! block detaches everything below it. So per node the held blocks of ours are prefix-closed,
 //! as `warmest`'s binary search needs, and never more than the engine can serve.
 //!
-//! One copy, the callers' (`index/decided.rs`). A change's rows leave as effects; attachment,
-//! chain states, children and the held map are derived, at load, from the rows.
+//! One copy, in the decided state ([`super::Decided`]). A change's rows leave as effects;
+//! attachment, chain states, children and the held map are derived, at load, from the rows
+//! (which the store reads: `store/load.rs`).
 //!
 //! Tiers: an engine block's copies are counted by medium (GPU, and an offloading connector's CPU
 //! memory and storage). A block is held while any copy is; its tier is the fastest medium
@@ -21,189 +22,26 @@
 //! engine loads the whole prefix from). An offload store without tokens adds a copy to a block
 //! this index holds, and names nothing otherwise.
 //!
-//! Row layouts, all integers little-endian. `engine_blocks/v7`, key `(node id, store clock,
-//! engine hash)`: `flags: u8` (bit 0: has a parent; bit 1: keyed, a namespace follows; bit 2:
-//! opaque, it hashes more than its tokens and keys nothing; bit 3: copies offloaded), `parent:
-//! u64` (if bit 0), `refs: u32` (copies in any medium), with bit 3 `cpu: u32` and `storage: u32`
-//! (of those), `tokens: u32` count then each token as `u32`, and for a keyed first block (no
-//! parent): `model: u16` length and bytes, `tenant: u16` length and bytes. Schema 6's
-//! `engine_blocks/v6`, key `(node id, engine hash)`: the same without bit 3, with `clock: u64`
-//! after `refs` (read from schema 6 files, and by the upgrade).
+//! The parts: the events it takes (`event.rs`), how a batch follows a stream (`stream.rs`), the
+//! blocks of a stream (`blocks.rs`) and their rows (`row.rs`).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+mod blocks;
+mod event;
+mod row;
+mod stream;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
+pub use event::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
+pub(crate) use row::{BlockRowKey, Layout, Row, decode_row, upgrade_row};
+pub(crate) use stream::{Applied, Follows, StreamRecord};
 
-use super::codec;
 use super::effect::Effect;
-use super::engine_blocks::{Blocks, Completed, Slot};
-use super::tables::{ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS};
-use crate::error::{Error, Result, redb_err};
+use crate::error::Result;
 use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, Namespace, Scheme};
-
-/// The key of an `engine_blocks/v7` row: (node id, the clock of the block's store, its engine
-/// hash). Ordered by store, so that a batch's new rows sit together at the end of a node's
-/// range and the LRU's evictions take rows from its start.
-pub(crate) type BlockRowKey = (u32, u64, u64);
-
-/// Where the engine keeps a block ("medium" in vLLM's events).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Medium {
-    /// GPU memory (vLLM's `"GPU"`, or no medium given).
-    Gpu,
-    /// CPU memory, by an offloading connector (`"CPU"`).
-    Cpu,
-    /// Disk or remote storage, by an offloading connector (`"STORAGE"`).
-    Storage,
-    /// A medium this build does not know.
-    Other,
-}
-
-impl Medium {
-    /// Its tier, fastest first (0 GPU, 1 CPU, 2 storage); `None` for a medium this build does
-    /// not know.
-    pub(crate) fn tier(self) -> Option<u8> {
-        match self {
-            Medium::Gpu => Some(0),
-            Medium::Cpu => Some(1),
-            Medium::Storage => Some(2),
-            Medium::Other => None,
-        }
-    }
-
-    /// The medium of a tier (see [`Medium::tier`]).
-    pub(crate) fn of_tier(tier: u8) -> Medium {
-        match tier {
-            0 => Medium::Gpu,
-            1 => Medium::Cpu,
-            _ => Medium::Storage,
-        }
-    }
-
-    /// The medium an event names (`None`: the GPU, as vLLM before offloading sent).
-    pub fn named(name: Option<&str>) -> Medium {
-        match name {
-            None => Medium::Gpu,
-            Some(n) if n.eq_ignore_ascii_case("gpu") => Medium::Gpu,
-            // SGLang names its host tier CPU_PINNED, and its disk and remote tiers DISK and EXTERNAL.
-            Some(n) if n.eq_ignore_ascii_case("cpu") || n.eq_ignore_ascii_case("cpu_pinned") => Medium::Cpu,
-            Some(n) if ["storage", "disk", "external"].iter().any(|m| n.eq_ignore_ascii_case(m)) => Medium::Storage,
-            Some(_) => Medium::Other,
-        }
-    }
-}
-
-/// Blocks an engine stored: vLLM's `BlockStored`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineStored {
-    /// The hash of the block before the first one (`None`: the first is the prompt's first).
-    pub parent: Option<u64>,
-    /// The engine's hash of each block, in chain order.
-    pub hashes: Vec<u64>,
-    /// Every token of the blocks: `block_size` per hash.
-    pub tokens: Vec<u32>,
-    /// Tokens per engine block.
-    pub block_size: u32,
-    /// Where the engine keeps them: GPU memory, or an offloading connector's CPU memory or
-    /// storage (such a store may carry no tokens: it then names blocks stored on the GPU
-    /// before).
-    pub medium: Medium,
-    /// The namespace the blocks are keyed in (the model the endpoint serves, or its LoRA, and a
-    /// cache salt as the tenant). Read for a first block (`parent` `None`): the others continue
-    /// their parent's chain. `None`: the blocks key nothing, nor does anything stored below
-    /// them (no namespace of this index matches, or they hash more than their tokens: images,
-    /// prompt embeddings); they are kept, so that their children are not taken for orphans.
-    pub namespace: Option<Namespace>,
-}
-
-/// One event of an engine's batch.
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub enum EngineEvent {
-    /// Blocks stored.
-    Stored(EngineStored),
-    /// Blocks removed (evicted), by hash: vLLM's `BlockRemoved`.
-    Removed {
-        /// The engine's hashes.
-        hashes: Vec<u64>,
-        /// Where they were.
-        medium: Medium,
-    },
-    /// Everything the engine held is gone: vLLM's `AllBlocksCleared`.
-    Cleared,
-}
-
-/// One batch of an engine's events, as its publisher numbers them.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineBatch {
-    /// The engine's sequence number: from 0 per engine process, one more per batch.
-    pub seq: u64,
-    /// When the engine published it (seconds since the Unix epoch).
-    pub ts: f64,
-    /// Its events, in order.
-    pub events: Vec<EngineEvent>,
-}
-
-/// What [`crate::Warm::engine_batch`] did with a batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum EngineOutcome {
-    /// Applied: it was the next batch (or the first of a new engine process, whose restart
-    /// cleared what the node held).
-    Applied,
-    /// Already applied (a replay's overlap, a late copy): nothing changed.
-    Duplicate,
-    /// Not applied: batches before it are missing. Ask the engine to replay from `from` (the
-    /// last batch applied, to prove it is the same engine process, or 0), apply what comes
-    /// back, and if its first batch is later than `from`, call
-    /// [`crate::Warm::engine_resync`] with it.
-    Gap {
-        /// The sequence number to replay from.
-        from: u64,
-    },
-}
-
-/// How a batch follows the last one applied of its stream (`last`: its number and publish
-/// time): the one rule for a head applying batches and for a sharing head forwarding them.
-///
-/// Only numbers and the batches remembered ([`Applied`]) tell it, never the clock: an engine
-/// that restarts may publish with a clock behind the old process's (an NTP step, a move to
-/// another host), and its batches are not copies for that.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Follows {
-    /// The next one (or the first of a stream, numbered 0).
-    Next,
-    /// One of the batches applied last, exactly (its number and publish time): a copy of it (a
-    /// replay's overlap, a live batch a replay already gave, another head's late copy).
-    Copy,
-    /// A number at or before the last applied that is no batch applied: a new engine process
-    /// counting from 0 again, whatever its clock says.
-    Restart,
-    /// Batches are missing before it: replay from `from` (the last applied, or 0).
-    Gap { from: u64 },
-}
-
-impl Follows {
-    pub(crate) fn after(last: Option<(u64, f64)>, applied: &Applied, batch: &EngineBatch) -> Follows {
-        let Some((last, last_ts)) = last else {
-            return match batch.seq {
-                0 => Follows::Next,
-                _ => Follows::Gap { from: 0 },
-            };
-        };
-        if batch.seq == last.wrapping_add(1) {
-            return Follows::Next;
-        }
-        let copy = (batch.seq == last && batch.ts.to_bits() == last_ts.to_bits()) || applied.holds(batch);
-        match () {
-            () if copy => Follows::Copy,
-            () if batch.seq <= last => Follows::Restart,
-            () => Follows::Gap { from: last },
-        }
-    }
-}
+use blocks::{Blocks, Completed, Slot};
+use row::encode_row;
 
 /// Blocks one part of a batch applies at most (an event without blocks counts as one): a
 /// larger batch is decided and committed in parts, so that what waits for a commit (the
@@ -236,112 +74,6 @@ pub(crate) fn ends_within(batch: &EngineBatch, from: Cursor, budget: usize) -> b
 pub(crate) struct Cursor {
     event: usize,
     block: usize,
-}
-
-/// How many of a stream's last batches applied are remembered ([`Applied`]): more than a replay
-/// gives back or the live batches that come while it is answered, at an engine's rate.
-const REMEMBERED: usize = 4096;
-
-/// The last batches applied of a stream (number and publish time, the last
-/// [`REMEMBERED`]), across its engine's restarts: what tells a copy of one from a batch of a
-/// restarted engine with the same number (memory only; after an open, only the stream's
-/// position is known, see [`Follows::after`]).
-#[derive(Clone, Debug, Default, PartialEq)]
-pub(crate) struct Applied {
-    /// (number, publish time's bits), oldest first.
-    recent: VecDeque<(u64, u64)>,
-}
-
-impl Applied {
-    /// Remembers `batch` as applied (the oldest remembered is forgotten past [`REMEMBERED`]).
-    pub(crate) fn push(&mut self, batch: &EngineBatch) {
-        if self.recent.len() == REMEMBERED {
-            self.recent.pop_front();
-        }
-        self.recent.push_back((batch.seq, batch.ts.to_bits()));
-    }
-
-    /// Whether `batch` is one of those remembered, exactly.
-    pub(crate) fn holds(&self, batch: &EngineBatch) -> bool {
-        let id = (batch.seq, batch.ts.to_bits());
-        // Newest first: a copy is most often of a batch just applied.
-        self.recent.iter().rev().any(|&r| r == id)
-    }
-}
-
-/// An engine stream's counts (`Stats::engines`, `SnapshotStats::engines`).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct EngineCounts {
-    /// Batches applied.
-    pub batches: u64,
-    /// Blocks stored (copies in any medium, keyed or not).
-    pub stored: u64,
-    /// Blocks removed (copies in any medium).
-    pub removed: u64,
-    /// Times everything the node held was dropped: the engine said so, restarted, or a gap
-    /// could not be covered.
-    pub clears: u64,
-    /// Engine restarts seen (its numbers started again).
-    pub restarts: u64,
-    /// Gaps seen (batches missing before one that came).
-    pub gaps: u64,
-    /// Gaps a replay could not cover (the node was cleared).
-    pub lost: u64,
-    /// Batches that came twice.
-    pub duplicate_batches: u64,
-    /// Blocks stored again while held (vLLM stores some blocks twice; each copy is removed).
-    pub duplicate_blocks: u64,
-    /// Blocks stored under a parent the index does not hold.
-    pub unknown_parents: u64,
-    /// Removals of blocks the index does not hold.
-    pub unknown_removals: u64,
-    /// Events not indexed for their medium: a medium this build does not know, or an offload
-    /// store without tokens naming a block the index does not hold.
-    pub other_medium: u64,
-    /// Stores under no namespace of this index (a LoRA or salt it does not route).
-    pub unkeyed: u64,
-    /// Malformed events (tokens that do not fill the blocks, a block its own parent), skipped.
-    pub malformed: u64,
-    /// Blocks of a size that does not divide 64 (vLLM's hybrid models, some parallel modes):
-    /// kept, but they key nothing. A block of ours would end inside one of them, and the
-    /// engine can only reuse it for a prompt that also shares the tokens after that end.
-    pub unaligned: u64,
-}
-
-/// Where one node's engine event stream stands, and its counts (`Warm::engine_stats`,
-/// `SnapshotStats::engines`).
-#[derive(Clone, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct EngineStats {
-    /// The node's name.
-    pub node: String,
-    /// The sequence number of the last batch applied (`None`: none since the stream began or
-    /// was cleared).
-    pub last_seq: Option<u64>,
-    /// Its publish time (seconds since the Unix epoch).
-    pub last_ts: f64,
-    /// Engine blocks the node holds, as its events said.
-    pub engine_blocks: usize,
-    /// Blocks of 64 tokens (the index's) those cover whole from a prompt's start.
-    pub blocks: usize,
-    /// Of `engine_blocks`, those held in GPU memory, those only in CPU memory, and those only
-    /// on storage (an offloading connector's tiers).
-    pub by_tier: [usize; 3],
-    /// The stream's counts.
-    pub counts: EngineCounts,
-}
-
-/// An engine stream's position and counts: the `engine_streams/v6` row of its node.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub(crate) struct StreamRecord {
-    /// The sequence number of the last batch applied (`None`: none since the stream began or
-    /// was cleared).
-    pub last: Option<u64>,
-    /// Its publish time.
-    pub last_ts: f64,
-    /// The counts.
-    pub counts: EngineCounts,
 }
 
 /// One node's engine stream.
@@ -857,7 +589,7 @@ impl Engines {
     }
 
     /// The streams of a file: its stream rows and block rows, attached and keyed in `scheme`
-    /// (as [`read_engines`] reads them).
+    /// (as `store/load.rs` reads them).
     ///
     /// # Errors
     /// The first error of `streams` or `blocks`.
@@ -873,13 +605,15 @@ impl Engines {
             let (node, hash, row) = item?;
             engines.add_row(node, hash, row);
         }
-        engines.drop_unfinished();
-        engines.attach_all(scheme);
+        engines.finish(scheme);
         Ok(engines)
     }
 
     /// The streams of stream rows, holding nothing yet.
-    fn with_streams(streams: impl Iterator<Item = Result<(u32, StreamRecord)>>, clock: u64) -> Result<Engines> {
+    pub(crate) fn with_streams(
+        streams: impl Iterator<Item = Result<(u32, StreamRecord)>>,
+        clock: u64,
+    ) -> Result<Engines> {
         let mut engines = Engines::default();
         for item in streams {
             let (node, record) = item?;
@@ -890,7 +624,7 @@ impl Engines {
     }
 
     /// One block row read (not attached yet: [`Engines::attach_all`]).
-    fn add_row(&mut self, node: u32, hash: u64, row: Row) {
+    pub(crate) fn add_row(&mut self, node: u32, hash: u64, row: Row) {
         let stream = self.streams.entry(node).or_default();
         let root = row.root.map(|r| r.and_then(|ns| namespace_index(&mut stream.namespaces, &ns)));
         let i = stream.blocks.insert(hash, row.parent, &row.tokens, row.clock, root);
@@ -899,6 +633,13 @@ impl Engines {
             b.offload = row.offload;
             b.opaque = row.opaque;
         }
+    }
+
+    /// Ends a load (after [`Engines::with_streams`] and every [`Engines::add_row`]): drops what
+    /// an unfinished stream holds, and attaches every stream's blocks.
+    pub(crate) fn finish(&mut self, scheme: Scheme) {
+        self.drop_unfinished();
+        self.attach_all(scheme);
     }
 
     /// Drops what a stream written in the middle of a batch holds (no last batch, beside
@@ -929,94 +670,6 @@ impl Engines {
                 attach(scheme, stream, &mut self.held, node, root);
             }
         }
-    }
-}
-
-/// The engine streams of the file `read` reads (none in a file older than schema 6).
-///
-/// # Errors
-/// [`Error::Corrupted`] or [`Error::Codec`] for a row that does not decode; [`Error::Storage`].
-pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: u64) -> Result<Engines> {
-    use redb::ReadableTable;
-    let what = "reading the engine streams";
-    let streams = match read.open_table(ENGINE_STREAMS) {
-        Ok(s) => s,
-        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Engines::default()),
-        Err(e) => return Err(redb_err(what)(e)),
-    };
-    let streams = streams.iter().map_err(redb_err(what))?.map(|item| {
-        let (k, v) = item.map_err(redb_err(what))?;
-        Ok((k.value(), codec::decode::<StreamRecord>("engine stream", v.value())?))
-    });
-    let mut engines = Engines::with_streams(streams, clock)?;
-    visit_rows(read, |node, hash, row| {
-        engines.add_row(node, hash, row);
-        true
-    })?;
-    engines.drop_unfinished();
-    engines.attach_all(scheme);
-    Ok(engines)
-}
-
-/// Calls `visit` with each engine block row of the file `read` reads (node id, engine hash, the
-/// row), in key order, until it returns false: `engine_blocks/v7`, or a schema 6 file's
-/// `engine_blocks/v6` (none before schema 6).
-///
-/// # Errors
-/// [`Error::Corrupted`] for a row that does not decode; [`Error::Storage`].
-pub(crate) fn visit_rows(read: &redb::ReadTransaction, mut visit: impl FnMut(u32, u64, Row) -> bool) -> Result<()> {
-    let what = "reading the engine blocks";
-    let rows: Box<dyn Iterator<Item = Result<(u32, u64, Row)>>> = match read.open_table(ENGINE_BLOCKS) {
-        Ok(blocks) => Box::new(blocks.range::<BlockRowKey>(..).map_err(redb_err(what))?.map(|item| {
-            let (k, v) = item.map_err(redb_err(what))?;
-            let (node, clock, hash) = k.value();
-            Ok((node, hash, decode_row(v.value(), Layout::V7, clock)?))
-        })),
-        Err(redb::TableError::TableDoesNotExist(_)) => match read.open_table(ENGINE_BLOCKS_V6) {
-            Ok(blocks) => Box::new(blocks.range::<(u32, u64)>(..).map_err(redb_err(what))?.map(|item| {
-                let (k, v) = item.map_err(redb_err(what))?;
-                let (node, hash) = k.value();
-                Ok((node, hash, decode_row(v.value(), Layout::V6, 0)?))
-            })),
-            Err(redb::TableError::TableDoesNotExist(_)) => return Ok(()),
-            Err(e) => return Err(redb_err(what)(e)),
-        },
-        Err(e) => return Err(redb_err(what)(e)),
-    };
-    for row in rows {
-        let (node, hash, row) = row?;
-        if !visit(node, hash, row) {
-            break;
-        }
-    }
-    Ok(())
-}
-
-impl Row {
-    /// The clock of the block's store.
-    pub(crate) fn clock(&self) -> u64 {
-        self.clock
-    }
-
-    /// Its parent's engine hash (`None`: a prompt's first block).
-    pub(crate) fn parent(&self) -> Option<u64> {
-        self.parent
-    }
-
-    /// Its copies in GPU memory, CPU memory and on storage.
-    pub(crate) fn copies(&self) -> [u32; 3] {
-        let [cpu, storage] = self.offload;
-        [gpu_copies(self.refs, self.offload), cpu, storage]
-    }
-
-    /// How many tokens it holds.
-    pub(crate) fn token_count(&self) -> usize {
-        self.tokens.len()
-    }
-
-    /// For a first block, its namespace's model (`None`: not a first block, or unkeyed).
-    pub(crate) fn model(&self) -> Option<&str> {
-        self.root.as_ref().and_then(Option::as_ref).map(Namespace::model)
     }
 }
 
@@ -1251,165 +904,13 @@ fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: 
     }
 }
 
-const HAS_PARENT: u8 = 1;
-const KEYED: u8 = 2;
-const OPAQUE: u8 = 4;
-const OFFLOADED: u8 = 8;
-
-/// A block's row (see the module docs), from its slot.
-fn encode_row(blocks: &Blocks, i: u32, namespaces: &[Namespace]) -> Arc<[u8]> {
-    let Some(block) = blocks.get(i) else { return Arc::from(&[][..]) };
-    let root = block.root.map(|r| r.and_then(|n| namespaces.get(usize::from(n))).cloned());
-    let row = Row {
-        opaque: block.opaque,
-        parent: block.parent,
-        refs: block.refs,
-        offload: block.offload,
-        clock: block.clock,
-        tokens: blocks.tokens(i).to_vec(),
-        root,
-    };
-    encode(&row)
-}
-
-/// A row in the layout of `engine_blocks/v7` (the clock is in its key).
-fn encode(row: &Row) -> Arc<[u8]> {
-    let ns = row.root.as_ref().and_then(Option::as_ref);
-    let mut out = Vec::with_capacity(32 + 4 * row.tokens.len());
-    out.push(
-        (u8::from(row.parent.is_some()) * HAS_PARENT)
-            | (u8::from(ns.is_some()) * KEYED)
-            | (u8::from(row.opaque) * OPAQUE)
-            | (u8::from(row.offload != [0; 2]) * OFFLOADED),
-    );
-    if let Some(p) = row.parent {
-        out.extend_from_slice(&p.to_le_bytes());
-    }
-    out.extend_from_slice(&row.refs.to_le_bytes());
-    if row.offload != [0; 2] {
-        for c in row.offload {
-            out.extend_from_slice(&c.to_le_bytes());
-        }
-    }
-    out.extend_from_slice(&u32::try_from(row.tokens.len()).unwrap_or(u32::MAX).to_le_bytes());
-    for t in &row.tokens {
-        out.extend_from_slice(&t.to_le_bytes());
-    }
-    if let Some(ns) = ns {
-        for part in [ns.model().as_bytes(), ns.tenant().unwrap_or_default()] {
-            out.extend_from_slice(&u16::try_from(part.len()).unwrap_or(u16::MAX).to_le_bytes());
-            out.extend_from_slice(part);
-        }
-    }
-    out.into()
-}
-
-/// A block's row, read.
-#[derive(Clone, Debug, PartialEq)]
-pub(crate) struct Row {
-    opaque: bool,
-    parent: Option<u64>,
-    refs: u32,
-    offload: [u32; 2],
-    /// The clock of its store (in `engine_blocks/v7`'s key, in `engine_blocks/v6`'s row).
-    clock: u64,
-    tokens: Vec<u32>,
-    /// For a first block: its namespace (`None`: unkeyed).
-    root: Option<Option<Namespace>>,
-}
-
-/// The two layouts of a block's row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Layout {
-    /// Schema 6: the clock after the copies, no offloaded copies.
-    V6,
-    /// Schema 7: offloaded copies with flag bit 3, the clock in the key.
-    V7,
-}
-
-/// Reads a block's row of `layout`; `clock` is its key's (ignored for [`Layout::V6`], whose row
-/// holds it).
-///
-/// # Errors
-/// [`Error::Corrupted`] for bytes that are not such a row.
-pub(crate) fn decode_row(bytes: &[u8], layout: Layout, clock: u64) -> Result<Row> {
-    let corrupt = || Error::Corrupted { detail: "an engine block row does not decode".into() };
-    let mut r = RowCursor(bytes);
-    let flags = r.take::<1>().ok_or_else(corrupt)?[0];
-    if layout == Layout::V6 && flags & OFFLOADED != 0 {
-        return Err(corrupt());
-    }
-    let parent = match flags & HAS_PARENT {
-        0 => None,
-        _ => Some(u64::from_le_bytes(r.take().ok_or_else(corrupt)?)),
-    };
-    let refs = u32::from_le_bytes(r.take().ok_or_else(corrupt)?);
-    let offload = match flags & OFFLOADED {
-        0 => [0; 2],
-        _ => [u32::from_le_bytes(r.take().ok_or_else(corrupt)?), u32::from_le_bytes(r.take().ok_or_else(corrupt)?)],
-    };
-    if u64::from(offload[0]) + u64::from(offload[1]) > u64::from(refs) {
-        return Err(corrupt());
-    }
-    let clock = match layout {
-        Layout::V6 => u64::from_le_bytes(r.take().ok_or_else(corrupt)?),
-        Layout::V7 => clock,
-    };
-    let n = u32::from_le_bytes(r.take().ok_or_else(corrupt)?) as usize;
-    let raw = r.bytes(n.checked_mul(4).ok_or_else(corrupt)?).ok_or_else(corrupt)?;
-    let tokens: Vec<u32> =
-        raw.chunks_exact(4).map(|c| c.try_into().map(u32::from_le_bytes).unwrap_or_default()).collect();
-    let root = match (parent, flags & KEYED) {
-        (Some(_), _) => None,
-        (None, 0) => Some(None),
-        (None, _) => {
-            let mut part = || -> Option<&[u8]> {
-                let len = u16::from_le_bytes(r.take()?);
-                r.bytes(usize::from(len))
-            };
-            let model = part().ok_or_else(corrupt)?;
-            let model = std::str::from_utf8(model).map_err(|_| corrupt())?.to_string();
-            let tenant = part().ok_or_else(corrupt)?;
-            Some(Some(Namespace::of(&model, Some(tenant).filter(|t| !t.is_empty())).map_err(|_| corrupt())?))
-        }
-    };
-    if !r.0.is_empty() {
-        return Err(corrupt());
-    }
-    Ok(Row { opaque: flags & OPAQUE != 0, parent, refs, offload, clock, tokens, root })
-}
-
-/// A schema 6 row as schema 7 keys and lays it out: `((node, clock, hash), row)`.
-///
-/// # Errors
-/// As [`decode_row`].
-pub(crate) fn upgrade_row(node: u32, hash: u64, bytes: &[u8]) -> Result<(BlockRowKey, Arc<[u8]>)> {
-    let row = decode_row(bytes, Layout::V6, 0)?;
-    Ok(((node, row.clock, hash), encode(&row)))
-}
-
-/// Reads fixed-width fields off the front of a row.
-struct RowCursor<'a>(&'a [u8]);
-
-impl<'a> RowCursor<'a> {
-    fn take<const N: usize>(&mut self) -> Option<[u8; N]> {
-        let (head, rest) = self.0.split_first_chunk::<N>()?;
-        self.0 = rest;
-        Some(*head)
-    }
-
-    fn bytes(&mut self, n: usize) -> Option<&'a [u8]> {
-        let (head, rest) = self.0.split_at_checked(n)?;
-        self.0 = rest;
-        Some(head)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::indexing_slicing)]
     use std::collections::BTreeMap;
 
+    use super::row::encode;
+    use super::stream::REMEMBERED;
     use super::*;
 
     fn ns() -> Namespace {

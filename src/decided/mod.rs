@@ -1,91 +1,32 @@
-//! The decided state: the one copy of what the index has decided, on the callers' side, loaded
-//! whole by `open`. The clock, the node registry (names, ids, forgotten incarnations), 0.1.7's
-//! eviction (live counts per clock and the low-water mark, `horizon.rs`) and the node caches.
+//! The decided state: the one copy of what the index has decided, on the callers' side. The
+//! clock, the node registry (names, ids, forgotten incarnations), 0.1.7's eviction (live counts
+//! per clock and the low-water mark, `horizon.rs`), the node caches (`caches.rs`) and what each
+//! engine holds (`engines/`). It knows no storage: the store loads it whole at open
+//! (`store/load.rs`) and persists what it decides.
 //!
 //! Every change (a `ran`, a forget, a cache size, an import's nodes, an eviction to a new
-//! capacity) is decided here once, under the front lock, in memory only, and yields its
-//! effects (`store/effect.rs`): what it changed, stated as results. The writer persists them
-//! and decides nothing; a rolled-back batch's effects are applied again as they are.
+//! capacity, an engine batch) is decided here once, under the front lock, in memory only, and
+//! yields its effects (`effect.rs`): what it changed, stated as results. The writer persists
+//! them; a rolled-back batch's effects are applied again as they are.
+
+pub(crate) mod caches;
+pub(crate) mod effect;
+pub(crate) mod engines;
+pub(crate) mod horizon;
+pub(crate) mod node_set;
+pub(crate) mod registry;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use redb::{Database, ReadableDatabase, ReadableTable};
+use caches::NodeCaches;
+use effect::Effect;
+use engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS};
+use horizon::Horizon;
+use registry::Registry;
 
-use super::horizon::Horizon;
-use crate::error::{Error, Result, redb_err};
-use crate::keys::Scheme;
-use crate::keys::{BlockKey, Namespace};
-use crate::store::caches::NodeCaches;
-use crate::store::effect::Effect;
-use crate::store::engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS, read_engines};
-use crate::store::records::{MAX_CLOCK, NodeRecords, read_meta, read_registry};
-use crate::store::tables::{GENERATIONS, LIVE, META, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, STATE};
-use crate::store::writer::read_floor;
-
-/// Every node incarnation by id (nodes are few, so all of them are kept in memory).
-#[derive(Default)]
-pub(crate) struct Registry {
-    /// Names by id.
-    names: Vec<Arc<str>>,
-    /// The current (not forgotten) id of each name.
-    ids: HashMap<Arc<str>, u32>,
-    /// By id: whether that incarnation was forgotten.
-    retired: Vec<bool>,
-}
-
-impl Registry {
-    /// Whether node id `node` was forgotten.
-    pub(crate) fn is_retired(&self, node: u32) -> bool {
-        self.retired.get(node as usize).copied().unwrap_or(false)
-    }
-
-    /// The name of node id `node`.
-    pub(crate) fn name(&self, node: u32) -> String {
-        self.name_of(node).map_or_else(|| format!("#{node}"), str::to_string)
-    }
-
-    /// The name of node id `node`, if it has one.
-    pub(crate) fn name_of(&self, node: u32) -> Option<&str> {
-        self.names.get(node as usize).map(|n| n.as_ref())
-    }
-
-    /// The current id of node `name`, if it has one.
-    pub(crate) fn current(&self, name: &str) -> Option<u32> {
-        self.ids.get(name).copied()
-    }
-
-    /// Every incarnation by id: its name and whether it was forgotten.
-    pub(crate) fn all(&self) -> impl Iterator<Item = (&str, bool)> + '_ {
-        self.names.iter().map(|n| n.as_ref()).zip(self.retired.iter().copied())
-    }
-
-    /// The current incarnations: (id, name).
-    fn current_ids(&self) -> Vec<(u32, Arc<str>)> {
-        (0u32..).zip(&self.names).filter(|&(id, _)| !self.is_retired(id)).map(|(id, n)| (id, Arc::clone(n))).collect()
-    }
-
-    /// The current id of node `name`, handed out if it has none (then with its effect), and
-    /// a shared copy of the name.
-    ///
-    /// # Errors
-    /// [`Error::InvalidConfig`] past 2^32 node incarnations.
-    fn id(&mut self, name: &str, effects: &mut Vec<Effect>) -> Result<(u32, Arc<str>)> {
-        if let Some(&id) = self.ids.get(name)
-            && let Some(known) = self.names.get(id as usize)
-        {
-            return Ok((id, Arc::clone(known)));
-        }
-        let id = u32::try_from(self.names.len())
-            .map_err(|_| Error::InvalidConfig { detail: "more than 2^32 node incarnations".into() })?;
-        let shared: Arc<str> = Arc::from(name);
-        self.names.push(Arc::clone(&shared));
-        self.retired.push(false);
-        self.ids.insert(Arc::clone(&shared), id);
-        effects.push(Effect::Node { id, name: Arc::clone(&shared) });
-        Ok((id, shared))
-    }
-}
+use crate::error::{Error, Result};
+use crate::keys::{BlockKey, Namespace, Scheme};
 
 /// What the callers have decided.
 pub(crate) struct Decided {
@@ -103,56 +44,6 @@ pub(crate) struct Decided {
 }
 
 impl Decided {
-    /// The decided state of a committed file, read in one read transaction.
-    ///
-    /// # Errors
-    /// [`Error::Corrupted`] for records that contradict each other (live counts that do not
-    /// add up, rows of unknown node ids); [`Error::Codec`]; [`Error::Storage`].
-    pub(crate) fn load(db: &Database, scheme: Scheme) -> Result<Decided> {
-        Decided::read(&db.begin_read().map_err(redb_err("starting a read"))?, scheme)
-    }
-
-    /// [`Decided::load`] from a read transaction (a head's, or a reader's of a live file).
-    ///
-    /// # Errors
-    /// As [`Decided::load`].
-    pub(crate) fn read(read: &redb::ReadTransaction, scheme: Scheme) -> Result<Decided> {
-        let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?
-            .ok_or_else(|| Error::unknown_format("no meta record"))?;
-        let state = read.open_table(STATE).map_err(redb_err("reading the floor"))?;
-        let floor = read_floor(&state)?;
-        // The clock never goes back, whatever the meta record says.
-        let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
-        let newest = generations.last().map_err(redb_err("reading the generations"))?.map_or(0, |(c, _)| c.value());
-        let NodeRecords { names, retired, stray } = read_registry(read)?;
-        if let Some(id) = stray.first() {
-            return Err(Error::Corrupted { detail: format!("node id {id} has a row and no node record") });
-        }
-        let next_node = u32::try_from(names.len()).unwrap_or(u32::MAX);
-        // The registry hands out the next id after the node table's; the meta record must agree.
-        if next_node != meta.next_node {
-            return Err(Error::Corrupted {
-                detail: format!("the node table holds {next_node} nodes, the meta record counts {}", meta.next_node),
-            });
-        }
-        let names: Vec<Arc<str>> = names.into_iter().map(Arc::from).collect();
-        // The newest live incarnation of each name is its current id.
-        let ids = (0u32..).zip(&names).zip(&retired).filter(|&(_, gone)| !gone).map(|((id, n), _)| (Arc::clone(n), id));
-        let nodes = Registry { ids: ids.collect(), names, retired };
-        let live = read.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-        let horizon = Horizon::load(&live, floor, meta.entries, meta.capacity)?;
-        let caches = NodeCaches::load(
-            &read.open_table(NODE_CLOCKS).map_err(redb_err("reading the node caches"))?,
-            &read.open_table(NODE_FLOORS).map_err(redb_err("reading the node caches"))?,
-            &read.open_table(NODE_CAPACITY).map_err(redb_err("reading the node caches"))?,
-            &state,
-            (floor, meta.next_node),
-        )?;
-        let clock = meta.clock.max(newest);
-        let engines = read_engines(read, scheme, clock)?;
-        Ok(Decided { clock, nodes, horizon, caches, engines, scheme })
-    }
-
     /// Whether an entry of `clock` is live (not evicted by 0.1.7's rule).
     pub(crate) fn holds(&self, clock: u64) -> bool {
         self.horizon.holds(clock)
@@ -247,11 +138,7 @@ impl Decided {
     /// Decides a forget of node `name`'s current incarnation: from now on nothing it ran before
     /// is answered. `None` if it has none (nothing to forget).
     pub(crate) fn forget(&mut self, name: &str) -> Option<Vec<Effect>> {
-        let id = self.nodes.ids.remove(name)?;
-        let name = self.nodes.names.get(id as usize).map(Arc::clone)?;
-        if let Some(r) = self.nodes.retired.get_mut(id as usize) {
-            *r = true;
-        }
+        let (id, name) = self.nodes.forget(name)?;
         self.caches.forget(id);
         self.engines.forget(id);
         let mut effects = vec![Effect::Retire { node: id, name, clock: self.clock }];
@@ -336,6 +223,10 @@ impl Decided {
         Ok((ids, effects))
     }
 }
+
+/// The newest clock a file or an import may hold: a head adds one a `ran`, so a clock past it
+/// could wrap (2^62 leaves room for a million `ran`s a second for 146,000 years).
+pub const MAX_CLOCK: u64 = 1 << 62;
 
 /// The clock of the next `ran` after `clock`: never past [`MAX_CLOCK`] (a file that holds a
 /// clock past it, which no build writes, is refused rather than wrapped).

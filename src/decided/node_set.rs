@@ -1,0 +1,69 @@
+//! The node-set rule: which nodes a block keeps, of every write that named it. One rule, used
+//! where a change is persisted (the writer stores its result: the newest node as the block's,
+//! the rest as its others) and by every answer (which takes it of everything it sees: the
+//! memtable's writes, a sharing head's own, the committed rows), so both name the same nodes
+//! whatever order the writes came in.
+
+/// The nodes a block keeps, of every (node, clock) that named it (`named`, in any order): those
+/// whose clock `live` still holds, each node once with its newest clock, the `k` newest, newest
+/// first (ties by node id).
+pub(crate) fn keep(named: &mut Vec<(u32, u64)>, live: impl Fn(u64) -> bool, k: usize) {
+    named.retain(|&(_, clock)| live(clock));
+    newest_members(named, k);
+}
+
+/// Keeps the `k` newest of `members` (node id, clock): each node once, with its newest clock,
+/// newest first (ties by node id). What a block names, whatever order its writes came in: the
+/// writer stores it, and readers take it of everything they see.
+fn newest_members(members: &mut Vec<(u32, u64)>, k: usize) {
+    if members.first().is_none_or(|first| members.iter().all(|m| m.0 == first.0)) {
+        // One node (the usual block): its newest write.
+        if let Some(newest) = members.iter().copied().max_by_key(|m| m.1) {
+            members.clear();
+            members.push(newest);
+        }
+    } else {
+        members.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        members.dedup_by_key(|m| m.0);
+        members.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    }
+    members.truncate(k);
+}
+
+/// Adds `member` to `list`, which holds each node once with its newest clock.
+pub(crate) fn add_member(list: &mut Vec<(u32, u64)>, (node, clock): (u32, u64)) {
+    match list.iter_mut().find(|m| m.0 == node) {
+        Some(m) => m.1 = m.1.max(clock),
+        None => list.push((node, clock)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_names_each_node_once_with_its_newest_clock_whatever_the_order() {
+        let writes = [(3, 5), (1, 9), (3, 7), (2, 2), (1, 4), (4, 8)];
+        for rotation in 0..writes.len() {
+            let mut all: Vec<(u32, u64)> = writes.iter().cycle().skip(rotation).take(writes.len()).copied().collect();
+            keep(&mut all, |_| true, 3);
+            assert_eq!(all, vec![(1, 9), (4, 8), (3, 7)], "rotation {rotation}");
+            let mut listed = Vec::new();
+            for &w in writes.iter().cycle().skip(rotation).take(writes.len()) {
+                add_member(&mut listed, w);
+            }
+            listed.sort_unstable();
+            assert_eq!(listed, vec![(1, 9), (2, 2), (3, 7), (4, 8)]);
+        }
+        let mut one = vec![(5, 1), (5, 3), (5, 2)];
+        keep(&mut one, |_| true, 4);
+        assert_eq!(one, vec![(5, 3)]);
+        let mut none: Vec<(u32, u64)> = Vec::new();
+        keep(&mut none, |_| true, 4);
+        assert!(none.is_empty());
+        let mut aged = vec![(1, 9), (2, 3), (3, 5), (2, 6)];
+        keep(&mut aged, |clock| clock > 5, 4);
+        assert_eq!(aged, vec![(1, 9), (2, 6)], "a node's evicted writes are not kept, its newer ones are");
+    }
+}

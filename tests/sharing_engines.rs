@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::Reaped;
 use common::Rng;
-use common::nats::NatsServer;
+use common::nats::{NatsServer, published};
 use harness::engine_sim::{Publisher, SimEngine as Engine};
 use superfluid_warm::{
     EngineBlockEntry, EngineEndpoint, EngineStats, Listener, ReadIndex, SharedWarm, Sharing, Snapshot, Warm,
@@ -135,7 +135,7 @@ fn catch_up(
 fn check_heads(dir: &Path, names: &[&str], heads: &[Arc<SharedWarm>], engines: &[Engine], prompts: &[Vec<u32>]) -> u64 {
     // What each has applied, committed: the files are read as they are on disk.
     for h in heads {
-        h.sync().expect("sync");
+        published(h);
     }
     let first = streams(&heads[0]);
     let first_blocks = blocks(dir, names[0]);

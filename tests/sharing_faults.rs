@@ -7,7 +7,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::nats::NatsServer;
+use common::nats::{NatsServer, published};
 use harness::replay::Config;
 use harness::trace;
 use superfluid_warm::{Builder, Error, SharedWarm, Sharing, Warm};
@@ -115,7 +115,7 @@ fn a_stream_deleted_under_the_heads_is_reported_not_waited_on() {
         [&a, &b][(i % 2) as usize].ran(MODEL, &prompt(i), "node-1").expect("ran");
     }
     for h in [&a, &b] {
-        h.sync().expect("published");
+        published(h);
     }
     for h in [&a, &b] {
         assert!(h.wait_applied(40, Duration::from_secs(30)), "{:?}", h.share_stats());

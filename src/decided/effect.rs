@@ -16,10 +16,12 @@ pub(crate) enum Effect {
     /// Node id `id` is handed out to `name` (the next id: a new name, or a forgotten node's
     /// next incarnation).
     Node { id: u32, name: Arc<str> },
-    /// Every block of `blocks` (a prompt's chain, from its first block) now names `node` at
-    /// `clock` (the nodes before it join the block's others, by the merge rule of
-    /// `Writer::apply`).
-    Put { namespace: Namespace, blocks: Arc<[BlockKey]>, node: u32, clock: u64 },
+    /// Namespace id `id` is handed out to `namespace` (the next id).
+    Namespace { id: u32, namespace: Namespace },
+    /// Every block of `blocks` (a prompt's chain, from its first block), of namespace id
+    /// `namespace`, now names `node` at `clock` (the nodes before it join the block's others,
+    /// by the one node-set rule, `node_set.rs`).
+    Put { namespace: u32, blocks: Arc<[BlockKey]>, node: u32, clock: u64 },
     /// Node id `node`, the current incarnation of `name`, is forgotten at `clock`.
     Retire { node: u32, name: Arc<str>, clock: u64 },
     /// Every entry (and every node of a block) seen at or below `floor` is evicted.

@@ -13,6 +13,7 @@ pub(crate) mod caches;
 pub(crate) mod effect;
 pub(crate) mod engines;
 pub(crate) mod horizon;
+pub(crate) mod namespaces;
 pub(crate) mod node_set;
 pub(crate) mod registry;
 
@@ -23,6 +24,7 @@ use caches::NodeCaches;
 use effect::Effect;
 use engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS};
 use horizon::Horizon;
+use namespaces::Namespaces;
 use registry::Registry;
 
 use crate::error::{Error, Result};
@@ -33,6 +35,8 @@ pub(crate) struct Decided {
     /// The clock of the last change (the next `ran` gets one more).
     pub clock: u64,
     pub nodes: Registry,
+    /// The namespace ids handed out.
+    pub namespaces: Namespaces,
     /// What is live by 0.1.7's eviction rule.
     pub horizon: Horizon,
     /// Each node's cache.
@@ -123,10 +127,11 @@ impl Decided {
         let clock = next_clock(self.clock)?;
         let mut effects = Vec::with_capacity(4);
         let (id, name) = self.nodes.id(node, &mut effects)?;
+        let namespace = self.namespaces.id(namespace, &mut effects)?;
         let before = self.horizon.floor;
         let floor = self.horizon.ran(clock, blocks.len() as u64, runs);
         self.clock = clock;
-        effects.push(Effect::Put { namespace: namespace.clone(), blocks: Arc::clone(blocks), node: id, clock });
+        effects.push(Effect::Put { namespace, blocks: Arc::clone(blocks), node: id, clock });
         if floor > before {
             effects.push(Effect::Evict { floor });
         }

@@ -10,14 +10,15 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 use super::codec;
 use super::records::{NodeRecords, read_meta, read_registry};
 use super::tables::{
-    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS, Entry, GENERATIONS, LIVE, META, NODE_CACHE_KEY, NODE_CAPACITY,
-    NODE_CLOCKS, NODE_FLOORS, OTHERS, PREFIXES, STATE, members,
+    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS, Entry, GENERATIONS, LIVE, META, NAMESPACE_IDS, NODE_CACHE_KEY,
+    NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, OTHERS, PREFIXES, STATE, members,
 };
 use super::writer::read_floor;
 use crate::decided::Decided;
 use crate::decided::caches::NodeCaches;
 use crate::decided::engines::{BlockRowKey, Engines, Layout, Row, StreamRecord, decode_row};
 use crate::decided::horizon::Horizon;
+use crate::decided::namespaces::Namespaces;
 use crate::decided::registry::Registry;
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{Scheme, is_legacy};
@@ -66,7 +67,11 @@ pub(crate) fn read_decided(read: &redb::ReadTransaction, scheme: Scheme) -> Resu
     let caches = read_caches(read, floor, meta.next_node)?;
     let clock = meta.clock.max(newest);
     let engines = read_engines(read, scheme, clock)?;
-    Ok(Decided { clock, nodes, horizon, caches, engines, scheme })
+    const NAMESPACE: &str = "reading namespaces";
+    let ids = read.open_table(NAMESPACE_IDS).map_err(redb_err(NAMESPACE))?;
+    let ids = ids.iter().map_err(redb_err(NAMESPACE))?.map(|i| i.map(|(k, v)| (k.value(), v.value())));
+    let namespaces = Namespaces::new(ids.collect::<Result<_, _>>().map_err(redb_err(NAMESPACE))?, meta.next_namespace);
+    Ok(Decided { clock, nodes, namespaces, horizon, caches, engines, scheme })
 }
 
 /// The node caches of the file `read` reads (`floor`: its eviction floor; `next_node`: the ids

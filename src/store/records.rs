@@ -41,8 +41,7 @@ pub use crate::decided::MAX_CLOCK;
 /// The key of the meta record in the meta table.
 pub(crate) const META_KEY: &str = "meta";
 
-/// The namespace id of entries imported from 0.1.7 (model unknown: FNV cannot be inverted).
-pub(crate) const LEGACY_NAMESPACE: u32 = 0;
+pub(crate) use crate::decided::namespaces::LEGACY_NAMESPACE;
 
 /// The meta record: what the file is, and the counters that must survive a restart.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -99,7 +99,7 @@ impl EngineRows {
 /// key written and evicted within one batch is never inserted.
 #[derive(Default)]
 struct Unwritten {
-    puts: Vec<(Namespace, Arc<[BlockKey]>, u32, u64)>,
+    puts: Vec<(u32, Arc<[BlockKey]>, u32, u64)>,
     /// The newest floor of the batch's evictions.
     floor: u64,
 }
@@ -116,14 +116,10 @@ pub(crate) struct Writer {
     /// The meta record as of the batch (committed with it).
     pub meta: Meta,
     pub held: Held,
-    namespaces: HashMap<[u8; 8], u32>,
     /// Nodes a block keeps (`Builder::nodes_per_prefix`; at least 1).
     pub nodes_per_prefix: usize,
     /// Whether the committed meta record names a writer (this one, or one that crashed).
     marked: bool,
-    /// The eviction floor as of the batch (kept in the file, so that the others a block still
-    /// lists from before it stay evicted across a restart).
-    floor: u64,
     /// The stream sequence of the last shared event applied, as of the batch (0 for a file that
     /// never shared): written in the same transaction as the event's effects.
     pub position: u64,
@@ -193,10 +189,8 @@ impl Writer {
             txn: None,
             meta: Meta::new_file(DEFAULT_CAPACITY),
             held: Held::default(),
-            namespaces: HashMap::new(),
             nodes_per_prefix,
             marked: false,
-            floor: 0,
             position: 0,
             committed_position: 0,
             unwritten: Unwritten::default(),
@@ -225,15 +219,9 @@ impl Writer {
         let meta = read_meta(&read.open_table(META).map_err(redb_err("reading the meta record"))?)?;
         self.meta = meta.ok_or_else(|| Error::unknown_format("no meta record"))?;
         self.marked = self.meta.writer.is_some();
-        let state = read.open_table(STATE).map_err(redb_err("reading the floor"))?;
-        self.floor = read_floor(&state)?;
+        let state = read.open_table(STATE).map_err(redb_err("reading the stream position"))?;
         self.position = read_position(&state)?;
         self.committed_position = self.position;
-        // The clock never goes back, whatever the meta record says.
-        let generations = read.open_table(GENERATIONS).map_err(redb_err("reading the generations"))?;
-        if let Some((last, _)) = generations.last().map_err(redb_err("reading the generations"))? {
-            self.meta.clock = self.meta.clock.max(last.value());
-        }
         let mut by_id = vec![0; self.meta.next_node as usize];
         for (id, n) in by_node(&read.open_table(HELD).map_err(redb_err("reading node counts"))?, self.meta.next_node)? {
             if let Some(h) = by_id.get_mut(id) {
@@ -242,12 +230,6 @@ impl Writer {
         }
         self.held =
             Held { by_id, dirty: BTreeSet::new(), others_changed: std::mem::take(&mut self.held.others_changed) };
-        let ns_table = read.open_table(NAMESPACE_IDS).map_err(redb_err("reading namespaces"))?;
-        self.namespaces = ns_table
-            .iter()
-            .map_err(redb_err("reading namespaces"))?
-            .map(|item| item.map(|(k, v)| (k.value(), v.value())).map_err(redb_err("reading namespaces")))
-            .collect::<Result<_>>()?;
         Ok(())
     }
 
@@ -274,7 +256,7 @@ impl Writer {
     pub(crate) fn dirty(&self) -> bool {
         self.txn.is_some()
             || !self.unwritten.puts.is_empty()
-            || self.unwritten.floor > self.floor
+            || self.unwritten.floor > 0
             || !self.rows.is_empty()
             || !self.engines.is_empty()
     }
@@ -293,8 +275,9 @@ impl Writer {
             match effect {
                 Effect::Put { namespace, blocks, node, clock } => {
                     self.meta.clock = self.meta.clock.max(*clock);
-                    self.unwritten.puts.push((namespace.clone(), Arc::clone(blocks), *node, *clock));
+                    self.unwritten.puts.push((*namespace, Arc::clone(blocks), *node, *clock));
                 }
+                Effect::Namespace { id, namespace } => self.add_namespace(db, *id, namespace)?,
                 Effect::Evict { floor } => self.unwritten.floor = self.unwritten.floor.max(*floor),
                 Effect::Node { id, name } => self.add_node(db, *id, name)?,
                 Effect::Retire { node, name, clock } => self.retire(db, *node, name, *clock)?,
@@ -346,16 +329,20 @@ impl Writer {
     /// # Errors
     /// [`Error::Corrupted`] for counts the file contradicts; [`Error::Storage`].
     pub(crate) fn write(&mut self, db: &Database) -> Result<()> {
-        let Unwritten { puts, floor } = std::mem::take(&mut self.unwritten);
-        let floor = floor.max(self.floor);
-        self.write_puts(db, &puts, floor)?;
-        if floor > self.floor {
-            let any_legacy = self.meta.legacy_entries > 0;
-            let (txn, held) = self.txn_and_held(db)?;
-            let (n, legacy) = remove_through((txn, held), floor, any_legacy)?;
-            self.meta.entries = self.meta.entries.saturating_sub(n);
-            self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
-            self.set_floor(db, floor)?;
+        let Unwritten { puts, floor: evict } = std::mem::take(&mut self.unwritten);
+        if !puts.is_empty() || evict > 0 {
+            // The floor is the file's (an eviction effect states a new one): none kept beside it.
+            let committed = self.floor(db)?;
+            let floor = evict.max(committed);
+            self.write_puts(db, &puts, floor)?;
+            if floor > committed {
+                let any_legacy = self.meta.legacy_entries > 0;
+                let (txn, held) = self.txn_and_held(db)?;
+                let (n, legacy) = remove_through((txn, held), floor, any_legacy)?;
+                self.meta.entries = self.meta.entries.saturating_sub(n);
+                self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
+                self.put_state(db, FLOOR_KEY, floor, "writing the floor")?;
+            }
         }
         let rows = std::mem::take(&mut self.rows);
         if !rows.is_empty() {
@@ -373,12 +360,11 @@ impl Writer {
     /// Writes `puts` (oldest first) merged: each key once, with its newest write (the earlier
     /// writers of another node join its others), those at or below `floor` not at all. Each
     /// put's written keys are listed under its clock, in depth order.
-    fn write_puts(&mut self, db: &Database, puts: &[(Namespace, Arc<[BlockKey]>, u32, u64)], floor: u64) -> Result<()> {
+    fn write_puts(&mut self, db: &Database, puts: &[(u32, Arc<[BlockKey]>, u32, u64)], floor: u64) -> Result<()> {
         let puts: Vec<_> = puts.iter().filter(|p| p.3 > floor).collect();
         if puts.is_empty() {
             return Ok(());
         }
-        let namespaces: Vec<u32> = puts.iter().map(|p| self.intern_namespace(db, &p.0)).collect::<Result<_>>()?;
         // Each block a (key, rank) pair, its put and place in the chain in the rank: sorted,
         // a key's newest write comes first (a put writes a key once, and puts come in clock
         // order). Small pairs sort fast; the entries are made for the writes kept.
@@ -402,8 +388,8 @@ impl Writer {
         let write = |&[hi, lo, rank]: &[u64; 3]| -> Option<Write> {
             let key = u128::from(hi) << 64 | u128::from(lo);
             let (put, i) = place(rank);
-            let (_, _, node, clock) = puts.get(put)?;
-            let entry = Entry { node: *node, namespace: *namespaces.get(put)?, depth: i as u32 + 1, clock: *clock };
+            let (namespace, _, node, clock) = puts.get(put)?;
+            let entry = Entry { node: *node, namespace: *namespace, depth: i as u32 + 1, clock: *clock };
             Some(Write { key, entry })
         };
         // The other nodes that wrote a key before its newest write join its earlier writers,
@@ -451,11 +437,11 @@ impl Writer {
         Ok(())
     }
 
-    /// Records the eviction floor in the batch.
-    fn set_floor(&mut self, db: &Database, floor: u64) -> Result<()> {
-        self.put_state(db, FLOOR_KEY, floor, "writing the floor")?;
-        self.floor = floor;
-        Ok(())
+    /// The eviction floor as of the batch (in the file, so that the others a block still lists
+    /// from before it stay evicted across a restart).
+    fn floor(&mut self, db: &Database) -> Result<u64> {
+        let state = self.batch(db)?.open_table(STATE).map_err(redb_err("reading the floor"))?;
+        read_floor(&state)
     }
 
     /// Lowers the floor to 0 (an import brings 0.1.7's own clocks, which may be older), first
@@ -466,10 +452,10 @@ impl Writer {
     /// [`Error::Storage`].
     pub(crate) fn reset_floor(&mut self, db: &Database) -> Result<()> {
         self.write(db)?;
-        if self.floor == 0 {
+        let floor = self.floor(db)?;
+        if floor == 0 {
             return Ok(());
         }
-        let floor = self.floor;
         let (txn, held) = self.txn_and_held(db)?;
         let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
         let mut stale = Vec::new();
@@ -493,7 +479,7 @@ impl Writer {
             }
         }
         drop(others);
-        self.set_floor(db, 0)
+        self.put_state(db, FLOOR_KEY, 0, "writing the floor")
     }
 
     /// The batch and the node counts, for the writes that change both.
@@ -519,7 +505,7 @@ impl Writer {
                 entry: Entry { node, namespace: LEGACY_NAMESPACE, depth: 0, clock },
             })
             .collect();
-        let (k, floor) = (self.nodes_per_prefix, self.floor);
+        let (k, floor) = (self.nodes_per_prefix, self.floor(db)?);
         let (txn, held) = self.txn_and_held(db)?;
         let written = write_entries(txn, held, writes.iter().map(Write::clone), &Earlier::default(), true, (k, floor))?;
         // Listed under their clocks, each generation in the order written.
@@ -580,15 +566,23 @@ impl Writer {
         Ok(())
     }
 
-    fn intern_namespace(&mut self, db: &Database, ns: &Namespace) -> Result<u32> {
-        let public = ns.id();
-        if let Some(&id) = self.namespaces.get(&public) {
-            return Ok(id);
+    /// Writes namespace record `id` = `namespace`: the next id.
+    ///
+    /// # Errors
+    /// [`Error::Corrupted`] for an id that is not the next; [`Error::InvalidConfig`] past 2^32
+    /// namespaces; [`Error::Storage`].
+    fn add_namespace(&mut self, db: &Database, id: u32, namespace: &Namespace) -> Result<()> {
+        let next = self.meta.next_namespace.max(LEGACY_NAMESPACE + 1);
+        if id != next {
+            return Err(Error::Corrupted {
+                detail: format!("a change adds namespace id {id}, and the file's next is {next}"),
+            });
         }
-        let id = self.meta.next_namespace.max(LEGACY_NAMESPACE + 1);
         self.meta.next_namespace =
             id.checked_add(1).ok_or_else(|| Error::InvalidConfig { detail: "more than 2^32 namespaces".into() })?;
-        let record = NamespaceRecord { model: ns.model().to_string(), tenant: ns.has_tenant(), id: public };
+        let public = namespace.id();
+        let record =
+            NamespaceRecord { model: namespace.model().to_string(), tenant: namespace.has_tenant(), id: public };
         let bytes = codec::encode("namespace", &record)?;
         let txn = self.batch(db)?;
         txn.open_table(NAMESPACES)
@@ -597,8 +591,7 @@ impl Writer {
         txn.open_table(NAMESPACE_IDS)
             .and_then(|mut t| t.insert(public, id).map(drop).map_err(Into::into))
             .map_err(redb_err("writing a namespace"))?;
-        self.namespaces.insert(public, id);
-        Ok(id)
+        Ok(())
     }
 
     /// Writes what is unwritten and commits the batch with the meta record, durably, naming

@@ -170,3 +170,16 @@ impl Proxy {
         self.up.store(true, std::sync::atomic::Ordering::Release);
     }
 }
+
+/// Waits until every event of head `h` is in the stream: `SharedWarm::sync`, again while it says
+/// `Unpublished` (a server slow to acknowledge on a loaded machine: the events stay buffered and
+/// are published when it answers), for up to two minutes.
+pub fn published(h: &superfluid_warm::SharedWarm) {
+    let started = Instant::now();
+    let mut done = h.sync();
+    while let Err(superfluid_warm::Error::Unpublished { .. }) = done {
+        assert!(started.elapsed() < Duration::from_secs(120), "the events are published: {done:?}");
+        done = h.sync();
+    }
+    done.expect("the events are published");
+}

@@ -167,7 +167,7 @@ pub fn run_heads(
         report.prompt_tokens += tokens.len() as u64;
     }
     for head in &shared {
-        head.sync()?;
+        published(head)?;
     }
     // Every head applies every event (the stream holds one per `ran`).
     for head in &shared {
@@ -194,4 +194,16 @@ pub fn run_heads(
         lone.close()?;
     }
     Ok(report)
+}
+
+/// Waits until every event of `head` is in the stream: `sync`, again while the server is only
+/// slow to acknowledge (`Unpublished`, the events buffered), for up to two minutes.
+fn published(head: &SharedWarm) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        match head.sync() {
+            Err(Error::Unpublished { .. }) if started.elapsed() < Duration::from_secs(120) => {}
+            done => return done,
+        }
+    }
 }

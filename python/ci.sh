@@ -38,8 +38,9 @@ cargo clippy --manifest-path Cargo.toml --all-targets --all-features -- -D warni
 # One build, with sharing: `pip install ./python` as a user's machine runs it, with the `nats`
 # feature (SharedWarm) so that every test runs; the lean default build differs only in not
 # registering SharedWarm, and clippy above compiles it. In the `ci` profile (python/Cargo.toml:
-# the dev profile with this library, redb and blake3 optimised), not the release profile a user's
-# install builds: the same code, built in two thirds of the time, inside CI's time budget. And
+# the dev profile with this library, redb, blake3 and xxhash optimised), not the release profile
+# a user's install builds: the same code, built in two thirds of the time, inside CI's time
+# budget. And
 # with `test-hooks`: the tests' and bench.py's `_native._panic` and `_native._replay_rust`, which
 # a user's build does not have.
 if ! command -v nats-server >/dev/null 2>&1 && [ ! -x /usr/sbin/nats-server ]; then

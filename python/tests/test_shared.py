@@ -37,27 +37,41 @@ pytestmark = [
 ]
 
 
-@pytest.fixture
-def nats_url(tmp_path: Path) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def start_server(store: Path) -> "tuple[subprocess.Popen[bytes], int]":
+    """A JetStream server on a free port. A port free when asked may be taken before the server
+    binds it (another test's server, or the Rust suite's beside this one): the server then exits
+    at once, and another port is tried."""
     binary = nats_server()
     assert binary is not None
-    server = subprocess.Popen(
-        [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "nats")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
+    for _ in range(10):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = subprocess.Popen(
+            [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
-        while True:
+        while server.poll() is None:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline, "nats-server did not listen"
                 time.sleep(0.05)
+        # What listens may be someone else's: ours is still running.
+        time.sleep(0.1)
+        if server.poll() is None:
+            return server, port
+        server.wait(timeout=10)
+    raise AssertionError("nats-server found no free port in 10 tries")
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    server, port = start_server(tmp_path / "nats")
+    try:
         yield f"nats://127.0.0.1:{port}"
     finally:
         server.terminate()

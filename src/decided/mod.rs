@@ -115,7 +115,8 @@ impl Decided {
     ///
     /// # Errors
     /// [`Error::Corrupted`] when the clock cannot advance (past [`MAX_CLOCK`]);
-    /// [`Error::InvalidConfig`] past 2^32 node incarnations. Nothing is decided then.
+    /// [`Error::InvalidConfig`] past 2^32 node incarnations or namespaces. Nothing is decided
+    /// then.
     pub(crate) fn ran(
         &mut self,
         namespace: &Namespace,
@@ -125,6 +126,8 @@ impl Decided {
         held: &[(u64, u64)],
     ) -> Result<Vec<Effect>> {
         let clock = next_clock(self.clock)?;
+        // Both ids are handed out, or neither (a new namespace fails only past 2^32 of them).
+        self.namespaces.has_room(namespace)?;
         let mut effects = Vec::with_capacity(4);
         let (id, name) = self.nodes.id(node, &mut effects)?;
         let namespace = self.namespaces.id(namespace, &mut effects)?;

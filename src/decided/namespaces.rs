@@ -25,6 +25,17 @@ impl Namespaces {
         Namespaces { ids, next: next.max(LEGACY_NAMESPACE + 1) }
     }
 
+    /// Whether `namespace` has an id or one can be handed out.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] past 2^32 namespaces.
+    pub(crate) fn has_room(&self, namespace: &Namespace) -> Result<()> {
+        match self.ids.contains_key(&namespace.id()) || self.next < u32::MAX {
+            true => Ok(()),
+            false => Err(Error::InvalidConfig { detail: "more than 2^32 namespaces".into() }),
+        }
+    }
+
     /// The id of `namespace`, handed out if it has none (then with its effect).
     ///
     /// # Errors
@@ -59,6 +70,11 @@ mod tests {
         assert!(matches!(effects.as_slice(), [Effect::Namespace { id: 2, .. }]), "{effects:?}");
         // A fresh file hands out 1 first: 0 is 0.1.7's.
         assert_eq!(Namespaces::new(HashMap::new(), 0).id(&a, &mut effects)?, 1);
+        // Past 2^32, a new namespace is refused and nothing is handed out; known ones keep theirs.
+        let mut full = Namespaces::new(HashMap::from([(a.id(), 1)]), u32::MAX);
+        assert!(matches!(full.id(&b, &mut effects), Err(Error::InvalidConfig { .. })));
+        assert!(full.has_room(&b).is_err() && full.has_room(&a).is_ok());
+        assert_eq!(full.id(&a, &mut effects)?, 1);
         Ok(())
     }
 }

@@ -1,8 +1,8 @@
 //! The writer: the open batch (one redb write transaction) and the one write sequence that
-//! persists effects (`effect.rs`). It decides nothing: the callers decided every change and
-//! state its results; the writer keeps the file's own bookkeeping in step (generations, live
-//! counts, others rows, node counts, the meta record's counts). Only the holder of the writer
-//! lock (see `index/warm.rs`) writes to redb.
+//! persists effects (`decided/effect.rs`). The callers decided every change and state its
+//! results; the writer keeps the file's own bookkeeping in step (generations, live counts,
+//! others rows by the one node-set rule, node counts, the meta record's counts). Only the holder
+//! of the writer lock (see `index/warm.rs`) writes to redb.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;

@@ -39,12 +39,23 @@ impl NatsServer {
         Self::start_with(store, false)
     }
 
+    /// On a free port: one free when asked may be taken before the server binds it (another
+    /// test's server, or another suite's beside this one), and the server then exits; another
+    /// port is tried.
     fn start_with(store: &Path, jetstream: bool) -> NatsServer {
-        let port =
-            TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port");
-        let mut server = NatsServer { child: None, port, store: store.to_path_buf(), jetstream };
-        server.launch();
-        server
+        for _ in 0..10 {
+            let port =
+                TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port");
+            let mut server = NatsServer { child: None, port, store: store.to_path_buf(), jetstream };
+            server.launch();
+            // A server that could not bind exits at once; what listens is then someone else's.
+            std::thread::sleep(Duration::from_millis(100));
+            if server.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None))) {
+                return server;
+            }
+            server.kill();
+        }
+        panic!("nats-server found no free port in 10 tries");
     }
 
     fn launch(&mut self) {
@@ -62,6 +73,9 @@ impl NatsServer {
         self.child = Some(child);
         let started = Instant::now();
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            if self.child.as_mut().is_some_and(|c| !matches!(c.try_wait(), Ok(None))) {
+                return; // It exited: the caller sees it.
+            }
             assert!(started.elapsed() < Duration::from_secs(10), "nats-server did not listen on {}", self.port);
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -341,6 +341,9 @@ impl Writer {
                 let (n, legacy) = remove_through((txn, held), floor, any_legacy)?;
                 self.meta.entries = self.meta.entries.saturating_sub(n);
                 self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
+                // Every clock up to the floor was handed out: the record's clock is never below
+                // it, so a file whose every generation was evicted still keeps its clock.
+                self.meta.clock = self.meta.clock.max(floor);
                 self.put_state(db, FLOOR_KEY, floor, "writing the floor")?;
             }
         }

@@ -45,9 +45,10 @@ impl Namespaces {
         if let Some(&id) = self.ids.get(&public) {
             return Ok(id);
         }
+        self.has_room(namespace)?;
         let id = self.next;
-        self.next =
-            id.checked_add(1).ok_or_else(|| Error::InvalidConfig { detail: "more than 2^32 namespaces".into() })?;
+        // Below u32::MAX (`has_room`): the next id is there.
+        self.next = id.saturating_add(1);
         self.ids.insert(public, id);
         effects.push(Effect::Namespace { id, namespace: namespace.clone() });
         Ok(id)

@@ -104,7 +104,6 @@ pub(crate) fn read_caches(read: &redb::ReadTransaction, floor: u64, next_node: u
 /// # Errors
 /// [`Error::Corrupted`] or [`Error::Codec`] for a row that does not decode; [`Error::Storage`].
 pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: u64) -> Result<Engines> {
-    use redb::ReadableTable;
     let what = "reading the engine streams";
     let streams = match read.open_table(ENGINE_STREAMS) {
         Ok(s) => s,

@@ -60,25 +60,54 @@ impl Horizon {
 
     /// Counts a `ran` at `clock` that writes `blocks` blocks, of which the first ones were live
     /// with the clocks `runs` gives (`(clock, blocks)`, each run of equal clocks once), then
-    /// applies 0.1.7's rule once. Returns the floor after it.
-    pub(crate) fn ran(&mut self, clock: u64, blocks: u64, runs: &[(u64, u64)]) -> u64 {
+    /// applies 0.1.7's rule once. Returns the floor after it; `counts` gets the live count after
+    /// it (0: none left) of each clock above the floor that it changed, oldest first.
+    pub(crate) fn ran(&mut self, clock: u64, blocks: u64, runs: &[(u64, u64)], counts: &mut Vec<(u64, u64)>) -> u64 {
         let mut kept = 0;
         for &(old, n) in runs {
             if let Some(count) = self.live.get_mut(&old) {
                 let n = n.min(*count);
                 *count -= n;
                 kept += n;
+                counts.push((old, *count));
                 if *count == 0 {
                     self.live.remove(&old);
                 }
             }
         }
-        *self.live.entry(clock).or_default() += blocks;
+        let now = self.live.entry(clock).or_default();
+        *now += blocks;
+        counts.push((clock, *now));
         self.entries = self.entries.saturating_sub(kept) + blocks;
         // Once a `ran`, as 0.1.7 does: a `ran` longer than the eviction makes room for may leave
         // more than `capacity` until the next one.
         self.evict_once();
+        counts.retain(|&(c, _)| c > self.floor);
         self.floor
+    }
+
+    /// Lowers the floor to 0 for an import (0.1.7's own clocks may be older than it), then
+    /// counts its entries: `written` gives each entry written, with the clock of the entry it
+    /// replaced (`None`: a new key). Returns the live count after it of each clock it changed.
+    pub(crate) fn import(&mut self, written: impl IntoIterator<Item = (Option<u64>, u64)>) -> Vec<(u64, u64)> {
+        self.floor = 0;
+        let mut changed = std::collections::BTreeSet::new();
+        for (old, new) in written {
+            match old {
+                Some(old) => {
+                    if let Some(n) = self.live.get_mut(&old) {
+                        *n = n.saturating_sub(1);
+                        changed.insert(old);
+                    }
+                }
+                None => self.entries += 1,
+            }
+            *self.live.entry(new).or_default() += 1;
+            changed.insert(new);
+        }
+        let counts = changed.into_iter().map(|c| (c, self.live.get(&c).copied().unwrap_or(0))).collect();
+        self.live.retain(|_, n| *n > 0);
+        counts
     }
 
     /// Applies 0.1.7's rule until no more than `capacity` entries are live (a file opened with
@@ -164,8 +193,14 @@ mod tests {
                 }
             }
             model.ran(conv, blocks, capacity as usize);
-            let floor = horizon.ran(model.clock, blocks, &runs);
+            let mut counts = Vec::new();
+            let floor = horizon.ran(model.clock, blocks, &runs, &mut counts);
             assert_eq!(horizon.entries, model.by_key.len() as u64, "at clock {}", model.clock);
+            // The counts it states are the model's, for every clock it changed.
+            assert!(counts.iter().any(|&(c, _)| c == model.clock));
+            for (clock, n) in counts {
+                assert_eq!(n, model.by_key.values().filter(|&&c| c == clock).count() as u64, "clock {clock}");
+            }
             assert!(model.by_key.values().all(|&c| horizon.holds(c)));
             assert!(floor >= last_floor);
             evictions += usize::from(floor > last_floor);

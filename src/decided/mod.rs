@@ -132,12 +132,14 @@ impl Decided {
         let (id, name) = self.nodes.id(node, &mut effects)?;
         let namespace = self.namespaces.id(namespace, &mut effects)?;
         let before = self.horizon.floor;
-        let floor = self.horizon.ran(clock, blocks.len() as u64, runs);
+        let mut counts = Vec::with_capacity(runs.len() + 1);
+        let floor = self.horizon.ran(clock, blocks.len() as u64, runs, &mut counts);
         self.clock = clock;
         effects.push(Effect::Put { namespace, blocks: Arc::clone(blocks), node: id, clock });
         if floor > before {
-            effects.push(Effect::Evict { floor });
+            effects.push(Effect::Evict { floor, entries: self.horizon.entries });
         }
+        effects.push(Effect::Live { counts: counts.into(), entries: self.horizon.entries });
         self.caches.ran((id, &name), clock, blocks.len() as u64, held, floor);
         effects.append(&mut self.caches.take_effects());
         Ok(effects)
@@ -207,8 +209,21 @@ impl Decided {
             return Vec::new();
         }
         self.caches.drop_through(floor);
-        let mut effects = vec![Effect::Evict { floor }];
+        let mut effects = vec![Effect::Evict { floor, entries: self.horizon.entries }];
         effects.append(&mut self.caches.take_effects());
+        effects
+    }
+
+    /// Decides what an import's entries leave live: `written` gives each entry the import wrote
+    /// (`(clock it replaced, None for a new key; its clock)`), which 0.1.7's own clocks may
+    /// place below the floor (lowered to 0 for it) or past the clock (raised to the newest).
+    pub(crate) fn import_entries(&mut self, written: &[(Option<u64>, u64)]) -> Vec<Effect> {
+        let counts = self.horizon.import(written.iter().copied());
+        let mut effects = vec![Effect::Live { counts: counts.into(), entries: self.horizon.entries }];
+        if let Some(newest) = written.iter().map(|w| w.1).max().filter(|&c| c > self.clock) {
+            self.clock = newest;
+            effects.push(Effect::Clock { clock: newest });
+        }
         effects
     }
 

@@ -4,12 +4,60 @@
 //! memtable's writes, a sharing head's own, the committed rows), so both name the same nodes
 //! whatever order the writes came in.
 
+use std::collections::BTreeSet;
+
 /// The nodes a block keeps, of every (node, clock) that named it (`named`, in any order): those
 /// whose clock `live` still holds, each node once with its newest clock, the `k` newest, newest
 /// first (ties by node id).
 pub(crate) fn keep(named: &mut Vec<(u32, u64)>, live: impl Fn(u64) -> bool, k: usize) {
     named.retain(|&(_, clock)| live(clock));
     newest_members(named, k);
+}
+
+/// A block's nodes after a write.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Rewrite {
+    /// Its others: the nodes it keeps, less the write's own (newest first).
+    pub others: Vec<(u32, u64)>,
+    /// Nodes it named before and names no more.
+    pub gone: Vec<u32>,
+    /// Nodes it names now and did not before.
+    pub added: Vec<u32>,
+}
+
+/// Whether a write of node `new` leaves a block's others as they are: the same node again
+/// (`old`, the block's node before), with no earlier writer in the batch. The usual turn: its
+/// others never include its own node, and one that aged out stays listed until a write changes
+/// them (every reader drops it by [`keep`]), so the row is not even read.
+pub(crate) fn leaves_others(old: Option<u32>, new: u32, earlier: &[(u32, u64)]) -> bool {
+    earlier.is_empty() && old == Some(new)
+}
+
+/// What block a keeps after write `new` (node, clock) replaced its entry `old` (`None`: a new
+/// key): of its others before (`before`), `old`, the batch's earlier writers of it (`earlier`)
+/// and `new`, the nodes [`keep`] keeps; `new`'s node is the block's own, the rest its others.
+/// Which nodes a block names is the same whatever order the writes came in.
+pub(crate) fn rewrite(
+    before: &[(u32, u64)],
+    old: Option<(u32, u64)>,
+    new: (u32, u64),
+    earlier: &[(u32, u64)],
+    live: impl Fn(u64) -> bool,
+    k: usize,
+) -> Rewrite {
+    let mut others: Vec<(u32, u64)> = before.to_vec();
+    others.push(new);
+    others.extend(old);
+    others.extend_from_slice(earlier);
+    keep(&mut others, live, k);
+    others.retain(|&(node, _)| node != new.0);
+    let named_before: BTreeSet<u32> = before.iter().map(|m| m.0).chain(old.map(|o| o.0)).collect();
+    let named_after: BTreeSet<u32> = others.iter().map(|m| m.0).chain([new.0]).collect();
+    Rewrite {
+        gone: named_before.difference(&named_after).copied().collect(),
+        added: named_after.difference(&named_before).copied().collect(),
+        others,
+    }
 }
 
 /// Keeps the `k` newest of `members` (node id, clock): each node once, with its newest clock,
@@ -63,6 +111,15 @@ mod tests {
         keep(&mut none, |_| true, 4);
         assert!(none.is_empty());
         let mut aged = vec![(1, 9), (2, 3), (3, 5), (2, 6)];
+        // A write by node 7 of a block named by 1 (its own) and 2, 3 (others), 3 aged out.
+        let live = |clock| clock > 4;
+        let after = rewrite(&[(2, 6), (3, 4)], Some((1, 8)), (7, 10), &[(5, 9)], live, 3);
+        assert_eq!(after.others, vec![(5, 9), (1, 8)], "the k newest live, less its own node");
+        assert_eq!((after.gone, after.added), (vec![2, 3], vec![5, 7]));
+        let same = rewrite(&[(2, 6)], Some((1, 8)), (1, 10), &[], live, 3);
+        assert_eq!(same, Rewrite { others: vec![(2, 6)], gone: vec![], added: vec![] });
+        assert!(leaves_others(Some(1), 1, &[]) && !leaves_others(Some(1), 1, &[(2, 3)]));
+        assert!(!leaves_others(None, 1, &[]) && !leaves_others(Some(2), 1, &[]));
         keep(&mut aged, |clock| clock > 5, 4);
         assert_eq!(aged, vec![(1, 9), (2, 6)], "a node's evicted writes are not kept, its newer ones are");
     }

@@ -658,8 +658,10 @@ impl Warm {
                 entries.push((legacy_key(*hash), id, *at));
             }
             let written = back.writer.write_legacy(db, &entries)?;
-            back.writer.note_import(file.source(), written);
-            Ok(written)
+            let effects = self.front()?.decided.import_entries(&written);
+            back.writer.apply(db, &effects, 0)?;
+            back.writer.note_import(file.source(), written.len() as u64);
+            Ok(written.len() as u64)
         })();
         report.imported = written.map_err(|e| back.writer.roll_back(db, e).error)?;
         flush_locked(&self.inner, back, Flush::Commit)?;

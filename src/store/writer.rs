@@ -20,7 +20,7 @@ use super::tables::{
 };
 use crate::decided::effect::Effect;
 use crate::decided::engines::{BlockRowKey, StreamRecord};
-use crate::decided::node_set::{add_member, keep};
+use crate::decided::node_set::{add_member, leaves_others, rewrite};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, Namespace, is_legacy};
 
@@ -102,6 +102,9 @@ struct Unwritten {
     puts: Vec<(u32, Arc<[BlockKey]>, u32, u64)>,
     /// The newest floor of the batch's evictions.
     floor: u64,
+    /// Each clock's live count as last stated (written after the eviction: a clock it takes
+    /// is not written).
+    live: BTreeMap<u64, u64>,
 }
 
 /// A batch that was rolled back: the error (the effects it held are the caller's to retry).
@@ -145,38 +148,14 @@ struct Write {
 /// keys whose node changed within the batch have a list.
 type Earlier = HashMap<u128, Vec<(u32, u64)>>;
 
-/// Hashes a clock with one multiplication: clocks are integers the writer made, and a map of
-/// them is hashed once a write.
-#[derive(Clone, Copy, Default)]
-struct IntHasher(u64);
-
-impl std::hash::Hasher for IntHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-type IntMap<K, V> = HashMap<K, V, std::hash::BuildHasherDefault<IntHasher>>;
-
 /// What [`write_entries`] did.
 #[derive(Default)]
 struct Written {
     /// Keys that were not in the table.
     added: u64,
-    /// Entries written (all of them, less those kept for a newer clock).
-    written: u64,
-    /// With `keep_newer`, whether each write was written (empty without: all were).
-    mask: Vec<bool>,
+    /// With `keep_newer`, each write's fate: `None` if kept out by a newer clock, else the
+    /// clock of the entry it replaced (`Some(None)`: a new key). Empty without: all were written.
+    fates: Vec<Option<Option<u64>>>,
 }
 
 impl Writer {
@@ -257,6 +236,7 @@ impl Writer {
         self.txn.is_some()
             || !self.unwritten.puts.is_empty()
             || self.unwritten.floor > 0
+            || !self.unwritten.live.is_empty()
             || !self.rows.is_empty()
             || !self.engines.is_empty()
     }
@@ -274,11 +254,19 @@ impl Writer {
         for effect in effects {
             match effect {
                 Effect::Put { namespace, blocks, node, clock } => {
-                    self.meta.clock = self.meta.clock.max(*clock);
+                    self.meta.clock = *clock;
                     self.unwritten.puts.push((*namespace, Arc::clone(blocks), *node, *clock));
                 }
                 Effect::Namespace { id, namespace } => self.add_namespace(db, *id, namespace)?,
-                Effect::Evict { floor } => self.unwritten.floor = self.unwritten.floor.max(*floor),
+                Effect::Live { counts, entries } => {
+                    self.unwritten.live.extend(counts.iter().copied());
+                    self.meta.entries = *entries;
+                }
+                Effect::Clock { clock } => self.meta.clock = *clock,
+                Effect::Evict { floor, entries } => {
+                    self.unwritten.floor = self.unwritten.floor.max(*floor);
+                    self.meta.entries = *entries;
+                }
                 Effect::Node { id, name } => self.add_node(db, *id, name)?,
                 Effect::Retire { node, name, clock } => self.retire(db, *node, name, *clock)?,
                 Effect::CacheClock { node, clock, blocks, was } => {
@@ -295,7 +283,7 @@ impl Writer {
                     self.engines.blocks.insert((*node, *clock, *hash), row.clone());
                 }
                 Effect::EngineStream { node, row, clock } => {
-                    self.meta.clock = self.meta.clock.max(*clock);
+                    self.meta.clock = *clock;
                     self.engines.streams.insert(*node, Some(Arc::clone(row)));
                 }
                 Effect::EngineClear { node, stream } => {
@@ -329,8 +317,8 @@ impl Writer {
     /// # Errors
     /// [`Error::Corrupted`] for counts the file contradicts; [`Error::Storage`].
     pub(crate) fn write(&mut self, db: &Database) -> Result<()> {
-        let Unwritten { puts, floor: evict } = std::mem::take(&mut self.unwritten);
-        if !puts.is_empty() || evict > 0 {
+        let Unwritten { puts, floor: evict, live } = std::mem::take(&mut self.unwritten);
+        if !puts.is_empty() || evict > 0 || !live.is_empty() {
             // The floor is the file's (an eviction effect states a new one): none kept beside it.
             let committed = self.floor(db)?;
             let floor = evict.max(committed);
@@ -338,14 +326,14 @@ impl Writer {
             if floor > committed {
                 let any_legacy = self.meta.legacy_entries > 0;
                 let (txn, held) = self.txn_and_held(db)?;
-                let (n, legacy) = remove_through((txn, held), floor, any_legacy)?;
-                self.meta.entries = self.meta.entries.saturating_sub(n);
+                let legacy = remove_through((txn, held), floor, any_legacy)?;
                 self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
                 // Every clock up to the floor was handed out: the record's clock is never below
                 // it, so a file whose every generation was evicted still keeps its clock.
                 self.meta.clock = self.meta.clock.max(floor);
                 self.put_state(db, FLOOR_KEY, floor, "writing the floor")?;
             }
+            write_live(self.batch(db)?, live.range(floor + 1..))?;
         }
         let rows = std::mem::take(&mut self.rows);
         if !rows.is_empty() {
@@ -409,7 +397,7 @@ impl Writer {
         order.dedup_by(|a, b| same_key(a, b));
         let k = self.nodes_per_prefix;
         let (txn, held) = self.txn_and_held(db)?;
-        let written = write_entries(txn, held, order.iter().filter_map(write), &earlier, false, (k, floor))?;
+        write_entries(txn, held, order.iter().filter_map(write), &earlier, false, (k, floor))?;
         // Each put's keys that were written (a bit a block, at the put's first block plus its
         // place in the chain), listed under its clock in depth order.
         let mut kept = vec![false; total];
@@ -435,7 +423,6 @@ impl Writer {
             let bytes: Vec<u8> = listed.iter().flat_map(|(_, key)| key.to_be_bytes()).collect();
             list_in_generation(txn, clock, &bytes)?;
         }
-        self.meta.entries += written.added;
         self.order = order;
         Ok(())
     }
@@ -495,11 +482,17 @@ impl Writer {
     }
 
     /// Writes 0.1.7 entries (key, node id, clock) into the batch; an entry already there with a
-    /// clock at least as new is kept. Returns the entries written.
+    /// clock at least as new is kept. Returns each entry written: the clock of the entry it
+    /// replaced (`None`: a new key) and its own, for the decided state to count
+    /// ([`crate::decided::Decided::import_entries`], whose effects set the live counts).
     ///
     /// # Errors
     /// [`Error::Storage`].
-    pub(crate) fn write_legacy(&mut self, db: &Database, entries: &[(BlockKey, u32, u64)]) -> Result<u64> {
+    pub(crate) fn write_legacy(
+        &mut self,
+        db: &Database,
+        entries: &[(BlockKey, u32, u64)],
+    ) -> Result<Vec<(Option<u64>, u64)>> {
         self.write(db)?;
         let writes: Vec<Write> = entries
             .iter()
@@ -513,16 +506,18 @@ impl Writer {
         let written = write_entries(txn, held, writes.iter().map(Write::clone), &Earlier::default(), true, (k, floor))?;
         // Listed under their clocks, each generation in the order written.
         let mut listed: BTreeMap<u64, Vec<u8>> = BTreeMap::new();
-        for (w, _) in writes.iter().zip(&written.mask).filter(|(_, written)| **written) {
-            listed.entry(w.entry.clock).or_default().extend_from_slice(&w.key.to_be_bytes());
+        let mut done = Vec::new();
+        for (w, fate) in writes.iter().zip(&written.fates) {
+            if let Some(replaced) = fate {
+                listed.entry(w.entry.clock).or_default().extend_from_slice(&w.key.to_be_bytes());
+                done.push((*replaced, w.entry.clock));
+            }
         }
         for (clock, bytes) in listed {
             list_in_generation(txn, clock, &bytes)?;
         }
-        self.meta.clock = self.meta.clock.max(entries.iter().map(|e| e.2).max().unwrap_or(0));
-        self.meta.entries += written.added;
         self.meta.legacy_entries += written.added;
-        Ok(written.written)
+        Ok(done)
     }
 
     /// Writes node record `id` = `name`: the next id.
@@ -565,7 +560,7 @@ impl Writer {
         txn.open_table(NODE_IDS)
             .and_then(|mut t| t.remove(name).map(drop).map_err(Into::into))
             .map_err(redb_err("retiring a node"))?;
-        self.meta.clock = self.meta.clock.max(clock);
+        self.meta.clock = clock;
         Ok(())
     }
 
@@ -730,11 +725,11 @@ fn write_cache_rows(txn: &WriteTransaction, rows: CacheRows) -> Result<()> {
     Ok(())
 }
 
-/// Writes `writes` (each key once) into the prefix table and keeps the live counts in step: each
-/// generation an overwritten entry leaves loses a live key (the caller lists the writes under
-/// their clocks). A block whose node changes keeps the nodes before in its others (at most
-/// `k - 1`, newest first; `earlier`: the batch's earlier writers of a key), and the node counts
-/// follow. With `keep_newer`, an entry already there with a clock at least as new is kept.
+/// Writes `writes` (each key once) into the prefix table (the caller lists them under their
+/// clocks; the live counts are the decided state's). A block whose node changes keeps the nodes
+/// before in its others (at most `k - 1`, newest first; `earlier`: the batch's earlier writers
+/// of a key), and the node counts follow. With `keep_newer`, an entry already there with a clock
+/// at least as new is kept.
 fn write_entries(
     txn: &WriteTransaction,
     held: &mut Held,
@@ -744,7 +739,6 @@ fn write_entries(
     (k, floor): (usize, u64),
 ) -> Result<Written> {
     let mut written = Written::default();
-    let mut left: IntMap<u64, u32> = IntMap::default();
     {
         let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
         let mut others = txn.open_table(OTHERS).map_err(redb_err("opening the others"))?;
@@ -753,74 +747,58 @@ fn write_entries(
             if keep_newer {
                 let old = primary.get(w.key).map_err(redb_err("reading a prefix"))?;
                 let newer = old.is_some_and(|g| Entry::from_tuple(g.value()).clock >= w.entry.clock);
-                written.mask.push(!newer);
                 if newer {
+                    written.fates.push(None);
                     continue;
                 }
             }
             let old = primary.insert(w.key, w.entry.tuple()).map_err(redb_err("writing a prefix"))?;
             let old = old.map(|g| Entry::from_tuple(g.value()));
-            match old {
-                Some(old) => *left.entry(old.clock).or_default() += 1,
-                None => written.added += 1,
+            if keep_newer {
+                written.fates.push(Some(old.map(|o| o.clock)));
             }
+            written.added += u64::from(old.is_none());
             let before: &[(u32, u64)] =
                 if earlier.is_empty() { &[] } else { earlier.get(&w.key).map_or(&[], Vec::as_slice) };
-            match old {
-                // The usual turn: the same node again, so its others (which never include the
-                // node of the prefix table) are as they were.
-                Some(old) if old.node == w.entry.node && before.is_empty() => {}
-                None if before.is_empty() => held.add(w.entry.node, 1),
-                _ => change_others(&mut others, held, (w, before), old, k, floor)?,
+            if !leaves_others(old.map(|o| o.node), w.entry.node, before) {
+                change_others(&mut others, held, (w, before), old, (k, floor))?;
             }
-            written.written += 1;
         }
     }
-    take_live(txn, &left)?;
     Ok(written)
 }
 
-/// A block's others after `w` replaced `old`: of the others before, the node it replaced, the
-/// batch's earlier writers and `w` itself, the nodes [`keep`] keeps (those seen after `floor`,
-/// each once, the `k` newest: each node of a block ages out by its own clock), less `w`'s own.
-/// Which nodes a block names is the same whatever order the writes came in.
+/// Writes a block's others after `w` replaced `old` (`earlier`: the batch's earlier writers of
+/// it) as the node-set rule has them ([`rewrite`]), and the node counts follow. A new key has no
+/// others row to read (rows go with their entries).
 fn change_others(
     others: &mut redb::Table<u128, &[u8]>,
     held: &mut Held,
     (w, earlier): (&Write, &[(u32, u64)]),
     old: Option<Entry>,
-    k: usize,
-    floor: u64,
+    (k, floor): (usize, u64),
 ) -> Result<()> {
-    let before: Vec<(u32, u64)> = others
-        .get(w.key)
-        .map_err(redb_err("reading the others"))?
-        .map(|g| members(g.value()).collect())
-        .unwrap_or_default();
-    // The one node-set rule, of every write that named the block (the new one the newest); the
-    // new node is the block's own, the rest its others.
-    let mut after: Vec<(u32, u64)> = before.clone();
-    after.push((w.entry.node, w.entry.clock));
-    after.extend(old.map(|o| (o.node, o.clock)));
-    after.extend_from_slice(earlier);
-    keep(&mut after, |clock| clock > floor, k);
-    after.retain(|&(node, _)| node != w.entry.node);
-    let named_before: BTreeSet<u32> = before.iter().map(|m| m.0).chain(old.map(|o| o.node)).collect();
-    let named_after: BTreeSet<u32> = after.iter().map(|m| m.0).chain([w.entry.node]).collect();
-    for &gone in named_before.difference(&named_after) {
+    let before: Vec<(u32, u64)> = match old {
+        None => Vec::new(),
+        Some(_) => {
+            let row = others.get(w.key).map_err(redb_err("reading the others"))?;
+            row.map(|g| members(g.value()).collect()).unwrap_or_default()
+        }
+    };
+    let new = (w.entry.node, w.entry.clock);
+    let after = rewrite(&before, old.map(|o| (o.node, o.clock)), new, earlier, |clock| clock > floor, k);
+    for &gone in &after.gone {
         held.add(gone, -1);
     }
-    for &new in named_after.difference(&named_before) {
-        held.add(new, 1);
+    for &added in &after.added {
+        held.add(added, 1);
     }
-    if after.is_empty() {
-        if !before.is_empty() {
-            others.remove(w.key).map_err(redb_err("writing the others"))?;
+    if after.others != before {
+        match after.others.is_empty() {
+            true => others.remove(w.key).map(drop),
+            false => others.insert(w.key, members_row(&after.others).as_slice()).map(drop),
         }
-    } else if after != before {
-        others.insert(w.key, members_row(&after).as_slice()).map_err(redb_err("writing the others"))?;
-    }
-    if after != before {
+        .map_err(redb_err("writing the others"))?;
         held.others_changed.push(w.key);
     }
     Ok(())
@@ -830,9 +808,9 @@ fn change_others(
 /// and live count up to it. 0.1.7's rule removes an eighth of the entries at a time, from nearly
 /// every leaf page of the prefix table: one pass over the table (redb's `retain`, which rewrites
 /// each page once) costs a few comparisons an entry, where a lookup and a removal per victim
-/// walked the tree twice each. Returns (entries removed, of which 0.1.7's: none to count unless
-/// `any_legacy`).
-fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_legacy: bool) -> Result<(u64, u64)> {
+/// walked the tree twice each. Returns the entries removed that were 0.1.7's (none to count
+/// unless `any_legacy`).
+fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_legacy: bool) -> Result<u64> {
     let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
     let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
     let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
@@ -873,30 +851,25 @@ fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_leg
         }
         held.others_changed.extend(changed);
     }
-    Ok((removed.len() as u64, legacy))
+    Ok(legacy)
 }
 
-/// Takes `n` live keys from each generation in `left` (their keys were rewritten at a newer
-/// clock); a generation left with none goes.
-fn take_live(txn: &WriteTransaction, left: &IntMap<u64, u32>) -> Result<()> {
-    if left.is_empty() {
-        return Ok(());
-    }
+/// Writes each clock's live count as stated (`counts`); a generation left with none goes.
+fn write_live<'a>(txn: &WriteTransaction, counts: impl Iterator<Item = (&'a u64, &'a u64)>) -> Result<()> {
     let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
-    for (&clock, &n) in left {
-        let count = live.get(clock).map_err(redb_err("reading the live counts"))?.map(|g| g.value());
-        let Some(count) = count.filter(|&c| c >= n) else {
-            return Err(Error::Corrupted {
-                detail: format!("generation {clock} has fewer live keys than were rewritten"),
-            });
-        };
-        if count == n {
-            live.remove(clock).map_err(redb_err("writing the live counts"))?;
-            txn.open_table(GENERATIONS)
-                .and_then(|mut t| t.remove(clock).map(drop).map_err(Into::into))
-                .map_err(redb_err("writing the generations"))?;
-        } else {
-            live.insert(clock, count - n).map_err(redb_err("writing the live counts"))?;
+    let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
+    for (&clock, &count) in counts {
+        match u32::try_from(count) {
+            Ok(0) => {
+                live.remove(clock).map_err(redb_err("writing the live counts"))?;
+                generations.remove(clock).map_err(redb_err("writing the generations"))?;
+            }
+            Ok(n) => {
+                live.insert(clock, n).map_err(redb_err("writing the live counts"))?;
+            }
+            Err(_) => {
+                return Err(Error::Corrupted { detail: format!("generation {clock} counts {count} live keys") });
+            }
         }
     }
     Ok(())
@@ -908,10 +881,7 @@ fn list_in_generation(txn: &WriteTransaction, clock: u64, keys: &[u8]) -> Result
         return Ok(());
     }
     let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
-    let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
     let before = generations.get(clock).map_err(redb_err("reading the generations"))?.map(|g| g.value().to_vec());
-    let count = live.get(clock).map_err(redb_err("reading the live counts"))?.map_or(0, |g| g.value());
-    let added = u32::try_from(keys.len() / 16).unwrap_or(u32::MAX);
     match before {
         Some(mut all) => {
             all.extend_from_slice(keys);
@@ -921,7 +891,6 @@ fn list_in_generation(txn: &WriteTransaction, clock: u64, keys: &[u8]) -> Result
             generations.insert(clock, keys).map_err(redb_err("writing the generations"))?;
         }
     }
-    live.insert(clock, count.saturating_add(added)).map_err(redb_err("writing the live counts"))?;
     Ok(())
 }
 

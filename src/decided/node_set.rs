@@ -33,7 +33,13 @@ pub(crate) fn leaves_others(old: Option<u32>, new: u32, earlier: &[(u32, u64)]) 
     earlier.is_empty() && old == Some(new)
 }
 
-/// What block a keeps after write `new` (node, clock) replaced its entry `old` (`None`: a new
+/// Whether a write names only its own node: a new key (`replaced`: there was an entry before)
+/// with no earlier writer in the batch (its rewrite of nothing adds the write's node alone).
+pub(crate) fn names_only_its_own(replaced: bool, earlier: &[(u32, u64)]) -> bool {
+    !replaced && earlier.is_empty()
+}
+
+/// What a block keeps after write `new` (node, clock) replaced its entry `old` (`None`: a new
 /// key): of its others before (`before`), `old`, the batch's earlier writers of it (`earlier`)
 /// and `new`, the nodes [`keep`] keeps; `new`'s node is the block's own, the rest its others.
 /// Which nodes a block names is the same whatever order the writes came in.
@@ -120,6 +126,9 @@ mod tests {
         assert_eq!(same, Rewrite { others: vec![(2, 6)], gone: vec![], added: vec![] });
         assert!(leaves_others(Some(1), 1, &[]) && !leaves_others(Some(1), 1, &[(2, 3)]));
         assert!(!leaves_others(None, 1, &[]) && !leaves_others(Some(2), 1, &[]));
+        let fresh = rewrite(&[], None, (3, 4), &[], live, 3);
+        assert!(names_only_its_own(false, &[]) && (fresh.others.is_empty(), fresh.added) == (true, vec![3]));
+        assert!(!names_only_its_own(true, &[]) && !names_only_its_own(false, &[(1, 2)]));
         keep(&mut aged, |clock| clock > 5, 4);
         assert_eq!(aged, vec![(1, 9), (2, 6)], "a node's evicted writes are not kept, its newer ones are");
     }

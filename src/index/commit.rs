@@ -132,13 +132,14 @@ pub(crate) fn committed(db: &Database) -> Result<(Committed, CommittedOthers)> {
     Ok((prefixes, others))
 }
 
-/// The file's figures as the writer has them.
-pub(crate) fn published(writer: &Writer) -> Published {
+/// The file's figures as of the writer's batch, with `held` its node counts
+/// ([`Writer::node_counts`]).
+pub(crate) fn published(writer: &Writer, held: Arc<[u64]>) -> Published {
     Published {
         entries: writer.meta.entries,
         legacy_entries: writer.meta.legacy_entries,
         capacity: writer.meta.capacity,
-        held: writer.held.by_id().into(),
+        held,
     }
 }
 
@@ -223,7 +224,8 @@ fn give_batch(inner: &Inner, back: &mut Back, queue: Vec<Queued>) -> Result<(), 
 /// Tells the callers what a flush did: the figures, and after a commit a fresh view of it with
 /// the memtable maps it made redundant dropped; after a failure, the changes back in the queue.
 fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, Box<RolledBack>>) -> Result<()> {
-    let figures = published(&back.writer);
+    // Node counts that cannot be read (the file failing) stay as they were.
+    let held = back.writer.node_counts(&inner.db).ok();
     // Without a fresh read (one that failed), the committed changes stay in the memtable and
     // the old view stays: the answers stay right, and the next commit drops them.
     let fresh = match &outcome {
@@ -233,6 +235,7 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
     let committed_now = matches!(outcome, Ok(Some(_)));
     let file_bytes = if committed_now { file_size(inner) } else { None };
     let mut front = inner.front.lock().map_err(|_| Error::Poisoned)?;
+    let figures = published(&back.writer, held.map_or_else(|| Arc::clone(&front.view().published.held), Arc::from));
     inner.legacy.store(figures.legacy_entries > 0, Ordering::Relaxed);
     // The figures a commit changed, recorded once the lock is released.
     let recorded = committed_now.then(|| FileFigures::of(&front, &figures, file_bytes));
@@ -305,7 +308,8 @@ fn publish(inner: &Inner, back: &mut Back, outcome: Result<Option<Vec<Queued>>, 
 /// Records the figures of the file as opened (before anything can commit).
 pub(crate) fn record_opened(inner: &Inner) {
     let Ok(back) = inner.back.lock() else { return };
-    let figures = published(&back.writer);
+    let Ok(held) = back.writer.node_counts(&inner.db) else { return };
+    let figures = published(&back.writer, held.into());
     let file_bytes = file_size(inner);
     let Ok(front) = inner.front.lock() else { return };
     let recorded = FileFigures::of(&front, &figures, file_bytes);

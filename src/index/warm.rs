@@ -183,8 +183,12 @@ impl Warm {
         lock: Option<(HeadLock, PathBuf)>,
         compact_on_close: bool,
     ) -> Result<Warm> {
-        let view =
-            View { version: 0, tables: Arc::new(committed(&db)?), presence: None, published: published(&writer) };
+        let view = View {
+            version: 0,
+            tables: Arc::new(committed(&db)?),
+            presence: None,
+            published: published(&writer, writer.node_counts(&db)?.into()),
+        };
         let others = Mutex::new(OthersCache::of(&view.tables));
         let front = Front::new(decided, view, writer.nodes_per_prefix, engine_grace);
         let inner = Arc::new(Inner {

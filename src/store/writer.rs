@@ -20,7 +20,7 @@ use super::tables::{
 };
 use crate::decided::effect::Effect;
 use crate::decided::engines::{BlockRowKey, StreamRecord};
-use crate::decided::node_set::{add_member, leaves_others, rewrite};
+use crate::decided::node_set::{add_member, leaves_others, names_only_its_own, rewrite};
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BlockKey, Namespace, is_legacy};
 
@@ -29,12 +29,13 @@ pub const DEFAULT_NODES_PER_PREFIX: usize = 4;
 /// Most nodes a block may be set to keep.
 pub const MAX_NODES_PER_PREFIX: usize = 64;
 
-/// How many blocks name each node id (`held/v4`), as of the batch: the file's own count, kept
-/// in step with every write.
+/// What the batch's rows change in how many blocks name each node id: added to the file's
+/// `held/v4` counts at the commit (the file keeps the counts; the batch only their changes).
 #[derive(Default)]
 pub(crate) struct Held {
-    by_id: Vec<u64>,
-    /// Ids whose count changed in the batch.
+    /// By id: blocks the batch made name it, less those it made stop.
+    delta: Vec<i64>,
+    /// Ids whose count the batch changed.
     dirty: BTreeSet<u32>,
     /// Keys whose others row the batch wrote or removed, for the callers' copy of the rows
     /// (`index/others.rs`), taken by whoever installs the commit that holds them (kept across
@@ -45,18 +46,19 @@ pub(crate) struct Held {
 impl Held {
     fn add(&mut self, node: u32, delta: i64) {
         let i = node as usize;
-        if self.by_id.len() <= i {
-            self.by_id.resize(i + 1, 0);
+        if self.delta.len() <= i {
+            self.delta.resize(i + 1, 0);
         }
-        if let Some(h) = self.by_id.get_mut(i) {
-            *h = h.saturating_add_signed(delta);
+        if let Some(d) = self.delta.get_mut(i) {
+            *d += delta;
             self.dirty.insert(node);
         }
     }
 
-    /// Blocks that name each node id, by id.
-    pub(crate) fn by_id(&self) -> &[u64] {
-        &self.by_id
+    /// Node `id`'s count after the batch, of `stored` in the file (never below 0: a count a
+    /// damaged file got wrong is a figure `check` reports, not a reason to stop writing).
+    fn after(&self, id: u32, stored: u64) -> u64 {
+        stored.saturating_add_signed(self.delta.get(id as usize).copied().unwrap_or(0))
     }
 }
 
@@ -201,14 +203,7 @@ impl Writer {
         let state = read.open_table(STATE).map_err(redb_err("reading the stream position"))?;
         self.position = read_position(&state)?;
         self.committed_position = self.position;
-        let mut by_id = vec![0; self.meta.next_node as usize];
-        for (id, n) in by_node(&read.open_table(HELD).map_err(redb_err("reading node counts"))?, self.meta.next_node)? {
-            if let Some(h) = by_id.get_mut(id) {
-                *h = n;
-            }
-        }
-        self.held =
-            Held { by_id, dirty: BTreeSet::new(), others_changed: std::mem::take(&mut self.held.others_changed) };
+        self.held = Held { others_changed: std::mem::take(&mut self.held.others_changed), ..Held::default() };
         Ok(())
     }
 
@@ -218,6 +213,28 @@ impl Writer {
             self.txn = Some(db.begin_write().map_err(redb_err("starting a batch"))?);
         }
         self.txn.as_ref().ok_or(Error::Poisoned)
+    }
+
+    /// Blocks that name each node id, by id, as of the batch: the file's counts as last
+    /// committed and what the batch changes in them.
+    ///
+    /// # Errors
+    /// [`Error::Storage`]; [`Error::Corrupted`] for a count of a node id the file never handed
+    /// out.
+    pub(crate) fn node_counts(&self, db: &Database) -> Result<Vec<u64>> {
+        const READ: &str = "reading node counts";
+        let read = db.begin_read().map_err(redb_err(READ))?;
+        let stored = by_node(&read.open_table(HELD).map_err(redb_err(READ))?, self.meta.next_node)?;
+        let mut counts = vec![0; self.meta.next_node as usize];
+        for (id, n) in stored {
+            if let Some(c) = counts.get_mut(id) {
+                *c = n;
+            }
+        }
+        for (id, c) in (0u32..).zip(counts.iter_mut()) {
+            *c = self.held.after(id, *c);
+        }
+        Ok(counts)
     }
 
     /// Whether the 0.1.7 file of digest `source` was imported before.
@@ -633,7 +650,9 @@ impl Writer {
         {
             let mut held = txn.open_table(HELD).map_err(redb_err("writing node counts"))?;
             for &id in &self.held.dirty {
-                match self.held.by_id.get(id as usize).copied().unwrap_or(0) {
+                let stored = held.get(id).map_err(redb_err("reading node counts"))?.map_or(0, |g| g.value());
+                match self.held.after(id, stored) {
+                    n if n == stored => Ok(()),
                     0 => held.remove(id).map(drop),
                     n => held.insert(id, n).map(drop),
                 }
@@ -644,7 +663,7 @@ impl Writer {
             .and_then(|mut t| t.insert(META_KEY, bytes.as_slice()).map(drop).map_err(Into::into))
             .map_err(redb_err("writing the meta record"))?;
         txn.commit().map_err(redb_err("committing"))?;
-        self.held.dirty.clear();
+        self.held = Held { others_changed: std::mem::take(&mut self.held.others_changed), ..Held::default() };
         self.meta = meta;
         self.marked = !closing;
         self.committed_position = self.position;
@@ -760,7 +779,9 @@ fn write_entries(
             written.added += u64::from(old.is_none());
             let before: &[(u32, u64)] =
                 if earlier.is_empty() { &[] } else { earlier.get(&w.key).map_or(&[], Vec::as_slice) };
-            if !leaves_others(old.map(|o| o.node), w.entry.node, before) {
+            if names_only_its_own(old.is_some(), before) {
+                held.add(w.entry.node, 1);
+            } else if !leaves_others(old.map(|o| o.node), w.entry.node, before) {
                 change_others(&mut others, held, (w, before), old, (k, floor))?;
             }
         }

@@ -25,13 +25,17 @@ pub(crate) enum Effect {
     /// Node id `node`, the current incarnation of `name`, is forgotten at `clock`.
     Retire { node: u32, name: Arc<str>, clock: u64 },
     /// Each clock of `counts` has the live entries its count says (0: none; its generation
-    /// goes), and the file holds `entries` live entries in all (0.1.7's count, `horizon.rs`).
-    Live { counts: Box<[(u64, u64)]>, entries: u64 },
+    /// goes), and the file holds `entries` live entries in all, `legacy_entries` of them
+    /// imported from 0.1.7 (`horizon.rs`).
+    Live { counts: Box<[(u64, u64)]>, entries: u64, legacy_entries: u64 },
+    /// The floor goes back to 0, for an import (0.1.7's own clocks may be older): the nodes a
+    /// block still lists from at or below the old floor, which it kept evicted, go first.
+    LowerFloor,
     /// The clock is at `clock` (an import's: 0.1.7's own clocks may be newer).
     Clock { clock: u64 },
     /// Every entry (and every node of a block) seen at or below `floor` is evicted, leaving
-    /// `entries` live entries.
-    Evict { floor: u64, entries: u64 },
+    /// `entries` live entries, `legacy_entries` of them 0.1.7's.
+    Evict { floor: u64, entries: u64, legacy_entries: u64 },
     /// A node cache row: node `node` holds `blocks` blocks it last ran at `clock` (0: no row).
     /// `was` is what the row held before this effect, so that a row made and dropped within
     /// one batch is never written.

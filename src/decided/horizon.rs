@@ -23,19 +23,24 @@ pub(crate) struct Horizon {
     /// Live entries in all.
     pub entries: u64,
     pub capacity: u64,
+    /// Live 0.1.7 entries (imported) per clock (no zero counts): a `ran` never writes one.
+    legacy: BTreeMap<u64, u64>,
+    /// Live 0.1.7 entries in all.
+    pub legacy_entries: u64,
 }
 
 impl Horizon {
-    /// The horizon of a file as committed, from its live counts per clock (read by
-    /// `store/load.rs`) and its floor.
+    /// The horizon of a file as committed, from its live counts per clock and the clock of each
+    /// 0.1.7 entry it holds (read by `store/load.rs`), and its floor.
     ///
     /// # Errors
-    /// The first error of `live`; [`Error::Corrupted`] if the live counts do not add up to
-    /// `entries`.
+    /// The first error of `live` or `legacy`; [`Error::Corrupted`] if the live counts do not add
+    /// up to `entries`, or the 0.1.7 entries to `legacy_entries`.
     pub(crate) fn from_counts(
         live: impl IntoIterator<Item = Result<(u64, u32)>>,
+        legacy: impl IntoIterator<Item = Result<u64>>,
         floor: u64,
-        entries: u64,
+        (entries, legacy_entries): (u64, u64),
         capacity: u64,
     ) -> Result<Horizon> {
         let mut counts = BTreeMap::new();
@@ -50,7 +55,17 @@ impl Horizon {
                 detail: format!("the live counts add up to {sum} entries, the meta record counts {entries}"),
             });
         }
-        Ok(Horizon { floor, live: counts, entries, capacity })
+        let mut by_clock: BTreeMap<u64, u64> = BTreeMap::new();
+        for clock in legacy {
+            *by_clock.entry(clock?).or_default() += 1;
+        }
+        let found: u64 = by_clock.values().sum();
+        if found != legacy_entries {
+            return Err(Error::Corrupted {
+                detail: format!("the file holds {found} 0.1.7 entries, the meta record counts {legacy_entries}"),
+            });
+        }
+        Ok(Horizon { floor, live: counts, entries, capacity, legacy: by_clock, legacy_entries })
     }
 
     /// Whether an entry of `clock` is live.
@@ -86,28 +101,41 @@ impl Horizon {
         self.floor
     }
 
-    /// Lowers the floor to 0 for an import (0.1.7's own clocks may be older than it), then
-    /// counts its entries: `written` gives each entry written, with the clock of the entry it
-    /// replaced (`None`: a new key). Returns the live count after it of each clock it changed.
+    /// Counts an import's entries (after [`Horizon::lower_floor`]): `written` gives each entry
+    /// written, with the clock of the entry it replaced (`None`: a new key). Returns the live
+    /// count after it of each clock it changed.
     pub(crate) fn import(&mut self, written: impl IntoIterator<Item = (Option<u64>, u64)>) -> Vec<(u64, u64)> {
-        self.floor = 0;
         let mut changed = std::collections::BTreeSet::new();
         for (old, new) in written {
+            // An import writes 0.1.7 keys only, so what it replaced was one too.
             match old {
                 Some(old) => {
-                    if let Some(n) = self.live.get_mut(&old) {
-                        *n = n.saturating_sub(1);
-                        changed.insert(old);
+                    for counts in [&mut self.live, &mut self.legacy] {
+                        if let Some(n) = counts.get_mut(&old) {
+                            *n = n.saturating_sub(1);
+                        }
                     }
+                    changed.insert(old);
                 }
-                None => self.entries += 1,
+                None => {
+                    self.entries += 1;
+                    self.legacy_entries += 1;
+                }
             }
             *self.live.entry(new).or_default() += 1;
+            *self.legacy.entry(new).or_default() += 1;
             changed.insert(new);
         }
         let counts = changed.into_iter().map(|c| (c, self.live.get(&c).copied().unwrap_or(0))).collect();
         self.live.retain(|_, n| *n > 0);
+        self.legacy.retain(|_, n| *n > 0);
         counts
+    }
+
+    /// Lowers the floor to 0, for an import: 0.1.7's own clocks may be older than it. Nothing
+    /// at or below it is live, so nothing comes back.
+    pub(crate) fn lower_floor(&mut self) {
+        self.floor = 0;
     }
 
     /// Applies 0.1.7's rule until no more than `capacity` entries are live (a file opened with
@@ -134,6 +162,9 @@ impl Horizon {
         let rest = self.live.split_off(&(cut + 1));
         let gone: u64 = std::mem::replace(&mut self.live, rest).values().sum();
         self.entries = self.entries.saturating_sub(gone);
+        let rest = self.legacy.split_off(&(cut + 1));
+        let legacy_gone: u64 = std::mem::replace(&mut self.legacy, rest).values().sum();
+        self.legacy_entries = self.legacy_entries.saturating_sub(legacy_gone);
         self.floor = cut;
         gone > 0
     }
@@ -207,5 +238,22 @@ mod tests {
             last_floor = floor;
         }
         assert!(evictions > 20, "{evictions} evictions");
+    }
+
+    #[test]
+    fn an_import_counts_its_entries_and_eviction_takes_them_by_clock() {
+        let mut horizon = Horizon { capacity: 16, floor: 9, ..Horizon::default() };
+        horizon.ran(10, 4, &[], &mut Vec::new());
+        // 0.1.7's entries at clocks 2, 3 and 12; one of clock 2 replaced again at clock 5.
+        horizon.lower_floor();
+        let counts = horizon.import([(None, 2), (None, 2), (None, 3), (None, 12), (Some(2), 5)]);
+        assert_eq!(horizon.floor, 0, "an import lowers the floor");
+        assert_eq!(counts, vec![(2, 1), (3, 1), (5, 1), (12, 1)]);
+        assert_eq!((horizon.entries, horizon.legacy_entries), (8, 4));
+        // 18 entries, over capacity: 0.1.7's rule cuts at the clock of the third oldest (past
+        // the capacity/8 = 2 oldest), 5, taking three 0.1.7 entries and leaving clock 12's.
+        horizon.ran(13, 10, &[], &mut Vec::new());
+        assert_eq!(horizon.floor, 5);
+        assert_eq!((horizon.entries, horizon.legacy_entries), (15, 1));
     }
 }

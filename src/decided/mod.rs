@@ -137,9 +137,9 @@ impl Decided {
         self.clock = clock;
         effects.push(Effect::Put { namespace, blocks: Arc::clone(blocks), node: id, clock });
         if floor > before {
-            effects.push(Effect::Evict { floor, entries: self.horizon.entries });
+            effects.push(self.evict_effect());
         }
-        effects.push(Effect::Live { counts: counts.into(), entries: self.horizon.entries });
+        effects.push(self.live_effect(counts));
         self.caches.ran((id, &name), clock, blocks.len() as u64, held, floor);
         effects.append(&mut self.caches.take_effects());
         Ok(effects)
@@ -209,22 +209,41 @@ impl Decided {
             return Vec::new();
         }
         self.caches.drop_through(floor);
-        let mut effects = vec![Effect::Evict { floor, entries: self.horizon.entries }];
+        let mut effects = vec![self.evict_effect()];
         effects.append(&mut self.caches.take_effects());
         effects
     }
 
+    /// Decides that an import starts: the floor goes back to 0 (0.1.7's own clocks may be
+    /// older than it).
+    pub(crate) fn start_import(&mut self) -> Vec<Effect> {
+        self.horizon.lower_floor();
+        vec![Effect::LowerFloor]
+    }
+
     /// Decides what an import's entries leave live: `written` gives each entry the import wrote
-    /// (`(clock it replaced, None for a new key; its clock)`), which 0.1.7's own clocks may
-    /// place below the floor (lowered to 0 for it) or past the clock (raised to the newest).
+    /// (`(clock it replaced, None for a new key; its clock)`), after [`Decided::start_import`];
+    /// 0.1.7's own clocks may be past the clock (raised to the newest).
     pub(crate) fn import_entries(&mut self, written: &[(Option<u64>, u64)]) -> Vec<Effect> {
         let counts = self.horizon.import(written.iter().copied());
-        let mut effects = vec![Effect::Live { counts: counts.into(), entries: self.horizon.entries }];
+        let mut effects = vec![self.live_effect(counts)];
         if let Some(newest) = written.iter().map(|w| w.1).max().filter(|&c| c > self.clock) {
             self.clock = newest;
             effects.push(Effect::Clock { clock: newest });
         }
         effects
+    }
+
+    /// The live counts of `counts`' clocks, and the entries in all, as an effect.
+    fn live_effect(&self, counts: Vec<(u64, u64)>) -> Effect {
+        let (entries, legacy_entries) = (self.horizon.entries, self.horizon.legacy_entries);
+        Effect::Live { counts: counts.into(), entries, legacy_entries }
+    }
+
+    /// The eviction to the horizon's floor, as an effect.
+    fn evict_effect(&self) -> Effect {
+        let h = &self.horizon;
+        Effect::Evict { floor: h.floor, entries: h.entries, legacy_entries: h.legacy_entries }
     }
 
     /// The ids of an import's node names (`names`), handed out where new, with their effects.
@@ -245,6 +264,12 @@ impl Decided {
         }
         Ok((ids, effects))
     }
+}
+
+/// The import's rule for a key already in the file: its entry stays if its clock is at least
+/// as new as the imported entry's (`existing`, `imported`), whichever wrote it.
+pub(crate) fn import_keeps(existing: u64, imported: u64) -> bool {
+    existing >= imported
 }
 
 /// The newest clock a file or an import may hold: a head adds one a `ran`, so a clock past it

@@ -651,11 +651,14 @@ impl Warm {
             report.already_imported = true;
             return Ok(report);
         }
-        let (ids, effects) = self.front()?.decided.import_nodes(file.entries().iter().map(|(_, n, _)| n.as_str()))?;
+        let (ids, effects) = {
+            let mut front = self.front()?;
+            let (ids, mut effects) = front.decided.import_nodes(file.entries().iter().map(|(_, n, _)| n.as_str()))?;
+            effects.extend(front.decided.start_import());
+            (ids, effects)
+        };
         let written = (|| {
             back.writer.apply(db, &effects, 0)?;
-            // 0.1.7's own clocks may be older than the floor.
-            back.writer.reset_floor(db)?;
             let mut entries = Vec::with_capacity(file.len());
             for (hash, node, at) in file.entries() {
                 let id = ids.get(node).copied().ok_or(Error::Poisoned)?;

@@ -11,7 +11,7 @@ use super::codec;
 use super::records::{NodeRecords, read_meta, read_registry};
 use super::tables::{
     ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS, Entry, GENERATIONS, LIVE, META, NAMESPACE_IDS, NODE_CACHE_KEY,
-    NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, OTHERS, PREFIXES, STATE, members,
+    NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, OTHERS, PREFIXES, STATE, members, table_key,
 };
 use super::writer::read_floor;
 use crate::decided::Decided;
@@ -21,7 +21,7 @@ use crate::decided::horizon::Horizon;
 use crate::decided::namespaces::Namespaces;
 use crate::decided::registry::Registry;
 use crate::error::{Error, Result, redb_err};
-use crate::keys::{Scheme, is_legacy};
+use crate::keys::{Scheme, is_legacy, legacy_key};
 
 /// The decided state of a committed file, read in one read transaction.
 ///
@@ -63,7 +63,21 @@ pub(crate) fn read_decided(read: &redb::ReadTransaction, scheme: Scheme) -> Resu
     let live = read.open_table(LIVE).map_err(redb_err(LIVE_COUNTS))?;
     let live = live.iter().map_err(redb_err(LIVE_COUNTS))?;
     let live = live.map(|item| item.map(|(c, n)| (c.value(), n.value())).map_err(redb_err(LIVE_COUNTS)));
-    let horizon = Horizon::from_counts(live, floor, meta.entries, meta.capacity)?;
+    // 0.1.7's entries (imported), each by its clock: a range of the prefix table, read only
+    // for a file that holds some.
+    let prefixes = read.open_table(PREFIXES).map_err(redb_err(LIVE_COUNTS))?;
+    let legacy: Vec<Result<u64>> = match meta.legacy_entries {
+        0 => Vec::new(),
+        _ => {
+            let (low, high) = legacy_range();
+            let range = prefixes.range(low..=high).map_err(redb_err(LIVE_COUNTS))?;
+            range
+                .map(|item| item.map(|(_, v)| Entry::from_tuple(v.value()).clock).map_err(redb_err(LIVE_COUNTS)))
+                .collect()
+        }
+    };
+    let counts = (meta.entries, meta.legacy_entries);
+    let horizon = Horizon::from_counts(live, legacy, floor, counts, meta.capacity)?;
     let caches = read_caches(read, floor, meta.next_node)?;
     let clock = meta.clock.max(newest);
     let engines = read_engines(read, scheme, clock)?;
@@ -72,6 +86,11 @@ pub(crate) fn read_decided(read: &redb::ReadTransaction, scheme: Scheme) -> Resu
     let ids = ids.iter().map_err(redb_err(NAMESPACE))?.map(|i| i.map(|(k, v)| (k.value(), v.value())));
     let namespaces = Namespaces::new(ids.collect::<Result<_, _>>().map_err(redb_err(NAMESPACE))?, meta.next_namespace);
     Ok(Decided { clock, nodes, namespaces, horizon, caches, engines, scheme })
+}
+
+/// The prefix table's keys that can hold a 0.1.7 hash (`keys/legacy.rs`), first and last.
+fn legacy_range() -> (u128, u128) {
+    (table_key(&legacy_key(0)), table_key(&legacy_key(u64::MAX)))
 }
 
 /// The node caches of the file `read` reads (`floor`: its eviction floor; `next_node`: the ids

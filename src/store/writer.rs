@@ -20,9 +20,10 @@ use super::tables::{
 };
 use crate::decided::effect::Effect;
 use crate::decided::engines::{BlockRowKey, StreamRecord};
+use crate::decided::import_keeps;
 use crate::decided::node_set::{add_member, leaves_others, names_only_its_own, rewrite};
 use crate::error::{Error, Result, redb_err};
-use crate::keys::{BlockKey, Namespace, is_legacy};
+use crate::keys::{BlockKey, Namespace};
 
 /// Nodes a block keeps by default: the one that ran it last and up to three others.
 pub const DEFAULT_NODES_PER_PREFIX: usize = 4;
@@ -153,8 +154,6 @@ type Earlier = HashMap<u128, Vec<(u32, u64)>>;
 /// What [`write_entries`] did.
 #[derive(Default)]
 struct Written {
-    /// Keys that were not in the table.
-    added: u64,
     /// With `keep_newer`, each write's fate: `None` if kept out by a newer clock, else the
     /// clock of the entry it replaced (`Some(None)`: a new key). Empty without: all were written.
     fates: Vec<Option<Option<u64>>>,
@@ -275,14 +274,15 @@ impl Writer {
                     self.unwritten.puts.push((*namespace, Arc::clone(blocks), *node, *clock));
                 }
                 Effect::Namespace { id, namespace } => self.add_namespace(db, *id, namespace)?,
-                Effect::Live { counts, entries } => {
+                Effect::Live { counts, entries, legacy_entries } => {
                     self.unwritten.live.extend(counts.iter().copied());
-                    self.meta.entries = *entries;
+                    (self.meta.entries, self.meta.legacy_entries) = (*entries, *legacy_entries);
                 }
                 Effect::Clock { clock } => self.meta.clock = *clock,
-                Effect::Evict { floor, entries } => {
+                Effect::LowerFloor => self.lower_floor(db)?,
+                Effect::Evict { floor, entries, legacy_entries } => {
                     self.unwritten.floor = self.unwritten.floor.max(*floor);
-                    self.meta.entries = *entries;
+                    (self.meta.entries, self.meta.legacy_entries) = (*entries, *legacy_entries);
                 }
                 Effect::Node { id, name } => self.add_node(db, *id, name)?,
                 Effect::Retire { node, name, clock } => self.retire(db, *node, name, *clock)?,
@@ -341,10 +341,8 @@ impl Writer {
             let floor = evict.max(committed);
             self.write_puts(db, &puts, floor)?;
             if floor > committed {
-                let any_legacy = self.meta.legacy_entries > 0;
                 let (txn, held) = self.txn_and_held(db)?;
-                let legacy = remove_through((txn, held), floor, any_legacy)?;
-                self.meta.legacy_entries = self.meta.legacy_entries.saturating_sub(legacy);
+                remove_through((txn, held), floor)?;
                 // Every clock up to the floor was handed out: the record's clock is never below
                 // it, so a file whose every generation was evicted still keeps its clock.
                 self.meta.clock = self.meta.clock.max(floor);
@@ -451,13 +449,13 @@ impl Writer {
         read_floor(&state)
     }
 
-    /// Lowers the floor to 0 (an import brings 0.1.7's own clocks, which may be older), first
-    /// removing from every block's others the nodes seen at or below it, which the floor kept
-    /// evicted. A scan of the others table: imports are rare and read a whole file anyway.
+    /// Lowers the floor to 0 ([`Effect::LowerFloor`]), first removing from every block's others
+    /// the nodes seen at or below it, which the floor kept evicted. A scan of the others table:
+    /// imports are rare and read a whole file anyway.
     ///
     /// # Errors
     /// [`Error::Storage`].
-    pub(crate) fn reset_floor(&mut self, db: &Database) -> Result<()> {
+    fn lower_floor(&mut self, db: &Database) -> Result<()> {
         self.write(db)?;
         let floor = self.floor(db)?;
         if floor == 0 {
@@ -533,7 +531,6 @@ impl Writer {
         for (clock, bytes) in listed {
             list_in_generation(txn, clock, &bytes)?;
         }
-        self.meta.legacy_entries += written.added;
         Ok(done)
     }
 
@@ -765,7 +762,7 @@ fn write_entries(
             let w = &w;
             if keep_newer {
                 let old = primary.get(w.key).map_err(redb_err("reading a prefix"))?;
-                let newer = old.is_some_and(|g| Entry::from_tuple(g.value()).clock >= w.entry.clock);
+                let newer = old.is_some_and(|g| import_keeps(Entry::from_tuple(g.value()).clock, w.entry.clock));
                 if newer {
                     written.fates.push(None);
                     continue;
@@ -776,7 +773,6 @@ fn write_entries(
             if keep_newer {
                 written.fates.push(Some(old.map(|o| o.clock)));
             }
-            written.added += u64::from(old.is_none());
             let before: &[(u32, u64)] =
                 if earlier.is_empty() { &[] } else { earlier.get(&w.key).map_or(&[], Vec::as_slice) };
             if names_only_its_own(old.is_some(), before) {
@@ -829,9 +825,8 @@ fn change_others(
 /// and live count up to it. 0.1.7's rule removes an eighth of the entries at a time, from nearly
 /// every leaf page of the prefix table: one pass over the table (redb's `retain`, which rewrites
 /// each page once) costs a few comparisons an entry, where a lookup and a removal per victim
-/// walked the tree twice each. Returns the entries removed that were 0.1.7's (none to count
-/// unless `any_legacy`).
-fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_legacy: bool) -> Result<u64> {
+/// walked the tree twice each.
+fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64) -> Result<()> {
     let mut generations = txn.open_table(GENERATIONS).map_err(redb_err("opening the generations"))?;
     let mut live = txn.open_table(LIVE).map_err(redb_err("opening the live counts"))?;
     let mut primary = txn.open_table(PREFIXES).map_err(redb_err("opening the prefix table"))?;
@@ -848,10 +843,8 @@ fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_leg
             keep
         })
         .map_err(redb_err("evicting"))?;
-    let mut legacy = 0u64;
-    for &(key, node) in &removed {
+    for &(_, node) in &removed {
         held.add(node, -1);
-        legacy += u64::from(any_legacy && is_legacy(&key.to_be_bytes()));
     }
     if others.first().map_err(redb_err("evicting"))?.is_some() {
         let gone: HashSet<u128> = removed.iter().map(|&(key, _)| key).collect();
@@ -872,7 +865,7 @@ fn remove_through((txn, held): (&WriteTransaction, &mut Held), cut: u64, any_leg
         }
         held.others_changed.extend(changed);
     }
-    Ok(legacy)
+    Ok(())
 }
 
 /// Writes each clock's live count as stated (`counts`); a generation left with none goes.

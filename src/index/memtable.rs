@@ -5,36 +5,14 @@
 //! and not yet committed; the commit that holds it drops it whole. So inserts go to a small map,
 //! and forgetting a batch costs nothing per block.
 
-use std::collections::HashMap;
-
 use crate::decided::node_set::add_member;
-use crate::keys::BlockKey;
-
-/// Hashes an memtable key as itself: it is already 8 bytes of a uniform hash, so there is nothing
-/// left to mix.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct KeyHasher(u64);
-
-impl std::hash::Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3);
-        }
-    }
-
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
+use crate::keys::{BlockKey, KeyMap};
 
 /// Most keys an open map is made with room for.
 const MAX_ROOM: usize = 1 << 16;
 
-type Tails<V> = HashMap<u64, V, std::hash::BuildHasherDefault<KeyHasher>>;
+/// A map keyed by block key tails (8 bytes of a uniform hash).
+type Tails<V> = KeyMap<u64, V>;
 
 /// One batch's entries: block key tail → (node id, clock) of its newest write, and the other
 /// nodes that wrote it earlier in the batch. A different key with the same 8-byte tail would be

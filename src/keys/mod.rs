@@ -2,6 +2,7 @@
 //! Depends on nothing in the crate but `error`.
 
 mod chain;
+mod key_hasher;
 mod legacy;
 mod namespace;
 mod prefix;
@@ -10,6 +11,7 @@ mod prefix;
 pub(crate) use chain::HASH_SCHEME_V2;
 pub use chain::{BLOCK_TOKENS, BlockKey, HASH_SCHEME, MIN_BLOCKS};
 pub(crate) use chain::{ChainState, Scheme};
+pub(crate) use key_hasher::KeyMap;
 pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};
 pub(crate) use namespace::check_node;
 pub use namespace::{MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, Namespace};

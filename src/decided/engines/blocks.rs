@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use crate::keys::{BlockKey, ChainState};
+use crate::keys::{BlockKey, ChainState, KeyMap};
 
 /// No slot.
 pub(crate) const NIL: u32 = u32::MAX;
@@ -129,7 +129,7 @@ pub(crate) struct Slot {
 #[derive(Clone, Debug)]
 pub(crate) struct Blocks {
     slots: Chunked<Slot>,
-    index: HashMap<u64, u32>,
+    index: KeyMap<u64, u32>,
     free: Vec<u32>,
     /// Tokens: slot `i`'s at `i * stride ..`, for blocks of `stride` tokens (a chunk holds
     /// whole blocks).
@@ -138,19 +138,19 @@ pub(crate) struct Blocks {
     /// Tokens of blocks of another size, by slot.
     odd: HashMap<u32, Box<[u32]>>,
     /// First waiting child (by slot), by the hash of its parent that is not held.
-    orphans: HashMap<u64, u32>,
+    orphans: KeyMap<u64, u32>,
 }
 
 impl Default for Blocks {
     fn default() -> Self {
         Blocks {
             slots: Chunked::new(SLOT_CHUNK),
-            index: HashMap::new(),
+            index: KeyMap::default(),
             free: Vec::new(),
             arena: Chunked::new(TOKEN_CHUNK),
             stride: 0,
             odd: HashMap::new(),
-            orphans: HashMap::new(),
+            orphans: KeyMap::default(),
         }
     }
 }

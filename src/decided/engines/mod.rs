@@ -30,7 +30,7 @@ mod event;
 mod row;
 mod stream;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 pub use event::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
@@ -39,7 +39,7 @@ pub(crate) use stream::{Applied, Follows, StreamRecord};
 
 use super::effect::Effect;
 use crate::error::Result;
-use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, Namespace, Scheme};
+use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, KeyMap, Namespace, Scheme};
 use blocks::{Blocks, Completed, Slot};
 use row::encode_row;
 
@@ -114,11 +114,61 @@ impl Holder {
     }
 }
 
+/// The nodes holding a block of ours: almost always one, kept inline (a map entry with a
+/// vector of one would cost an allocation a block on the ingest path).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Holders {
+    One(Holder),
+    Many(Vec<Holder>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            Holders::One(h) => std::slice::from_ref(h),
+            Holders::Many(v) => v,
+        }
+    }
+
+    fn get_mut(&mut self, node: u32) -> Option<&mut Holder> {
+        match self {
+            Holders::One(h) => Some(h).filter(|h| h.node == node),
+            Holders::Many(v) => v.iter_mut().find(|h| h.node == node),
+        }
+    }
+
+    /// Adds `holder` (of a node not holding it yet).
+    fn push(&mut self, holder: Holder) {
+        match self {
+            Holders::One(h) => *self = Holders::Many(vec![*h, holder]),
+            Holders::Many(v) => v.push(holder),
+        }
+    }
+
+    /// Removes node `node`'s holding; whether none is left.
+    fn remove(&mut self, node: u32) -> bool {
+        match self {
+            Holders::One(h) => h.node == node,
+            Holders::Many(v) => {
+                v.retain(|h| h.node != node);
+                match *v.as_slice() {
+                    [] => true,
+                    [one] => {
+                        *self = Holders::One(one);
+                        false
+                    }
+                    _ => false,
+                }
+            }
+        }
+    }
+}
+
 /// Every engine stream, and the blocks of ours each holds.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Engines {
     streams: BTreeMap<u32, Stream>,
-    held: HashMap<BlockKey, Vec<Holder>>,
+    held: KeyMap<BlockKey, Holders>,
     /// Nodes whose engine's stream has a gap being covered (memory only): what they hold is
     /// not answered until it is (their batches may have removed some of it).
     in_doubt: BTreeSet<u32>,
@@ -174,7 +224,7 @@ impl Engines {
 
     /// The newest of the nodes holding block `key`: (node, clock).
     pub(crate) fn holders(&self, key: &BlockKey) -> Option<(u32, u64)> {
-        let holders = self.held.get(key)?.iter().filter(|h| self.trusted(h.node));
+        let holders = self.held.get(key)?.as_slice().iter().filter(|h| self.trusted(h.node));
         holders.max_by_key(|h| (h.clock, h.node)).map(|h| (h.node, h.clock))
     }
 
@@ -196,7 +246,7 @@ impl Engines {
 
     /// Node `node`'s holding of block `key`, if it holds it and is not in doubt.
     fn holder(&self, key: &BlockKey, node: u32) -> Option<&Holder> {
-        self.held.get(key)?.iter().find(|h| h.node == node).filter(|_| self.trusted(node))
+        self.held.get(key)?.as_slice().iter().find(|h| h.node == node).filter(|_| self.trusted(node))
     }
 
     /// Whether what node `node` holds is answered: no gap of its stream is being covered.
@@ -686,19 +736,13 @@ fn namespace_index(list: &mut Vec<Namespace>, ns: &Namespace) -> Option<u16> {
     }
 }
 
-fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clock: u64, tier: u8) {
-    let holders = held.entry(key).or_default();
-    let h = match holders.iter().position(|h| h.node == node) {
-        Some(i) => holders.get_mut(i),
-        None => {
-            // Most keys have one holder: room for exactly one more, not the four a first push
-            // would allocate.
-            holders.reserve_exact(1);
-            holders.push(Holder { node, by_tier: [0; 3], clock });
-            holders.last_mut()
-        }
-    };
-    if let Some(h) = h {
+fn hold(held: &mut KeyMap<BlockKey, Holders>, key: BlockKey, node: u32, clock: u64, tier: u8) {
+    let fresh = Holder { node, by_tier: [0; 3], clock };
+    let holders = held.entry(key).or_insert(Holders::One(fresh));
+    if holders.get_mut(node).is_none() {
+        holders.push(fresh);
+    }
+    if let Some(h) = holders.get_mut(node) {
         h.clock = h.clock.max(clock);
         if let Some(n) = h.by_tier.get_mut(usize::from(tier)) {
             *n = n.saturating_add(1);
@@ -707,8 +751,8 @@ fn hold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: BlockKey, node: u32, clo
 }
 
 /// One engine block keying `key` for `node` can now be loaded from `to`, not `from`.
-fn set_tier(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32, from: u8, to: u8) {
-    if let Some(h) = held.get_mut(key).and_then(|h| h.iter_mut().find(|h| h.node == node)) {
+fn set_tier(held: &mut KeyMap<BlockKey, Holders>, key: &BlockKey, node: u32, from: u8, to: u8) {
+    if let Some(h) = held.get_mut(key).and_then(|h| h.get_mut(node)) {
         if let Some(n) = h.by_tier.get_mut(usize::from(from)) {
             *n = n.saturating_sub(1);
         }
@@ -734,7 +778,7 @@ pub(crate) fn gpu_copies(refs: u32, [cpu, storage]: [u32; 2]) -> u32 {
 
 /// One more copy of the block in slot `i`, in `tier`; its chain's tiers follow if its own
 /// (the fastest of its copies) changed.
-fn add_copy(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32, tier: u8) {
+fn add_copy(stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, i: u32, tier: u8) {
     let Some(b) = stream.blocks.get_mut(i) else { return };
     let before = b.own_tier();
     if b.refs == u32::MAX {
@@ -757,7 +801,7 @@ fn parent_tier(stream: &Stream, parent: Option<u64>) -> u8 {
 
 /// The block in slot `i` changed its own tier: it and the attached blocks below it take their
 /// chain's (the slowest along it), down to where nothing changes.
-fn retier(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32) {
+fn retier(stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, i: u32) {
     let Some(b) = stream.blocks.get(i).filter(|b| b.attached) else { return };
     let mut todo = vec![(i, parent_tier(stream, b.parent), true)];
     while let Some((i, above, first)) = todo.pop() {
@@ -775,19 +819,13 @@ fn retier(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: 
 }
 
 /// One engine block keying `key` for `node`, loadable from `tier`, no longer does.
-fn unhold(held: &mut HashMap<BlockKey, Vec<Holder>>, key: &BlockKey, node: u32, tier: u8) {
+fn unhold(held: &mut KeyMap<BlockKey, Holders>, key: &BlockKey, node: u32, tier: u8) {
     let Some(holders) = held.get_mut(key) else { return };
-    if let Some(i) = holders.iter().position(|h| h.node == node)
-        && let Some(h) = holders.get_mut(i)
-    {
-        if let Some(n) = h.by_tier.get_mut(usize::from(tier)) {
-            *n = n.saturating_sub(1);
-        }
-        if h.by_tier == [0; 3] {
-            holders.swap_remove(i);
-        }
+    let Some(h) = holders.get_mut(node) else { return };
+    if let Some(n) = h.by_tier.get_mut(usize::from(tier)) {
+        *n = n.saturating_sub(1);
     }
-    if holders.is_empty() {
+    if h.by_tier == [0; 3] && holders.remove(node) {
         held.remove(key);
     }
 }
@@ -800,7 +838,7 @@ fn keys_of(b: &Slot) -> &[BlockKey] {
 /// Attaches the block in slot `i` (its parent is attached, or it is a first block) and every
 /// detached block below it: each holds the blocks of ours that end inside it, derived the first
 /// time it is attached.
-fn attach(scheme: Scheme, stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32) {
+fn attach(scheme: Scheme, stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, i: u32) {
     let mut todo = vec![i];
     while let Some(i) = todo.pop() {
         if !stream.blocks.get(i).is_some_and(|b| b.derived) {
@@ -890,7 +928,7 @@ fn derive(scheme: Scheme, stream: &Stream, i: u32) -> Option<(Option<u16>, u64, 
 
 /// Detaches the block in slot `i` and every attached block below it: their blocks of ours are
 /// no longer held by `node`.
-fn detach(stream: &mut Stream, held: &mut HashMap<BlockKey, Vec<Holder>>, node: u32, i: u32) {
+fn detach(stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, i: u32) {
     let mut todo = vec![i];
     while let Some(i) = todo.pop() {
         let Some(b) = stream.blocks.get_mut(i).filter(|b| b.attached) else { continue };

@@ -34,8 +34,8 @@ pub(crate) enum Effect {
     /// The clock is at `clock` (an import's: 0.1.7's own clocks may be newer).
     Clock { clock: u64 },
     /// Every entry (and every node of a block) seen at or below `floor` is evicted, leaving
-    /// `entries` live entries, `legacy_entries` of them 0.1.7's.
-    Evict { floor: u64, entries: u64, legacy_entries: u64 },
+    /// `entries` live entries, `legacy_entries` of them 0.1.7's; the clock is at `clock`.
+    Evict { floor: u64, entries: u64, legacy_entries: u64, clock: u64 },
     /// A node cache row: node `node` holds `blocks` blocks it last ran at `clock` (0: no row).
     /// `was` is what the row held before this effect, so that a row made and dropped within
     /// one batch is never written.

@@ -240,10 +240,12 @@ impl Decided {
         Effect::Live { counts: counts.into(), entries, legacy_entries }
     }
 
-    /// The eviction to the horizon's floor, as an effect.
+    /// The eviction to the horizon's floor, as an effect. Its clock is the decided one, never
+    /// below the floor (every clock up to it was handed out), so a file whose every generation
+    /// is evicted still keeps its clock.
     fn evict_effect(&self) -> Effect {
         let h = &self.horizon;
-        Effect::Evict { floor: h.floor, entries: h.entries, legacy_entries: h.legacy_entries }
+        Effect::Evict { floor: h.floor, entries: h.entries, legacy_entries: h.legacy_entries, clock: self.clock }
     }
 
     /// The ids of an import's node names (`names`), handed out where new, with their effects.

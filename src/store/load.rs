@@ -65,15 +65,14 @@ pub(crate) fn read_decided(read: &redb::ReadTransaction, scheme: Scheme) -> Resu
     let live = live.map(|item| item.map(|(c, n)| (c.value(), n.value())).map_err(redb_err(LIVE_COUNTS)));
     // 0.1.7's entries (imported), each by its clock: a range of the prefix table, read only
     // for a file that holds some.
-    let prefixes = read.open_table(PREFIXES).map_err(redb_err(LIVE_COUNTS))?;
+    const LEGACY: &str = "reading the 0.1.7 entries";
+    let prefixes = read.open_table(PREFIXES).map_err(redb_err(LEGACY))?;
     let legacy: Vec<Result<u64>> = match meta.legacy_entries {
         0 => Vec::new(),
         _ => {
             let (low, high) = legacy_range();
-            let range = prefixes.range(low..=high).map_err(redb_err(LIVE_COUNTS))?;
-            range
-                .map(|item| item.map(|(_, v)| Entry::from_tuple(v.value()).clock).map_err(redb_err(LIVE_COUNTS)))
-                .collect()
+            let range = prefixes.range(low..=high).map_err(redb_err(LEGACY))?;
+            range.map(|item| item.map(|(_, v)| Entry::from_tuple(v.value()).clock).map_err(redb_err(LEGACY))).collect()
         }
     };
     let counts = (meta.entries, meta.legacy_entries);

@@ -280,9 +280,10 @@ impl Writer {
                 }
                 Effect::Clock { clock } => self.meta.clock = *clock,
                 Effect::LowerFloor => self.lower_floor(db)?,
-                Effect::Evict { floor, entries, legacy_entries } => {
+                Effect::Evict { floor, entries, legacy_entries, clock } => {
                     self.unwritten.floor = self.unwritten.floor.max(*floor);
-                    (self.meta.entries, self.meta.legacy_entries) = (*entries, *legacy_entries);
+                    (self.meta.entries, self.meta.legacy_entries, self.meta.clock) =
+                        (*entries, *legacy_entries, *clock);
                 }
                 Effect::Node { id, name } => self.add_node(db, *id, name)?,
                 Effect::Retire { node, name, clock } => self.retire(db, *node, name, *clock)?,
@@ -343,9 +344,6 @@ impl Writer {
             if floor > committed {
                 let (txn, held) = self.txn_and_held(db)?;
                 remove_through((txn, held), floor)?;
-                // Every clock up to the floor was handed out: the record's clock is never below
-                // it, so a file whose every generation was evicted still keeps its clock.
-                self.meta.clock = self.meta.clock.max(floor);
                 self.put_state(db, FLOOR_KEY, floor, "writing the floor")?;
             }
             write_live(self.batch(db)?, live.range(floor + 1..))?;

@@ -25,12 +25,20 @@ pub(crate) trait Layer {
     /// The newest write of `key` still answered: its node and clock.
     fn newest(&self, key: &BlockKey) -> Option<(u32, u64)>;
 
-    /// Every write of `key` still answered (each node once, its newest clock), pushed onto
-    /// `into`; whether there was more than one.
+    /// If more than one write of `key` is still answered: pushes every one (each node once, its
+    /// newest clock) onto `into` and returns true. Else pushes nothing and returns false.
     fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) -> bool;
 
     /// Whether some key may have more than one write (else [`Layer::writes`] need not be asked).
     fn has_earlier(&self) -> bool {
+        true
+    }
+
+    /// Whether `key` may have more than one write here (else [`Layer::writes`] need not be
+    /// asked). Along a chain, true for a prefix of it and false past it: a block with two
+    /// writers here has them on every block before it too (each `ran` writes its prompt's
+    /// blocks from the first), so the blocks to ask are found by binary search.
+    fn may_have_several(&self, _key: &BlockKey) -> bool {
         true
     }
 
@@ -46,6 +54,17 @@ pub(crate) trait Layer {
     }
 }
 
+/// Pushes `writes` onto `into` if there are more than one (what [`Layer::writes`] does).
+pub(crate) fn several(into: &mut Vec<(u32, u64)>, writes: impl Iterator<Item = (u32, u64)>) -> bool {
+    let before = into.len();
+    into.extend(writes);
+    if into.len() - before > 1 {
+        return true;
+    }
+    into.truncate(before);
+    false
+}
+
 /// One batch of the memtable as a layer: its writes above the callers' eviction floor (an
 /// evicted write is not answered, whether the commit thread has removed it yet or not).
 struct Batch<'a> {
@@ -59,15 +78,25 @@ impl Layer for Batch<'_> {
     }
 
     fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) -> bool {
+        // Most keys of a batch have one writer: the small table of earlier writers is asked
+        // first, and the large one only for a key that has some.
+        let earlier = self.map.earlier(key);
+        if earlier.is_empty() {
+            return false;
+        }
         let Some(newest) = self.map.newest(key) else { return false };
-        let before = into.len();
-        let all = std::iter::once(newest).chain(self.map.earlier(key).iter().copied());
-        into.extend(all.filter(|&(_, clock)| self.front.holds(clock)));
-        into.len() - before > 1
+        several(
+            into,
+            std::iter::once(newest).chain(earlier.iter().copied()).filter(|&(_, clock)| self.front.holds(clock)),
+        )
     }
 
     fn has_earlier(&self) -> bool {
         self.map.has_earlier()
+    }
+
+    fn may_have_several(&self, key: &BlockKey) -> bool {
+        !self.map.earlier(key).is_empty()
     }
 }
 

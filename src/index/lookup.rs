@@ -223,16 +223,19 @@ fn stretches(front: &Front, layers: &Layers, keys: &[BlockKey], read: &ViewRead)
     sources.push(committed);
     // A layer's blocks with more than one write (a batch whose `ran`s moved a block between
     // nodes): each a stretch of its own, with every write.
-    let mut several: Vec<(usize, Vec<(u32, u64)>)> = Vec::new();
+    // (Every write in one vector, `several` naming each block's range of it: a vector a block
+    // would cost an allocation a block.)
+    let (mut writes, mut several) = (Vec::new(), Vec::new());
     for layer in layers.iter() {
         let newest = |k: &BlockKey| Ok::<_, Infallible>(layer.newest(k));
         let found = search(keys, newest).unwrap_or(None);
         if layer.has_earlier() {
-            for (i, key) in keys.iter().enumerate().take(found.map_or(0, |(_, n)| n)) {
-                let mut writes = Vec::new();
+            let asked = keys[..found.map_or(0, |(_, n)| n)].partition_point(|k| layer.may_have_several(k));
+            for (i, key) in keys.iter().enumerate().take(asked) {
+                let from = writes.len();
                 if layer.writes(key, &mut writes) {
                     looked_at.extend([i.saturating_sub(1), i]);
-                    several.push((i, writes));
+                    several.push((i, from..writes.len()));
                 }
             }
         }
@@ -244,11 +247,14 @@ fn stretches(front: &Front, layers: &Layers, keys: &[BlockKey], read: &ViewRead)
     looked_at.push(len - 1);
     looked_at.sort_unstable();
     looked_at.dedup();
+    // Blocks with several writes in block order (each is looked at), so one pass takes them.
+    several.sort_by_key(|(i, _)| *i);
+    let mut several = several.into_iter().peekable();
     let mut stretches = Vec::with_capacity(looked_at.len());
     for i in looked_at {
         let mut named: Vec<(u32, u64)> = sources.iter().filter_map(|s| s[i]).collect();
-        for (_, writes) in several.iter().filter(|(at, _)| *at == i) {
-            named.extend_from_slice(writes);
+        while let Some((_, range)) = several.next_if(|(at, _)| *at <= i) {
+            named.extend_from_slice(&writes[range]);
         }
         if let Some(row) = read.row(i) {
             named.extend_from_slice(row);

@@ -333,6 +333,32 @@ mod tests {
         assert_eq!(memtable.blocks(), 0);
     }
 
+    /// Along a chain, the blocks with earlier writers in a batch are a prefix of it (what the
+    /// read path's binary search for them relies on), through the takes that join maps too.
+    #[test]
+    fn blocks_with_earlier_writers_are_a_prefix_of_the_chain() {
+        let a = chain(4, 64);
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        for round in 0..200u64 {
+            let mut memtable = Memtable::default();
+            for clock in 1..=12 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let len = 1 + (state % 64) as usize;
+                memtable.push(clock + round * 100, &a[..len], (state >> 32) as u32 % 4, true);
+                if state >> 60 == 0 {
+                    memtable.freeze(true);
+                }
+                for map in memtable.maps() {
+                    let several: Vec<bool> = a.iter().map(|k| !map.earlier(k).is_empty()).collect();
+                    let prefix = several.iter().take_while(|&&s| s).count();
+                    assert!(several[prefix..].iter().all(|&s| !s), "round {round}: {several:?}");
+                }
+            }
+        }
+    }
+
     /// A committed batch's map, emptied, is the next open map: none of its keys answer, and
     /// a map its batch barely used is not kept.
     #[test]

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use crate::index::layer::{Layer, OWN_CLOCKS, OWN_NODES};
+use crate::index::layer::{Layer, OWN_CLOCKS, OWN_NODES, several};
 use crate::index::memtable::Map;
 use crate::keys::BlockKey;
 
@@ -122,7 +122,8 @@ type Write = (u32, u64);
 
 /// A head's own unapplied events as they answer one prompt's keys ([`OwnEvents::view_of`]).
 pub(crate) struct OwnView {
-    /// Per key: the newest write still answered, and every write still answered.
+    /// Per key: the newest write still answered, and every write still answered if more than
+    /// one (else none).
     keys: HashMap<BlockKey, (Write, Vec<Write>)>,
     forgets: Vec<Arc<str>>,
     names: Vec<Arc<str>>,
@@ -135,8 +136,7 @@ impl Layer for OwnView {
 
     fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) -> bool {
         let Some((_, writes)) = self.keys.get(key) else { return false };
-        into.extend_from_slice(writes);
-        writes.len() > 1
+        several(into, writes.iter().copied())
     }
 
     fn forgets(&self, name: &str) -> bool {
@@ -162,12 +162,12 @@ impl Layer for OwnEvents {
     }
 
     fn writes(&self, key: &BlockKey, into: &mut Vec<(u32, u64)>) -> bool {
+        let earlier = self.writes.earlier(key);
+        if earlier.is_empty() {
+            return false;
+        }
         let Some(newest) = self.writes.newest(key) else { return false };
-        let before = into.len();
-        into.extend(
-            std::iter::once(newest).chain(self.writes.earlier(key).iter().copied()).filter(|&w| !self.hidden(w)),
-        );
-        into.len() - before > 1
+        several(into, std::iter::once(newest).chain(earlier.iter().copied()).filter(|&w| !self.hidden(w)))
     }
 
     fn forgets(&self, name: &str) -> bool {

@@ -44,7 +44,9 @@ mod store;
 mod telemetry;
 
 pub use decided::caches::NodeCacheStats;
-pub use decided::engines::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
+pub use decided::engines::{
+    CacheGroup, EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, GroupKind, Medium,
+};
 #[cfg(feature = "engines")]
 pub use engine::listener::{DEFAULT_REPLAY_TIMEOUT, EngineEndpoint, ListenStats, Listener};
 #[cfg(feature = "kv-events")]

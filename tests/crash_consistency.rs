@@ -286,6 +286,7 @@ fn power_loss_inside_a_huge_engine_batch_leaves_whole_batches_or_nothing() -> Re
             block_size: 16,
             medium: Medium::Gpu,
             namespace: Some(ns.clone()),
+            group: None,
         })
     };
     // Prompt 0 first, whole; the huge batch stores 1,400 more and then cuts prompt 0 in half.
@@ -297,7 +298,7 @@ fn power_loss_inside_a_huge_engine_batch_leaves_whole_batches_or_nothing() -> Re
         state.durable.clone()
     };
     let mut events: Vec<EngineEvent> = (1..=1_400).map(stored).collect();
-    events.push(EngineEvent::Removed { hashes: vec![51], medium: Medium::Gpu });
+    events.push(EngineEvent::Removed { hashes: vec![51], medium: Medium::Gpu, group: None });
     warm.engine_batch("gpu-0", &EngineBatch { seq: 1, ts: 2.0, events })?;
     warm.close()?;
     let ops = disk.state().ops.clone();

@@ -147,8 +147,11 @@ fn a_ran_is_a_claim_until_the_grace_window_or_a_removal() -> Result<(), Error> {
     warm.engine_batch("gpu-0", &engine.run(&other))?;
     warm.ran("m", &prompt, "gpu-0")?;
     assert_eq!(warm.warmest("m", &prompt)?, Some(Hit::new("gpu-0", 256)), "a claim");
-    let removal = engine
-        .publish(vec![EngineEvent::Removed { hashes: vec![engine_hash(None, &other[..16])], medium: Medium::Gpu }]);
+    let removal = engine.publish(vec![EngineEvent::Removed {
+        hashes: vec![engine_hash(None, &other[..16])],
+        medium: Medium::Gpu,
+        group: None,
+    }]);
     warm.engine_batch("gpu-0", &removal)?;
     assert_eq!(warm.warmest("m", &prompt)?, None, "a removal ends the claims before it");
     // A node without a stream is answered as before.
@@ -212,6 +215,7 @@ fn malformed_events_are_counted_and_a_forget_drops_the_stream() -> Result<(), Er
         block_size: 16,
         medium: Medium::Gpu,
         namespace: Some(Namespace::new("m")?),
+        group: None,
     };
     let zero = EngineStored { block_size: 0, tokens: vec![], ..bad.clone() };
     warm.engine_batch("gpu-0", &engine.publish(vec![EngineEvent::Stored(bad), EngineEvent::Stored(zero)]))?;
@@ -332,9 +336,11 @@ fn a_huge_batch_is_applied_in_parts_as_small_batches_are() -> Result<(), Error> 
             block_size: 16,
             medium: Medium::Gpu,
             namespace: Some(ns.clone()),
+            group: None,
         })
     };
-    let removed = EngineEvent::Removed { hashes: (0..100).map(|p| hash(p * 7, 50)).collect(), medium: Medium::Gpu };
+    let removed =
+        EngineEvent::Removed { hashes: (0..100).map(|p| hash(p * 7, 50)).collect(), medium: Medium::Gpu, group: None };
     let mut events: Vec<EngineEvent> = (0..prompts).map(stored).collect();
     events.push(removed.clone());
     let huge = EngineBatch { seq: 0, ts: 1.0, events };

@@ -89,9 +89,10 @@ fn a_schema_6_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
         block_size: 0,
         medium: Medium::Cpu,
         namespace: None,
+        group: None,
     })];
     // Every GPU copy (the engine stores some blocks twice); a removal past them is counted.
-    events.extend((0..3).map(|_| EngineEvent::Removed { hashes: vec![root], medium: Medium::Gpu }));
+    events.extend((0..3).map(|_| EngineEvent::Removed { hashes: vec![root], medium: Medium::Gpu, group: None }));
     let seq = stream.last_seq.map_or(0, |s| s + 1);
     let batch = EngineBatch { seq, ts: stream.last_ts + 1.0, events };
     assert_eq!(warm.engine_batch("gpu-0", &batch)?, EngineOutcome::Applied);

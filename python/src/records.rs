@@ -248,8 +248,23 @@ pub fn engine_stats<'py>(py: Python<'py>, e: &sw::EngineStats) -> PyResult<Bound
             by_tier = PyTuple::new(py, e.by_tier)?,
             blocks = e.blocks,
             counts = counts,
+            groups = PyTuple::new(py, e.groups.iter().map(|g| group(py, g)).collect::<PyResult<Vec<_>>>()?)?,
+            other_group_blocks = e.other_group_blocks,
+            group_changes = e.group_changes,
         ),
     )
+}
+
+/// A KV cache group as `(index, kind, window)`.
+fn group<'py>(py: Python<'py>, g: &sw::CacheGroup) -> PyResult<Bound<'py, PyTuple>> {
+    let (kind, window) = match g.kind {
+        sw::GroupKind::Full => ("full", None),
+        sw::GroupKind::SlidingWindow { window } => ("sliding_window", Some(window)),
+        sw::GroupKind::ChunkedLocal => ("chunked_local", None),
+        sw::GroupKind::Mamba => ("mamba", None),
+        _ => ("other", None),
+    };
+    (g.index, kind, window).into_pyobject(py)
 }
 
 pub fn file_check<'py>(py: Python<'py>, c: &sw::FileCheck) -> PyResult<Bound<'py, PyAny>> {

@@ -163,6 +163,12 @@ class EngineStats:
             storage (an offloading connector's tiers).
         blocks: 64-token blocks of the index those cover whole from a prompt's start.
         counts: the stream's counts.
+        groups: the KV cache groups its events named since this head started, as
+            ``(index, kind, window)``: kind ``"full"``, ``"sliding_window"`` (with its window in
+            tokens), ``"chunked_local"``, ``"mamba"`` or ``"other"``. Empty for an engine that
+            names none. A hybrid engine's holdings follow its first full-attention group.
+        other_group_blocks: blocks stored in or removed from its other groups (not applied).
+        group_changes: times one of its groups changed kind (each cleared the node).
     """
 
     node: str
@@ -172,6 +178,9 @@ class EngineStats:
     by_tier: Tuple[int, int, int]
     blocks: int
     counts: EngineCounts
+    groups: Tuple[Tuple[int, str, Optional[int]], ...] = ()
+    other_group_blocks: int = 0
+    group_changes: int = 0
 
 
 @dataclass(frozen=True)

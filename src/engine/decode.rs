@@ -62,6 +62,14 @@ pub(crate) enum Event {
         /// Per block, the extra keys that went into its hash (`None` for a plain text block);
         /// empty when the engine sent none.
         extra_keys: Vec<Option<Vec<Extra>>>,
+        /// The KV cache group (`group_idx`), its kind (`kv_cache_spec_kind`) and sliding window
+        /// (`kv_cache_spec_sliding_window`), if the engine said.
+        group: GroupFields,
+        /// `locality`: `"LOCAL"` or `"REMOTE"` relative to the publisher, if the engine said.
+        locality: Option<String>,
+        /// Whether some block's hash covers tokens past its end (`lookahead_token_ids` with a
+        /// token in it).
+        lookahead: bool,
     },
     /// Cached blocks were evicted (`BlockRemoved`).
     Removed {
@@ -69,6 +77,10 @@ pub(crate) enum Event {
         hashes: Vec<u64>,
         /// Where the blocks lived, if the engine said.
         medium: Option<String>,
+        /// The KV cache group they left (`group_idx`), if the engine said.
+        group: Option<u32>,
+        /// `locality`, if the engine said.
+        locality: Option<String>,
     },
     /// The engine dropped its whole prefix cache (`AllBlocksCleared`).
     Cleared,
@@ -261,6 +273,23 @@ struct StoredFields {
     lora_name: Option<String>,
     /// `extra_keys`.
     extra_keys: Vec<Option<Vec<Extra>>>,
+    /// `group_idx`, `kv_cache_spec_kind`, `kv_cache_spec_sliding_window`.
+    group: GroupFields,
+    /// `locality`.
+    locality: Option<String>,
+    /// `lookahead_token_ids` (whether any token).
+    lookahead: bool,
+}
+
+/// A store's KV cache group fields, as sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct GroupFields {
+    /// `group_idx`.
+    pub index: Option<u32>,
+    /// `kv_cache_spec_kind` (`"full_attention"`, `"sliding_window"`, `"mamba"`, ...).
+    pub kind: Option<String>,
+    /// `kv_cache_spec_sliding_window`, in tokens.
+    pub window: Option<u32>,
 }
 
 /// The known event types, from the tag.
@@ -531,6 +560,30 @@ impl<'a> WireCursor<'a> {
         }
     }
 
+    /// An unsigned integer that fits a `u32`, or nil.
+    fn opt_u32(&mut self, what: &'static str) -> Result<Option<u32>, DecodeError> {
+        if self.buf.get(self.pos) == Some(&0xc0) {
+            self.pos += 1;
+            return Ok(None);
+        }
+        self.u32(what).map(Some)
+    }
+
+    /// `lookahead_token_ids` (nil, or one list of token ids per block): whether it holds a
+    /// token.
+    fn lookahead(&mut self) -> Result<bool, DecodeError> {
+        let n = self.array_len("lookahead_token_ids", true)?;
+        let mut any = false;
+        for _ in 0..n {
+            let tokens = self.array_len("lookahead_token_ids", true)?;
+            for _ in 0..tokens {
+                self.u32("lookahead token id")?;
+                any = true;
+            }
+        }
+        Ok(any)
+    }
+
     /// A string or nil.
     fn opt_string(&mut self, what: &'static str) -> Result<Option<String>, DecodeError> {
         let at = self.pos;
@@ -678,7 +731,14 @@ impl<'a> WireCursor<'a> {
                 (Kind::Stored, b"lora_id") => stored.lora_id = self.opt_i64("lora_id")?,
                 (Kind::Stored, b"lora_name") => stored.lora_name = self.opt_string("lora_name")?,
                 (Kind::Stored, b"extra_keys") => stored.extra_keys = self.extra_keys(EVENT_DEPTH + 1)?,
+                (Kind::Stored, b"kv_cache_spec_kind") => stored.group.kind = self.opt_string("kv_cache_spec_kind")?,
+                (Kind::Stored, b"kv_cache_spec_sliding_window") => {
+                    stored.group.window = self.opt_u32("kv_cache_spec_sliding_window")?
+                }
+                (Kind::Stored, b"lookahead_token_ids") => stored.lookahead = self.lookahead()?,
                 (Kind::Stored | Kind::Removed, b"medium") => stored.medium = self.opt_string("medium")?,
+                (Kind::Stored | Kind::Removed, b"group_idx") => stored.group.index = self.opt_u32("group_idx")?,
+                (Kind::Stored | Kind::Removed, b"locality") => stored.locality = self.opt_string("locality")?,
                 (Kind::Removed, b"block_hashes") => removed_hashes = Some(self.hashes("block_hashes")?),
                 _ => self.skip(EVENT_DEPTH + 1)?,
             }
@@ -698,7 +758,9 @@ impl<'a> WireCursor<'a> {
         };
         let mut stored = StoredFields::default();
         let mut removed_hashes = None;
-        // Positions after the tag, by the order of the fields in the engine's classes.
+        // Positions after the tag, by the order of the fields in the engine's classes. The
+        // array form ended before `locality` (vLLM sends maps since 0.26): later positions are
+        // skipped as unknown.
         for index in 1..n {
             match (kind, index) {
                 (Some(Kind::Stored), 1) => stored.hashes = Some(self.hashes("block_hashes")?),
@@ -709,8 +771,12 @@ impl<'a> WireCursor<'a> {
                 (Some(Kind::Stored), 6) => stored.medium = self.opt_string("medium")?,
                 (Some(Kind::Stored), 7) => stored.lora_name = self.opt_string("lora_name")?,
                 (Some(Kind::Stored), 8) => stored.extra_keys = self.extra_keys(EVENT_DEPTH + 1)?,
+                (Some(Kind::Stored), 9) => stored.group.index = self.opt_u32("group_idx")?,
+                (Some(Kind::Stored), 10) => stored.group.kind = self.opt_string("kv_cache_spec_kind")?,
+                (Some(Kind::Stored), 11) => stored.group.window = self.opt_u32("kv_cache_spec_sliding_window")?,
                 (Some(Kind::Removed), 1) => removed_hashes = Some(self.hashes("block_hashes")?),
                 (Some(Kind::Removed), 2) => stored.medium = self.opt_string("medium")?,
+                (Some(Kind::Removed), 3) => stored.group.index = self.opt_u32("group_idx")?,
                 _ => self.skip(EVENT_DEPTH + 1)?,
             }
         }
@@ -733,10 +799,16 @@ impl<'a> WireCursor<'a> {
                 lora_id: f.lora_id,
                 lora_name: f.lora_name,
                 extra_keys: f.extra_keys,
+                group: f.group,
+                locality: f.locality,
+                lookahead: f.lookahead,
             },
-            Kind::Removed => {
-                Event::Removed { hashes: removed_hashes.ok_or_else(|| missing("block_hashes"))?, medium: f.medium }
-            }
+            Kind::Removed => Event::Removed {
+                hashes: removed_hashes.ok_or_else(|| missing("block_hashes"))?,
+                medium: f.medium,
+                group: f.group.index,
+                locality: f.locality,
+            },
             Kind::Cleared => Event::Cleared,
         })
     }
@@ -845,6 +917,9 @@ mod tests {
             lora_id: None,
             lora_name: None,
             extra_keys: Vec::new(),
+            group: GroupFields::default(),
+            locality: None,
+            lookahead: false,
         }
     }
 
@@ -875,6 +950,9 @@ mod tests {
                 lora_id: Some(3),
                 lora_name: Some("adapter".into()),
                 extra_keys: vec![None, Some(vec![Extra::Text("adapter".into())])],
+                group: GroupFields { index: Some(0), ..GroupFields::default() },
+                locality: None,
+                lookahead: false,
             }]
         );
         assert_eq!((got.ts, got.dp_rank, got.unknown), (1.5, Some(0), 0));
@@ -910,17 +988,18 @@ mod tests {
         let cleared = w.arr(1).str("AllBlocksCleared").take();
         let got = decode_batch(&batch(&[short_store, long_store, old_removed, removed, cleared])).expect("decodes");
         let mut cpu = stored(vec![5], Some(4), vec![], 0);
-        if let Event::Stored { medium, lora_id, .. } = &mut cpu {
+        if let Event::Stored { medium, lora_id, group, .. } = &mut cpu {
             *medium = Some("CPU".into());
             *lora_id = Some(-2);
+            *group = GroupFields { index: Some(0), kind: Some("full_attention".into()), window: None };
         }
         assert_eq!(
             got.events,
             vec![
                 stored(vec![4], None, vec![8], 1),
                 cpu,
-                Event::Removed { hashes: vec![4, 5], medium: None },
-                Event::Removed { hashes: vec![4], medium: Some("GPU".into()) },
+                Event::Removed { hashes: vec![4, 5], medium: None, group: None, locality: None },
+                Event::Removed { hashes: vec![4], medium: Some("GPU".into()), group: None, locality: None },
                 Event::Cleared,
             ]
         );
@@ -950,7 +1029,9 @@ mod tests {
             got.events,
             vec![Event::Removed {
                 hashes: vec![0, u64::MAX, u64::MAX, 1 << 63, 7, last8(&digest), last8(&xxh)],
-                medium: None
+                medium: None,
+                group: None,
+                locality: None,
             }]
         );
         assert_eq!(last8(&digest), 0x191a_1b1c_1d1e_1f20);
@@ -1135,6 +1216,10 @@ mod tests {
         if v.is_null() { None } else { Some(hash(v)) }
     }
 
+    fn opt_u32(v: &Value) -> Option<u32> {
+        v.as_u64().map(|n| u32::try_from(n).expect("u32"))
+    }
+
     fn opt_string(v: &Value) -> Option<String> {
         v.as_str().map(str::to_owned)
     }
@@ -1166,6 +1251,14 @@ mod tests {
         }
     }
 
+    /// A field of an expected event, at its top level or among its `other_fields`.
+    fn field<'v>(v: &'v Value, name: &str) -> &'v Value {
+        match &v[name] {
+            Value::Null => &v["other_fields"][name],
+            found => found,
+        }
+    }
+
     fn expected_event(v: &Value) -> Event {
         match v["type"].as_str().expect("type") {
             "BlockStored" => Event::Stored {
@@ -1182,10 +1275,21 @@ mod tests {
                 lora_id: v["lora_id"].as_i64(),
                 lora_name: opt_string(&v["lora_name"]),
                 extra_keys: extra_keys(&v["extra_keys"]),
+                group: GroupFields {
+                    index: opt_u32(&v["group_idx"]),
+                    kind: opt_string(field(v, "kv_cache_spec_kind")),
+                    window: opt_u32(field(v, "kv_cache_spec_sliding_window")),
+                },
+                locality: opt_string(field(v, "locality")),
+                lookahead: field(v, "lookahead_token_ids")
+                    .as_array()
+                    .is_some_and(|blocks| blocks.iter().any(|b| b.as_array().is_some_and(|t| !t.is_empty()))),
             },
             "BlockRemoved" => Event::Removed {
                 hashes: v["block_hashes"].as_array().expect("hashes").iter().map(hash).collect(),
                 medium: opt_string(&v["medium"]),
+                group: opt_u32(&v["group_idx"]),
+                locality: opt_string(field(v, "locality")),
             },
             "AllBlocksCleared" => Event::Cleared,
             other => panic!("unexpected type {other} in expected.jsonl"),

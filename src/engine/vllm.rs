@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::decode::{self, Event, Extra};
-use crate::decided::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
+use crate::decided::engines::{CacheGroup, EngineBatch, EngineEvent, EngineStored, GroupKind, Medium};
 use crate::error::{Error, Result};
 use crate::keys::Namespace;
 
@@ -35,18 +35,44 @@ pub fn decode_engine_batch(seq: u64, payload: &[u8], model: &str) -> Result<Engi
 /// One decoded event as the library's (see [`decode_engine_batch`]).
 fn event(model: &str, event: Event) -> EngineEvent {
     match event {
-        Event::Stored { hashes, parent, tokens, block_size, medium, lora_name, extra_keys, .. } => {
-            EngineEvent::Stored(EngineStored {
-                namespace: namespace(model, lora_name.as_deref(), &extra_keys),
-                parent,
-                hashes,
-                tokens,
-                block_size,
-                medium: Medium::named(medium.as_deref()),
-            })
+        Event::Stored {
+            hashes,
+            parent,
+            tokens,
+            block_size,
+            medium,
+            lora_name,
+            extra_keys,
+            group,
+            locality,
+            lookahead,
+            ..
+        } => EngineEvent::Stored(EngineStored {
+            // A block hashed with tokens past its end is reused only by prompts that share
+            // those too: it keys nothing, as a block with an image does not.
+            namespace: namespace(model, lora_name.as_deref(), &extra_keys).filter(|_| !lookahead),
+            parent,
+            hashes,
+            tokens,
+            block_size,
+            medium: medium_at(medium.as_deref(), locality.as_deref()),
+            group: group
+                .index
+                .map(|index| CacheGroup { index, kind: GroupKind::named(group.kind.as_deref(), group.window) }),
+        }),
+        Event::Removed { hashes, medium, group, locality } => {
+            EngineEvent::Removed { hashes, medium: medium_at(medium.as_deref(), locality.as_deref()), group }
         }
-        Event::Removed { hashes, medium } => EngineEvent::Removed { hashes, medium: Medium::named(medium.as_deref()) },
         Event::Cleared => EngineEvent::Cleared,
+    }
+}
+
+/// Where an event's blocks are: its medium, unless they are held by another engine than the
+/// publisher (`locality` `"REMOTE"`), which this node cannot reuse from.
+fn medium_at(medium: Option<&str>, locality: Option<&str>) -> Medium {
+    match locality {
+        Some(l) if l.eq_ignore_ascii_case("remote") => Medium::Other,
+        _ => Medium::named(medium),
     }
 }
 
@@ -84,6 +110,25 @@ mod tests {
         assert_eq!(namespace("m", None, &[Some(vec![Extra::Bytes(vec![1])])]), None, "prompt embeddings");
         let late = namespace("m", None, &[None, Some(vec![Extra::Text("x".into())])]);
         assert_eq!(late, None, "text past the first block");
+    }
+
+    /// vLLM 0.33's every field: a sliding-window group's store, with lookahead tokens in its
+    /// hash (so it keys nothing), local to the publisher; its removal names its group.
+    #[test]
+    fn a_store_carries_its_group_and_lookahead_keys_nothing() -> Result<()> {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/kv-events/v033_store_all_fields.msgpack");
+        let bytes = std::fs::read(path).map_err(|e| Error::Engine { detail: e.to_string(), source: None })?;
+        let batch = decode_engine_batch(13, &bytes, "m")?;
+        let [EngineEvent::Stored(stored), EngineEvent::Removed { group, medium, .. }] = batch.events.as_slice() else {
+            panic!("a store and a removal: {:?}", batch.events)
+        };
+        let sliding = CacheGroup { index: 1, kind: GroupKind::SlidingWindow { window: 4096 } };
+        assert_eq!((stored.group, stored.medium, &stored.namespace), (Some(sliding), Medium::Gpu, &None));
+        assert_eq!((*group, *medium), (Some(1), Medium::Gpu));
+        assert_eq!(medium_at(Some("GPU"), Some("REMOTE")), Medium::Other, "another engine's blocks");
+        assert_eq!(GroupKind::named(Some("sliding_window"), None), GroupKind::Other, "a window it did not give");
+        assert_eq!(GroupKind::named(Some("mla_attention"), None), GroupKind::Full);
+        Ok(())
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::decided::engines::{EngineBatch, EngineEvent, EngineStored, Medium};
+use crate::decided::engines::{CacheGroup, EngineBatch, EngineEvent, EngineStored, GroupKind, Medium};
 use crate::error::Result;
 use crate::keys::{BlockKey, Namespace};
 use crate::store::codec;
@@ -79,6 +79,47 @@ pub(crate) enum WireEvent {
         medium: u8,
     },
     Cleared,
+    /// [`WireEvent::Stored`] in a KV cache group: `(index, kind, window)` (kind 0 full, 1
+    /// sliding window, 2 chunked local, 3 Mamba, 4 another). Last, so that a head of an
+    /// earlier build skips only batches that carry groups.
+    StoredInGroup {
+        parent: Option<u64>,
+        hashes: Vec<u64>,
+        tokens: Vec<u32>,
+        block_size: u32,
+        medium: u8,
+        namespace: Option<(String, Option<Vec<u8>>)>,
+        group: (u32, u8, u32),
+    },
+    /// [`WireEvent::Removed`] from the KV cache group of that index.
+    RemovedInGroup {
+        hashes: Vec<u64>,
+        medium: u8,
+        group: u32,
+    },
+}
+
+/// A group as the wire carries it (see [`WireEvent::StoredInGroup`]).
+fn group_code(g: CacheGroup) -> (u32, u8, u32) {
+    let (kind, window) = match g.kind {
+        GroupKind::Full => (0, 0),
+        GroupKind::SlidingWindow { window } => (1, window),
+        GroupKind::ChunkedLocal => (2, 0),
+        GroupKind::Mamba => (3, 0),
+        _ => (4, 0),
+    };
+    (g.index, kind, window)
+}
+
+fn group_of((index, kind, window): (u32, u8, u32)) -> CacheGroup {
+    let kind = match kind {
+        0 => GroupKind::Full,
+        1 => GroupKind::SlidingWindow { window },
+        2 => GroupKind::ChunkedLocal,
+        3 => GroupKind::Mamba,
+        _ => GroupKind::Other,
+    };
+    CacheGroup { index, kind }
 }
 
 fn medium_code(m: Medium) -> u8 {
@@ -98,16 +139,29 @@ impl WireBatch {
             .events
             .iter()
             .map(|e| match e {
-                EngineEvent::Stored(s) => WireEvent::Stored {
-                    parent: s.parent,
-                    hashes: s.hashes.clone(),
-                    tokens: s.tokens.clone(),
-                    block_size: s.block_size,
-                    medium: medium_code(s.medium),
-                    namespace: s.namespace.as_ref().map(|n| (n.model().to_string(), n.tenant().map(<[u8]>::to_vec))),
-                },
-                EngineEvent::Removed { hashes, medium } => {
+                EngineEvent::Stored(s) => {
+                    let namespace =
+                        s.namespace.as_ref().map(|n| (n.model().to_string(), n.tenant().map(<[u8]>::to_vec)));
+                    let (parent, hashes, tokens) = (s.parent, s.hashes.clone(), s.tokens.clone());
+                    let (block_size, medium) = (s.block_size, medium_code(s.medium));
+                    match s.group {
+                        None => WireEvent::Stored { parent, hashes, tokens, block_size, medium, namespace },
+                        Some(g) => WireEvent::StoredInGroup {
+                            parent,
+                            hashes,
+                            tokens,
+                            block_size,
+                            medium,
+                            namespace,
+                            group: group_code(g),
+                        },
+                    }
+                }
+                EngineEvent::Removed { hashes, medium, group: None } => {
                     WireEvent::Removed { hashes: hashes.clone(), medium: medium_code(*medium) }
+                }
+                EngineEvent::Removed { hashes, medium, group: Some(group) } => {
+                    WireEvent::RemovedInGroup { hashes: hashes.clone(), medium: medium_code(*medium), group: *group }
                 }
                 EngineEvent::Cleared => WireEvent::Cleared,
             })
@@ -119,23 +173,38 @@ impl WireBatch {
     pub(crate) fn batch(&self) -> Option<EngineBatch> {
         let mut events = Vec::with_capacity(self.events.len());
         for e in &self.events {
+            let namespace_of = |namespace: &Option<(String, Option<Vec<u8>>)>| match namespace {
+                Some((model, tenant)) => Namespace::of(model, tenant.as_deref()).ok().map(Some),
+                None => Some(None),
+            };
             events.push(match e {
                 WireEvent::Stored { parent, hashes, tokens, block_size, medium, namespace } => {
-                    let namespace = match namespace {
-                        Some((model, tenant)) => Some(Namespace::of(model, tenant.as_deref()).ok()?),
-                        None => None,
-                    };
                     EngineEvent::Stored(EngineStored {
                         parent: *parent,
                         hashes: hashes.clone(),
                         tokens: tokens.clone(),
                         block_size: *block_size,
                         medium: medium_of(*medium),
-                        namespace,
+                        namespace: namespace_of(namespace)?,
+                        group: None,
+                    })
+                }
+                WireEvent::StoredInGroup { parent, hashes, tokens, block_size, medium, namespace, group } => {
+                    EngineEvent::Stored(EngineStored {
+                        parent: *parent,
+                        hashes: hashes.clone(),
+                        tokens: tokens.clone(),
+                        block_size: *block_size,
+                        medium: medium_of(*medium),
+                        namespace: namespace_of(namespace)?,
+                        group: Some(group_of(*group)),
                     })
                 }
                 WireEvent::Removed { hashes, medium } => {
-                    EngineEvent::Removed { hashes: hashes.clone(), medium: medium_of(*medium) }
+                    EngineEvent::Removed { hashes: hashes.clone(), medium: medium_of(*medium), group: None }
+                }
+                WireEvent::RemovedInGroup { hashes, medium, group } => {
+                    EngineEvent::Removed { hashes: hashes.clone(), medium: medium_of(*medium), group: Some(*group) }
                 }
                 WireEvent::Cleared => EngineEvent::Cleared,
             });
@@ -221,9 +290,20 @@ mod tests {
                     tokens: (0..32).collect(),
                     block_size: 16,
                     medium: Medium::Gpu,
-                    namespace: Some(ns),
+                    namespace: Some(ns.clone()),
+                    group: None,
                 }),
-                EngineEvent::Removed { hashes: vec![1], medium: Medium::Cpu },
+                EngineEvent::Removed { hashes: vec![1], medium: Medium::Cpu, group: None },
+                EngineEvent::Stored(EngineStored {
+                    parent: Some(1),
+                    hashes: vec![3],
+                    tokens: (0..32).collect(),
+                    block_size: 16,
+                    medium: Medium::Gpu,
+                    namespace: None,
+                    group: Some(CacheGroup { index: 2, kind: GroupKind::SlidingWindow { window: 128 } }),
+                }),
+                EngineEvent::Removed { hashes: vec![3], medium: Medium::Gpu, group: Some(2) },
                 EngineEvent::Cleared,
             ],
         };

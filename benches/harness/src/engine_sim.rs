@@ -296,6 +296,7 @@ impl SimEngine {
                         block_size: u32::try_from(self.block).unwrap_or(u32::MAX),
                         medium: Medium::Gpu,
                         namespace: Some(self.namespace.clone()),
+                        group: None,
                     });
                 }
                 if let Some(p) = pending.as_mut() {
@@ -332,18 +333,19 @@ impl SimEngine {
                     block_size: 0,
                     medium: Medium::Cpu,
                     namespace: None,
+                    group: None,
                 }));
             }
             // One removal a copy.
             let copies = self.held.remove(&victim).map_or(1, |h| h.refs);
             for _ in 0..copies {
-                events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Gpu });
+                events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Gpu, group: None });
             }
         }
         while self.offload_by_tick.len() > self.offload_capacity {
             let Some((_, victim)) = self.offload_by_tick.pop_first() else { break };
             self.offloaded.remove(&victim);
-            events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Cpu });
+            events.push(EngineEvent::Removed { hashes: vec![victim], medium: Medium::Cpu, group: None });
         }
         self.publish(events)
     }
@@ -477,7 +479,7 @@ fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), 
                 write_str(w, "lora_name")?;
                 write_nil(w)?;
             }
-            EngineEvent::Removed { hashes, medium: m } => {
+            EngineEvent::Removed { hashes, medium: m, .. } => {
                 write_map_len(w, 3)?;
                 write_str(w, "type")?;
                 write_str(w, "BlockRemoved")?;

@@ -53,6 +53,54 @@ impl Medium {
     }
 }
 
+/// The KV cache group of a hybrid-attention engine that blocks are stored in (vLLM's
+/// `group_idx`, `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`). vLLM keeps one group
+/// per kind of attention layer, each with its own blocks, and reuses a prefix only as far as
+/// every group can serve it. An engine of one kind of attention has one group, 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CacheGroup {
+    /// The group's index in the engine (`group_idx`).
+    pub index: u32,
+    /// Its kind of attention.
+    pub kind: GroupKind,
+}
+
+/// The kind of attention of a KV cache group, which decides what of a prefix it must hold for
+/// the engine to reuse the prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GroupKind {
+    /// Full attention (vLLM's `full_attention`, `mla_attention`, `sink_full_attention`): every
+    /// block of the prefix.
+    Full,
+    /// Sliding-window attention of `window` tokens (`sliding_window`, `sliding_window_mla`):
+    /// only the blocks covering the last window before the prefix's end.
+    SlidingWindow {
+        /// The window, in tokens.
+        window: u32,
+    },
+    /// Chunked local attention (`chunked_local_attention`): the blocks of the prefix's last
+    /// chunk. Its chunk size is not in the events.
+    ChunkedLocal,
+    /// A Mamba-like state (`mamba`): the state at the prefix's end.
+    Mamba,
+    /// A kind this build does not know, or none named.
+    Other,
+}
+
+impl GroupKind {
+    /// The kind vLLM names (`kv_cache_spec_kind`), with its window if it named one.
+    pub fn named(kind: Option<&str>, window: Option<u32>) -> GroupKind {
+        match (kind, window) {
+            (Some("full_attention" | "mla_attention" | "sink_full_attention"), _) => GroupKind::Full,
+            (Some("sliding_window" | "sliding_window_mla"), Some(window)) => GroupKind::SlidingWindow { window },
+            (Some("chunked_local_attention"), _) => GroupKind::ChunkedLocal,
+            (Some("mamba"), _) => GroupKind::Mamba,
+            _ => GroupKind::Other,
+        }
+    }
+}
+
 /// Blocks an engine stored: vLLM's `BlockStored`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngineStored {
@@ -74,6 +122,9 @@ pub struct EngineStored {
     /// them (no namespace of this index matches, or they hash more than their tokens: images,
     /// prompt embeddings); they are kept, so that their children are not taken for orphans.
     pub namespace: Option<Namespace>,
+    /// The KV cache group they are stored in (`None`: the engine named none, as vLLM before
+    /// hybrid models and SGLang do: its one group).
+    pub group: Option<CacheGroup>,
 }
 
 /// One event of an engine's batch.
@@ -88,6 +139,8 @@ pub enum EngineEvent {
         hashes: Vec<u64>,
         /// Where they were.
         medium: Medium,
+        /// The index of the KV cache group they left (`None`: the engine named none).
+        group: Option<u32>,
     },
     /// Everything the engine held is gone: vLLM's `AllBlocksCleared`.
     Cleared,
@@ -184,4 +237,12 @@ pub struct EngineStats {
     pub by_tier: [usize; 3],
     /// The stream's counts.
     pub counts: EngineCounts,
+    /// The KV cache groups its events named since this head started (none for an engine
+    /// that names none: one group). Of a hybrid-attention engine, the holdings follow its first
+    /// full-attention group.
+    pub groups: Vec<CacheGroup>,
+    /// Blocks stored in or removed from its other groups since this head started (not applied).
+    pub other_group_blocks: u64,
+    /// Times one of its groups changed kind since this head started (each cleared the node).
+    pub group_changes: u64,
 }

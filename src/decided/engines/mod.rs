@@ -33,7 +33,9 @@ mod stream;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-pub use event::{EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, Medium};
+pub use event::{
+    CacheGroup, EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, GroupKind, Medium,
+};
 pub(crate) use row::{BlockRowKey, Layout, Row, decode_row, upgrade_row};
 pub(crate) use stream::{Applied, Follows, StreamRecord};
 
@@ -55,7 +57,9 @@ pub(crate) const PART_BLOCKS: usize = 1 << 16;
 pub(crate) fn ends_within(batch: &EngineBatch, from: Cursor, budget: usize) -> bool {
     let cost = |event: &EngineEvent, block: usize| match event {
         EngineEvent::Stored(s) if s.medium.tier().is_some() => s.hashes.len().saturating_sub(block).max(1),
-        EngineEvent::Removed { hashes, medium } if medium.tier().is_some() => hashes.len().saturating_sub(block).max(1),
+        EngineEvent::Removed { hashes, medium, .. } if medium.tier().is_some() => {
+            hashes.len().saturating_sub(block).max(1)
+        }
         _ => 1,
     };
     let mut left = budget;
@@ -90,6 +94,51 @@ struct Stream {
     claim_floor: u64,
     /// Memory only: the last batches applied, to tell copies from a restarted engine's.
     applied: Applied,
+    /// Memory only: the KV cache groups its events named, and what it skipped of them.
+    groups: Groups,
+}
+
+/// The KV cache groups an engine's events named (memory only: learned again from the next
+/// events after a restart of the head). A hybrid-attention engine stores every block once per
+/// group; what it holds is followed in its full-attention group, where a prefix is held only
+/// if all of it is: the engine reuses no more than that (its other groups can only shorten a
+/// hit), so no block is claimed that the engine cannot reuse because its full copy is gone,
+/// and a sliding-window group's sparse stores and removals do not move the count of a block.
+#[derive(Clone, Debug, Default)]
+struct Groups {
+    /// Each group's kind, by index, as its stores named it.
+    kinds: BTreeMap<u32, GroupKind>,
+    /// Blocks stored in or removed from another group than the followed one: not applied.
+    other_blocks: u64,
+    /// Times a group changed kind (the engine was restarted with another model or layout).
+    changes: u64,
+}
+
+impl Groups {
+    /// The group followed: the first full-attention group (`None`: none named yet).
+    fn followed(&self) -> Option<u32> {
+        self.kinds.iter().find(|(_, k)| **k == GroupKind::Full).map(|(&i, _)| i)
+    }
+
+    /// Whether an event of group `group` (`None`: the engine named none) is applied; learns a
+    /// store's group first. A removal of a group whose kind is not known yet is applied (it
+    /// may take a block the full group still holds: the index then claims less, never more).
+    fn follows(&mut self, group: Option<u32>, kind: Option<GroupKind>, blocks: usize) -> bool {
+        let Some(index) = group else { return true };
+        if let Some(kind) = kind
+            && self.kinds.insert(index, kind).is_some_and(|before| before != kind)
+        {
+            self.changes += 1;
+        }
+        let applied = match self.kinds.get(&index) {
+            None => true,
+            Some(_) => self.followed() == Some(index),
+        };
+        if !applied {
+            self.other_blocks += blocks as u64;
+        }
+        applied
+    }
 }
 
 /// A node holding a block of ours.
@@ -290,6 +339,9 @@ impl Engines {
                     blocks,
                     by_tier,
                     counts: s.record.counts.clone(),
+                    groups: s.groups.kinds.iter().map(|(&index, &kind)| CacheGroup { index, kind }).collect(),
+                    other_group_blocks: s.groups.other_blocks,
+                    group_changes: s.groups.changes,
                 }
             })
             .collect()
@@ -416,7 +468,17 @@ impl Engines {
                 self.unfinished(node);
                 return Some(at);
             }
+            let skipped = match event {
+                EngineEvent::Stored(s) if at.block == 0 => {
+                    self.skips(node, s.group.map(|g| g.index), s.group.map(|g| g.kind), s.hashes.len())
+                }
+                EngineEvent::Removed { hashes, group, .. } if at.block == 0 => {
+                    self.skips(node, *group, None, hashes.len())
+                }
+                _ => false,
+            };
             let (done, whole) = match event {
+                _ if skipped => (1, true),
                 EngineEvent::Stored(s) => match s.medium.tier() {
                     Some(tier) => {
                         let end = self.store(scheme, node, s, clock, tier, (at.block, left));
@@ -427,7 +489,7 @@ impl Engines {
                         (1, true)
                     }
                 },
-                EngineEvent::Removed { hashes, medium } => match medium.tier() {
+                EngineEvent::Removed { hashes, medium, .. } => match medium.tier() {
                     Some(tier) => {
                         let end = hashes.len().min(at.block.saturating_add(left));
                         for &h in hashes.get(at.block..end).unwrap_or_default() {
@@ -456,6 +518,19 @@ impl Engines {
             self.effects.push(Effect::EngineStream { node, row: Arc::new(s.record.clone()), clock: self.clock });
         }
         None
+    }
+
+    /// Whether an event of `group` on node `node` is skipped: one of a hybrid engine's groups
+    /// other than the followed one ([`Groups`]). An engine whose group changes kind is cleared:
+    /// what it held was keyed under the layout before.
+    fn skips(&mut self, node: u32, group: Option<u32>, kind: Option<GroupKind>, blocks: usize) -> bool {
+        let Some(s) = self.streams.get_mut(&node) else { return false };
+        let changes = s.groups.changes;
+        let follows = s.groups.follows(group, kind, blocks);
+        if s.groups.changes != changes {
+            self.clear(node, self.clock);
+        }
+        !follows
     }
 
     /// Writes node `node`'s stream as in the middle of a batch: no last batch, beside blocks.
@@ -963,6 +1038,7 @@ mod tests {
             block_size: size,
             medium: Medium::Gpu,
             namespace: Some(ns()),
+            group: None,
         })
     }
 
@@ -993,13 +1069,63 @@ mod tests {
         e.batch(
             Scheme::TreeChain,
             0,
-            &batch(3, vec![EngineEvent::Removed { hashes: vec![106], medium: Medium::Gpu }]),
+            &batch(3, vec![EngineEvent::Removed { hashes: vec![106], medium: Medium::Gpu, group: None }]),
             4,
         );
         assert_eq!(held_prefix(&e, &tokens), 1);
         // Stored again, everything below it is reachable again.
         e.batch(Scheme::TreeChain, 0, &batch(4, vec![stored(Some(105), &[106], &tokens[96..112], 16)]), 5);
         assert_eq!(held_prefix(&e, &tokens), 3);
+    }
+
+    /// A hybrid engine stores every block once per KV cache group, a sliding-window group only
+    /// some of them: its holdings follow the full-attention group alone. A sliding group's
+    /// stores and removals move nothing (they are counted), a full group's removal drops the
+    /// block, an engine that names no group is followed whole, and a group that changes kind
+    /// clears the node.
+    #[test]
+    fn a_hybrid_engine_is_held_by_its_full_attention_group() {
+        let tokens: Vec<u32> = (0..64 * 3).collect();
+        let h: Vec<u64> = (200..212).collect();
+        let sliding = CacheGroup { index: 0, kind: GroupKind::SlidingWindow { window: 128 } };
+        let full = CacheGroup { index: 1, kind: GroupKind::Full };
+        let in_group = |event: EngineEvent, group: CacheGroup| match event {
+            EngineEvent::Stored(s) => EngineEvent::Stored(EngineStored { group: Some(group), ..s }),
+            other => other,
+        };
+        let removed = |hash: u64, group: u32| EngineEvent::Removed {
+            hashes: vec![hash],
+            medium: Medium::Gpu,
+            group: Some(group),
+        };
+        let mut e = Engines::default();
+        // The sliding group's store comes first (group order): the last 8 blocks only.
+        let step = vec![
+            in_group(stored(Some(h[3]), &h[4..], &tokens[64..], 16), sliding),
+            in_group(stored(None, &h, &tokens, 16), full),
+        ];
+        e.batch(Scheme::TreeChain, 0, &batch(0, step), 1);
+        assert_eq!(held_prefix(&e, &tokens), 3);
+        let stats = &e.stats(|n| n.to_string())[0];
+        assert_eq!(stats.groups, vec![sliding, full]);
+        assert_eq!((stats.other_group_blocks, stats.engine_blocks), (8, 12), "one copy a block, the full group's");
+        // The sliding copy of a block leaves: the engine still holds the block (full copy).
+        e.batch(Scheme::TreeChain, 0, &batch(1, vec![removed(h[9], 0)]), 2);
+        assert_eq!(held_prefix(&e, &tokens), 3);
+        // Its full copy leaves: our third block is gone with it.
+        e.batch(Scheme::TreeChain, 0, &batch(2, vec![removed(h[9], 1)]), 3);
+        assert_eq!(held_prefix(&e, &tokens), 2);
+        assert_eq!(e.stats(|n| n.to_string())[0].other_group_blocks, 9);
+        // Group 1 comes back as a sliding window: another layout, so the node is cleared.
+        let relaid = CacheGroup { index: 1, kind: GroupKind::SlidingWindow { window: 512 } };
+        e.batch(Scheme::TreeChain, 0, &batch(3, vec![in_group(stored(None, &h[..4], &tokens[..64], 16), relaid)]), 4);
+        let stats = &e.stats(|n| n.to_string())[0];
+        assert_eq!((held_prefix(&e, &tokens), stats.group_changes, stats.counts.clears), (0, 1, 1));
+        // An engine that names no group is followed whole, as before.
+        let mut plain = Engines::default();
+        plain.batch(Scheme::TreeChain, 0, &batch(0, vec![stored(None, &h, &tokens, 16)]), 1);
+        assert_eq!(held_prefix(&plain, &tokens), 3);
+        assert!(plain.stats(|n| n.to_string())[0].groups.is_empty());
     }
 
     /// Block rows as written: (node, hash) to (store clock, row).
@@ -1053,7 +1179,7 @@ mod tests {
                 1,
                 vec![
                     stored(Some(h[29]), &h[30..], &tokens[16 * 30..], 16),
-                    EngineEvent::Removed { hashes: vec![h[35], 2, 77], medium: Medium::Gpu },
+                    EngineEvent::Removed { hashes: vec![h[35], 2, 77], medium: Medium::Gpu, group: None },
                     stored(Some(2), &[3, 4, 5, 6], &other[..10], 16),
                     stored(Some(2), &[3, 4, 5, 6], &other[32..], 16),
                 ],
@@ -1116,7 +1242,7 @@ mod tests {
         assert_eq!(e.batch(Scheme::TreeChain, 0, &first, 1), EngineOutcome::Applied);
         // The same block stored twice is removed twice.
         e.batch(Scheme::TreeChain, 0, &batch(1, vec![stored(None, &[1], &tokens[..64], 64)]), 2);
-        let remove = |seq| batch(seq, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu }]);
+        let remove = |seq| batch(seq, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu, group: None }]);
         e.batch(Scheme::TreeChain, 0, &remove(2), 3);
         assert_eq!(held_prefix(&e, &tokens), 2, "one copy is left");
         assert_eq!(e.batch(Scheme::TreeChain, 0, &remove(2), 4), EngineOutcome::Duplicate, "a late copy");
@@ -1169,14 +1295,14 @@ mod tests {
         e.batch(
             Scheme::TreeChain,
             0,
-            &batch(5, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu }]),
+            &batch(5, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu, group: None }]),
             6,
         );
         assert_eq!((e.claim_floor(0), held_prefix(&e, &tokens)), (floor, 2));
         e.batch(
             Scheme::TreeChain,
             0,
-            &batch(6, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu }]),
+            &batch(6, vec![EngineEvent::Removed { hashes: vec![1], medium: Medium::Gpu, group: None }]),
             7,
         );
         assert_eq!((e.claim_floor(0), held_prefix(&e, &tokens)), (7, 0), "the last copy: claims end");
@@ -1197,10 +1323,10 @@ mod tests {
         }
         e.batch(Scheme::TreeChain, 0, &batch(0, vec![gpu(1), cpu]), 1);
         assert_eq!((e.tier(&key, 0), e.held_on_gpu(&key, 0).is_some()), (Some(0), true));
-        let remove = |h: u64| EngineEvent::Removed { hashes: vec![h], medium: Medium::Gpu };
+        let remove = |h: u64| EngineEvent::Removed { hashes: vec![h], medium: Medium::Gpu, group: None };
         e.batch(Scheme::TreeChain, 0, &batch(1, vec![remove(1)]), 2);
         assert_eq!((e.tier(&key, 0), e.held_on_gpu(&key, 0)), (Some(1), None), "the CPU copy is left");
-        let remove_cpu = EngineEvent::Removed { hashes: vec![2], medium: Medium::Cpu };
+        let remove_cpu = EngineEvent::Removed { hashes: vec![2], medium: Medium::Cpu, group: None };
         e.batch(Scheme::TreeChain, 0, &batch(2, vec![remove_cpu]), 3);
         assert_eq!(e.tier(&key, 0), None, "nothing is left");
     }

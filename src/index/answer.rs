@@ -12,15 +12,21 @@ use super::others::OthersCache;
 use super::view_read::{Part, ViewRead};
 use super::warm::Hit;
 use crate::error::{Error, Result};
-use crate::keys::{BLOCK_TOKENS, BlockKey, MIN_BLOCKS, Namespace, Prefix, Scheme, legacy_chain};
+use crate::keys::{BLOCK_TOKENS, BlockKey, MIN_BLOCKS, Namespace, Prefix, Scheme, fine_keys, legacy_chain};
 
 /// The prefix of `tokens` in `namespace` for a file of `scheme`, with the 0.1.7 chain while the
-/// file holds 0.1.7's entries (`legacy`).
-pub(crate) fn prefix(scheme: Scheme, legacy: bool, namespace: &Namespace, tokens: &[u32]) -> Prefix {
+/// file holds 0.1.7's entries (`legacy`), and its fine keys at each of `sizes` (the hybrid
+/// engines' block sizes) up to its length less one token.
+pub(crate) fn prefix(scheme: Scheme, legacy: bool, sizes: &[usize], namespace: &Namespace, tokens: &[u32]) -> Prefix {
     let mut prefix = Prefix::in_scheme(scheme, namespace, tokens);
     if legacy && !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS {
         prefix.legacy = legacy_chain(namespace.model(), tokens);
     }
+    prefix.fine = sizes
+        .iter()
+        .filter(|&&size| size > 0)
+        .map(|&size| (size, fine_keys(scheme, namespace.key(), tokens, size, tokens.len().saturating_sub(1) / size)))
+        .collect();
     prefix
 }
 
@@ -121,7 +127,7 @@ pub(crate) fn warmest(front: &Front, layers: &Layers, prefix: &Prefix, read: &Vi
     };
     // What the engines hold, by their events; 0.1.7's imported entries (none without a chain).
     let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
-    let found = settle([claimed, lookup::engine_search(front, &prefix.blocks), legacy]);
+    let found = settle([claimed, lookup::engine_search(front, prefix), legacy]);
     Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, &prefix.blocks, f.blocks)))
 }
 
@@ -138,7 +144,7 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
     // What each engine holds, by its events, and 0.1.7's imported entries: each node once, at
     // what wins by the tie rule.
     let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
-    for other in lookup::engine_depths(front, &prefix.blocks).into_iter().chain(legacy) {
+    for other in lookup::engine_depths(front, prefix).into_iter().chain(legacy) {
         match found.iter_mut().find(|d| d.node == other.node) {
             Some(d) => *d = settle([Some(*d), Some(other)]).unwrap_or(*d),
             None => found.push(other),

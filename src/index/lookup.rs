@@ -20,16 +20,27 @@ use super::view_read::ViewRead;
 use crate::decided::engines::Medium;
 use crate::decided::node_set::keep;
 use crate::error::Result;
-use crate::keys::BlockKey;
+use crate::keys::{BlockKey, Prefix};
 
 /// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
 /// nodes holding its last block. Each node's held blocks are prefix-closed (an engine block is
 /// held only when its whole chain is), so their union is too, and a binary search finds it.
-pub(crate) fn engine_search(front: &Front, keys: &[BlockKey]) -> Option<Found> {
-    if !front.decided.engines.any() {
+pub(crate) fn engine_search(front: &Front, prefix: &Prefix) -> Option<Found> {
+    let engines = &front.decided.engines;
+    if !engines.any() {
         return None;
     }
-    found(search(keys, |k| Ok::<_, Infallible>(front.decided.engines.holders(k))).unwrap_or(None), false)
+    let held = found(search(&prefix.blocks, |k| Ok::<_, Infallible>(engines.holders(k))).unwrap_or(None), false);
+    settle([held].into_iter().chain(hybrid_depths(front, prefix).map(Some)))
+}
+
+/// What each hybrid engine reuses of `prefix` (its events per KV cache group, by vLLM's rule).
+fn hybrid_depths<'a>(front: &'a Front, prefix: &Prefix) -> impl Iterator<Item = Found> + 'a {
+    let depths = match prefix.fine.is_empty() {
+        true => Vec::new(),
+        false => front.decided.engines.hybrid_depths(&prefix.fine),
+    };
+    depths.into_iter().map(|(node, blocks, clock)| Found { node, blocks, clock, legacy: false })
 }
 
 /// A search's answer as a [`Found`].
@@ -39,14 +50,15 @@ pub(crate) fn found(longest: Longest<(u32, u64)>, legacy: bool) -> Option<Found>
 
 /// How much of `keys` each node with an engine stream holds, by its events (nodes holding none
 /// left out).
-pub(crate) fn engine_depths(front: &Front, keys: &[BlockKey]) -> Vec<Found> {
+pub(crate) fn engine_depths(front: &Front, prefix: &Prefix) -> Vec<Found> {
     let engines = &front.decided.engines;
     engines
         .nodes()
         .filter_map(|node| {
-            let found = search(keys, |k| Ok::<_, Infallible>(engines.held_by(k, node))).unwrap_or(None);
+            let found = search(&prefix.blocks, |k| Ok::<_, Infallible>(engines.held_by(k, node))).unwrap_or(None);
             found.map(|(clock, blocks)| Found { node, blocks, clock, legacy: false })
         })
+        .chain(hybrid_depths(front, prefix))
         .collect()
 }
 

@@ -78,7 +78,8 @@ impl Reader {
 
 impl ReadIndex for Reader {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        answer::prefix(self.scheme, self.legacy, namespace, tokens)
+        // A file holds no hybrid engine's holdings (they are kept in memory only).
+        answer::prefix(self.scheme, self.legacy, &[], namespace, tokens)
     }
 
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {

@@ -742,7 +742,9 @@ impl Warm {
 
 impl ReadIndex for Warm {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        answer::prefix(self.inner.scheme, self.inner.legacy.load(Ordering::Relaxed), namespace, tokens)
+        // The hybrid engines' block sizes, read under the lock; the hashing is done after it.
+        let sizes = self.inner.front.lock().map(|f| f.decided.engines.hybrid_sizes()).unwrap_or_default();
+        answer::prefix(self.inner.scheme, self.inner.legacy.load(Ordering::Relaxed), &sizes, namespace, tokens)
     }
 
     /// About log2(blocks) lookups: a binary search over the uncommitted `ran`s and the last

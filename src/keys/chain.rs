@@ -178,6 +178,23 @@ impl ChainState {
     }
 }
 
+impl ChainState {
+    /// The key of the position `tokens` past this state (fewer than a whole block): a keyed
+    /// hash of the chain's value here and those tokens, 4 bytes each, in its own domain (it is
+    /// never the key of a whole block).
+    pub(crate) fn partial_key(&self, tokens: &[u32]) -> BlockKey {
+        let mut hasher = blake3::Hasher::new_keyed(&self.ns_key);
+        hasher.update(b"superfluid-warm partial block\0");
+        hasher.update(&self.cv);
+        for t in tokens {
+            hasher.update(&t.to_le_bytes());
+        }
+        let mut out = [0u8; 16];
+        out.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
+        out
+    }
+}
+
 /// BLAKE3's keyed-mode flag, and the flags of a chunk's first and last block (the BLAKE3 spec,
 /// section 2.1). A unit test checks the leaves against the public `hazmat` API.
 const KEYED_HASH: u8 = 1 << 4;

@@ -2,6 +2,7 @@
 //! Depends on nothing in the crate but `error`.
 
 mod chain;
+mod fine;
 mod key_hasher;
 mod legacy;
 mod namespace;
@@ -11,6 +12,7 @@ mod prefix;
 pub(crate) use chain::HASH_SCHEME_V2;
 pub use chain::{BLOCK_TOKENS, BlockKey, HASH_SCHEME, MIN_BLOCKS};
 pub(crate) use chain::{ChainState, Scheme};
+pub(crate) use fine::{FinePosition, fine_keys};
 pub(crate) use key_hasher::KeyMap;
 pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};
 pub(crate) use namespace::check_node;

@@ -12,6 +12,10 @@ pub struct Prefix {
     pub(crate) blocks: Vec<BlockKey>,
     /// The 0.1.7 FNV-1a chain, only while imported 0.1.7 entries remain.
     pub(crate) legacy: Vec<BlockKey>,
+    /// The fine keys (`keys/fine.rs`) at each block size of the index's hybrid engines, up to
+    /// the prompt's length less one token (what an engine can reuse at most): none while it
+    /// follows no hybrid engine.
+    pub(crate) fine: Vec<(usize, Vec<BlockKey>)>,
 }
 
 impl Prefix {
@@ -23,13 +27,19 @@ impl Prefix {
     }
 
     pub(crate) fn in_scheme(scheme: Scheme, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        Prefix { namespace: namespace.clone(), scheme, blocks: namespace.chain_in(scheme, tokens), legacy: Vec::new() }
+        Prefix {
+            namespace: namespace.clone(),
+            scheme,
+            blocks: namespace.chain_in(scheme, tokens),
+            legacy: Vec::new(),
+            fine: Vec::new(),
+        }
     }
 
     #[cfg(feature = "nats")]
     /// A prefix of keys hashed elsewhere (another head's event), in `scheme`.
     pub(crate) fn from_keys(scheme: Scheme, namespace: Namespace, blocks: Vec<BlockKey>) -> Prefix {
-        Prefix { namespace, scheme, blocks, legacy: Vec::new() }
+        Prefix { namespace, scheme, blocks, legacy: Vec::new(), fine: Vec::new() }
     }
 
     #[cfg(feature = "nats")]

@@ -238,11 +238,12 @@ pub struct EngineStats {
     /// The stream's counts.
     pub counts: EngineCounts,
     /// The KV cache groups its events named since this head started (none for an engine
-    /// that names none: one group). Of a hybrid-attention engine, the holdings follow its first
-    /// full-attention group.
+    /// that names none: one group). An engine of several groups, or of another kind of
+    /// attention than full, is hybrid: held per group, in memory only.
     pub groups: Vec<CacheGroup>,
-    /// Blocks stored in or removed from its other groups since this head started (not applied).
-    pub other_group_blocks: u64,
+    /// Of a hybrid engine, blocks whose place in a prompt its events did not give (a parent
+    /// not held, a store of a block size not modelled), since this head started.
+    pub unplaced_blocks: u64,
     /// Times one of its groups changed kind since this head started (each cleared the node).
     pub group_changes: u64,
 }

@@ -27,6 +27,8 @@
 
 mod blocks;
 mod event;
+mod hybrid;
+mod reuse;
 mod row;
 mod stream;
 
@@ -43,6 +45,9 @@ use super::effect::Effect;
 use crate::error::Result;
 use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, KeyMap, Namespace, Scheme};
 use blocks::{Blocks, Completed, Slot};
+use hybrid::Hybrid;
+#[cfg(test)]
+pub(crate) use reuse::{Need, Spec, reuse as vllm_reuse};
 use row::encode_row;
 
 /// Blocks one part of a batch applies at most (an event without blocks counts as one): a
@@ -94,50 +99,29 @@ struct Stream {
     claim_floor: u64,
     /// Memory only: the last batches applied, to tell copies from a restarted engine's.
     applied: Applied,
-    /// Memory only: the KV cache groups its events named, and what it skipped of them.
+    /// Memory only: the KV cache groups its events named.
     groups: Groups,
+    /// Memory only: a hybrid engine's holdings, per group (`None`: one group, in `blocks`).
+    hybrid: Option<Box<Hybrid>>,
 }
 
-/// The KV cache groups an engine's events named (memory only: learned again from the next
-/// events after a restart of the head). A hybrid-attention engine stores every block once per
-/// group; what it holds is followed in its full-attention group, where a prefix is held only
-/// if all of it is: the engine reuses no more than that (its other groups can only shorten a
-/// hit), so no block is claimed that the engine cannot reuse because its full copy is gone,
-/// and a sliding-window group's sparse stores and removals do not move the count of a block.
+/// The KV cache groups an engine's events named (memory only: learned again from its next
+/// events after a restart of the head). An engine of one full-attention group (or that names
+/// none) is followed in its blocks; an engine of several groups, or of another kind of
+/// attention, is hybrid ([`Hybrid`]).
 #[derive(Clone, Debug, Default)]
 struct Groups {
     /// Each group's kind, by index, as its stores named it.
     kinds: BTreeMap<u32, GroupKind>,
-    /// Blocks stored in or removed from another group than the followed one: not applied.
-    other_blocks: u64,
     /// Times a group changed kind (the engine was restarted with another model or layout).
     changes: u64,
 }
 
 impl Groups {
-    /// The group followed: the first full-attention group (`None`: none named yet).
-    fn followed(&self) -> Option<u32> {
-        self.kinds.iter().find(|(_, k)| **k == GroupKind::Full).map(|(&i, _)| i)
-    }
-
-    /// Whether an event of group `group` (`None`: the engine named none) is applied; learns a
-    /// store's group first. A removal of a group whose kind is not known yet is applied (it
-    /// may take a block the full group still holds: the index then claims less, never more).
-    fn follows(&mut self, group: Option<u32>, kind: Option<GroupKind>, blocks: usize) -> bool {
-        let Some(index) = group else { return true };
-        if let Some(kind) = kind
-            && self.kinds.insert(index, kind).is_some_and(|before| before != kind)
-        {
-            self.changes += 1;
-        }
-        let applied = match self.kinds.get(&index) {
-            None => true,
-            Some(_) => self.followed() == Some(index),
-        };
-        if !applied {
-            self.other_blocks += blocks as u64;
-        }
-        applied
+    /// Whether the engine is hybrid: more than one group, or a group that is not full
+    /// attention.
+    fn hybrid(&self) -> bool {
+        self.kinds.len() > 1 || self.kinds.values().any(|k| *k != GroupKind::Full)
     }
 }
 
@@ -277,6 +261,33 @@ impl Engines {
         holders.max_by_key(|h| (h.clock, h.node)).map(|h| (h.node, h.clock))
     }
 
+    /// The block sizes of the hybrid engines' holdings (a prompt's fine keys are made at each).
+    pub(crate) fn hybrid_sizes(&self) -> Vec<usize> {
+        let mut sizes: Vec<usize> =
+            self.streams.values().filter_map(|s| s.hybrid.as_ref().and_then(|h| h.block_size())).collect();
+        sizes.sort_unstable();
+        sizes.dedup();
+        sizes
+    }
+
+    /// What each hybrid engine reuses of a prompt whose fine keys at each block size are `fine`
+    /// (see [`crate::keys::Prefix`]), by vLLM's rule: `(node, blocks of ours, clock)` for each
+    /// that reuses a block of ours or more. The engine's whole hit is rounded down to our blocks.
+    pub(crate) fn hybrid_depths(&self, fine: &[(usize, Vec<BlockKey>)]) -> Vec<(u32, usize, u64)> {
+        self.streams
+            .iter()
+            .filter(|(node, _)| self.trusted(**node))
+            .filter_map(|(&node, s)| {
+                let hybrid = s.hybrid.as_ref()?;
+                let size = hybrid.block_size()?;
+                let (_, keys) = fine.iter().find(|(at, _)| *at == size)?;
+                let (tokens, clock) = hybrid.reused(&s.groups.kinds, keys);
+                let blocks = tokens / BLOCK_TOKENS;
+                (blocks > 0).then_some((node, blocks, clock))
+            })
+            .collect()
+    }
+
     /// Whether `node` holds block `key`, and from which clock.
     pub(crate) fn held_by(&self, key: &BlockKey, node: u32) -> Option<u64> {
         self.holder(key, node).map(|h| h.clock)
@@ -316,7 +327,10 @@ impl Engines {
 
     /// Engine blocks and blocks of ours `node` holds.
     pub(crate) fn sizes(&self, node: u32) -> (usize, usize) {
-        self.streams.get(&node).map_or((0, 0), |s| (s.blocks.len(), s.ours))
+        self.streams.get(&node).map_or((0, 0), |s| match &s.hybrid {
+            Some(h) => (h.len(), 0),
+            None => (s.blocks.len(), s.ours),
+        })
     }
 
     /// Each stream's position, sizes and counts, with node names from `name`.
@@ -326,6 +340,9 @@ impl Engines {
             .map(|(&id, s)| {
                 let (engine_blocks, blocks) = self.sizes(id);
                 let mut by_tier = [0; 3];
+                if let Some(h) = &s.hybrid {
+                    by_tier[0] = h.len();
+                }
                 for b in s.blocks.slots().filter_map(|i| s.blocks.get(i)) {
                     if let Some(n) = by_tier.get_mut(usize::from(b.own_tier())) {
                         *n += 1;
@@ -340,7 +357,7 @@ impl Engines {
                     by_tier,
                     counts: s.record.counts.clone(),
                     groups: s.groups.kinds.iter().map(|(&index, &kind)| CacheGroup { index, kind }).collect(),
-                    other_group_blocks: s.groups.other_blocks,
+                    unplaced_blocks: s.hybrid.as_ref().map_or(0, |h| h.unplaced.blocks + h.unplaced.unaligned),
                     group_changes: s.groups.changes,
                 }
             })
@@ -463,22 +480,26 @@ impl Engines {
     ) -> Option<Cursor> {
         let mut at = from;
         let mut left = budget;
+        // The groups the batch names, before any of its events: a hybrid engine's first step
+        // names its full group first, and its blocks are a hybrid engine's too.
+        if from == Cursor::default() {
+            for event in &batch.events {
+                if let EngineEvent::Stored(s) = event {
+                    self.learn(node, s.group);
+                }
+            }
+        }
         while let Some(event) = batch.events.get(at.event) {
             if left == 0 {
                 self.unfinished(node);
                 return Some(at);
             }
-            let skipped = match event {
-                EngineEvent::Stored(s) if at.block == 0 => {
-                    self.skips(node, s.group.map(|g| g.index), s.group.map(|g| g.kind), s.hashes.len())
-                }
-                EngineEvent::Removed { hashes, group, .. } if at.block == 0 => {
-                    self.skips(node, *group, None, hashes.len())
-                }
-                _ => false,
-            };
+            let hybrid = self.streams.get(&node).is_some_and(|s| s.hybrid.is_some());
             let (done, whole) = match event {
-                _ if skipped => (1, true),
+                _ if hybrid => {
+                    self.hybrid_event(scheme, node, batch, at.event, clock);
+                    (1, true)
+                }
                 EngineEvent::Stored(s) => match s.medium.tier() {
                     Some(tier) => {
                         let end = self.store(scheme, node, s, clock, tier, (at.block, left));
@@ -520,17 +541,76 @@ impl Engines {
         None
     }
 
-    /// Whether an event of `group` on node `node` is skipped: one of a hybrid engine's groups
-    /// other than the followed one ([`Groups`]). An engine whose group changes kind is cleared:
-    /// what it held was keyed under the layout before.
-    fn skips(&mut self, node: u32, group: Option<u32>, kind: Option<GroupKind>, blocks: usize) -> bool {
-        let Some(s) = self.streams.get_mut(&node) else { return false };
-        let changes = s.groups.changes;
-        let follows = s.groups.follows(group, kind, blocks);
-        if s.groups.changes != changes {
-            self.clear(node, self.clock);
+    /// Learns the group a store of node `node` names. A group that changes kind, or an engine
+    /// that turns out hybrid, clears what the node held: it was kept under another layout.
+    fn learn(&mut self, node: u32, group: Option<CacheGroup>) {
+        let Some(g) = group else { return };
+        let Some(s) = self.streams.get_mut(&node) else { return };
+        let changed = s.groups.kinds.insert(g.index, g.kind).is_some_and(|before| before != g.kind);
+        s.groups.changes += u64::from(changed);
+        let hybrid = s.groups.hybrid();
+        if changed || hybrid != s.hybrid.is_some() {
+            if s.blocks.len() > 0 || s.hybrid.as_ref().is_some_and(|h| h.len() > 0) {
+                self.clear(node, self.clock);
+            }
+            if let Some(s) = self.streams.get_mut(&node) {
+                s.hybrid = hybrid.then(Box::default);
+            }
         }
-        !follows
+    }
+
+    /// Applies event `i` of `batch` to hybrid node `node`'s holdings (every group's copies; a
+    /// store that lists only some blocks of its range is placed by one of the batch that lists
+    /// them all). Only GPU copies are followed.
+    fn hybrid_event(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, i: usize, clock: u64) {
+        let Some(event) = batch.events.get(i) else { return };
+        if let EngineEvent::Cleared = event {
+            self.clear(node, clock);
+            return;
+        }
+        let Some(s) = self.streams.get_mut(&node) else { return };
+        let Some(hybrid) = s.hybrid.as_mut() else { return };
+        match event {
+            EngineEvent::Stored(stored) if stored.medium == Medium::Gpu => {
+                let Some(group) = stored.group else {
+                    hybrid.unplaced.blocks += stored.hashes.len() as u64;
+                    return;
+                };
+                let size = stored.block_size as usize;
+                let dense = (stored.hashes.len() * size != stored.tokens.len())
+                    .then(|| {
+                        batch.events.iter().find_map(|e| match e {
+                            EngineEvent::Stored(d)
+                                if d.parent == stored.parent
+                                    && d.block_size == stored.block_size
+                                    && d.hashes.len() * size == d.tokens.len()
+                                    && d.tokens == stored.tokens =>
+                            {
+                                Some(d)
+                            }
+                            _ => None,
+                        })
+                    })
+                    .flatten();
+                let placed = hybrid.store(scheme, stored, group.index, clock, dense);
+                s.record.counts.stored += placed as u64;
+            }
+            EngineEvent::Removed { hashes, medium: Medium::Gpu, group: Some(group) } => {
+                let mut removed = 0;
+                for &hash in hashes {
+                    removed += u64::from(hybrid.remove(hash, *group));
+                }
+                s.record.counts.removed += removed;
+                s.record.counts.unknown_removals += hashes.len() as u64 - removed;
+                if removed > 0 {
+                    s.claim_floor = s.claim_floor.max(clock);
+                }
+            }
+            EngineEvent::Removed { hashes, medium: Medium::Gpu, group: None } => {
+                s.record.counts.unknown_removals += hashes.len() as u64;
+            }
+            _ => s.record.counts.other_medium += 1,
+        }
     }
 
     /// Writes node `node`'s stream as in the middle of a batch: no last batch, beside blocks.
@@ -552,6 +632,9 @@ impl Engines {
         self.drop_holdings(node);
         if let Some(s) = self.streams.get_mut(&node) {
             s.blocks.clear();
+            if let Some(h) = s.hybrid.as_mut() {
+                h.clear();
+            }
             s.namespaces.clear();
             s.ours = 0;
             s.record.last = None;
@@ -1079,13 +1162,17 @@ mod tests {
     }
 
     /// A hybrid engine stores every block once per KV cache group, a sliding-window group only
-    /// some of them: its holdings follow the full-attention group alone. A sliding group's
-    /// stores and removals move nothing (they are counted), a full group's removal drops the
-    /// block, an engine that names no group is followed whole, and a group that changes kind
-    /// clears the node.
+    /// the last few of a request (its store lists those, over the whole range of tokens, and is
+    /// placed by the full group's store of the same step, which comes after it). What it
+    /// reuses is vLLM's rule over every group: a sliding window needs its last 8 blocks (window
+    /// 128, blocks of 16) before the hit's end; a removal counts in its own group only. A group
+    /// that changes kind clears the node; an engine that names no group is followed as before.
     #[test]
-    fn a_hybrid_engine_is_held_by_its_full_attention_group() {
+    fn a_hybrid_engine_reuses_what_every_group_holds() {
         let tokens: Vec<u32> = (0..64 * 3).collect();
+        let prompt: Vec<u32> = (0..64 * 3 + 40).collect();
+        let fine =
+            vec![(16, crate::keys::fine_keys(Scheme::TreeChain, ns().key(), &prompt, 16, (prompt.len() - 1) / 16))];
         let h: Vec<u64> = (200..212).collect();
         let sliding = CacheGroup { index: 0, kind: GroupKind::SlidingWindow { window: 128 } };
         let full = CacheGroup { index: 1, kind: GroupKind::Full };
@@ -1093,38 +1180,47 @@ mod tests {
             EngineEvent::Stored(s) => EngineEvent::Stored(EngineStored { group: Some(group), ..s }),
             other => other,
         };
+        let sparse = |hashes: &[u64]| {
+            let EngineEvent::Stored(s) = stored(None, &[], &tokens, 16) else { unreachable!() };
+            EngineEvent::Stored(EngineStored { hashes: hashes.to_vec(), group: Some(sliding), ..s })
+        };
         let removed = |hash: u64, group: u32| EngineEvent::Removed {
             hashes: vec![hash],
             medium: Medium::Gpu,
             group: Some(group),
         };
+        let depth = |e: &Engines| e.hybrid_depths(&fine).first().map_or(0, |d| d.1);
         let mut e = Engines::default();
-        // The sliding group's store comes first (group order): the last 8 blocks only.
-        let step = vec![
-            in_group(stored(Some(h[3]), &h[4..], &tokens[64..], 16), sliding),
-            in_group(stored(None, &h, &tokens, 16), full),
-        ];
-        e.batch(Scheme::TreeChain, 0, &batch(0, step), 1);
-        assert_eq!(held_prefix(&e, &tokens), 3);
+        e.batch(
+            Scheme::TreeChain,
+            0,
+            &batch(0, vec![sparse(&h[4..]), in_group(stored(None, &h, &tokens, 16), full)]),
+            1,
+        );
+        assert_eq!(depth(&e), 3, "full holds 12 blocks, the window its 8 last: 192 tokens");
+        assert_eq!(held_prefix(&e, &tokens), 0, "none of it in the one-group holdings");
         let stats = &e.stats(|n| n.to_string())[0];
-        assert_eq!(stats.groups, vec![sliding, full]);
-        assert_eq!((stats.other_group_blocks, stats.engine_blocks), (8, 12), "one copy a block, the full group's");
-        // The sliding copy of a block leaves: the engine still holds the block (full copy).
-        e.batch(Scheme::TreeChain, 0, &batch(1, vec![removed(h[9], 0)]), 2);
-        assert_eq!(held_prefix(&e, &tokens), 3);
-        // Its full copy leaves: our third block is gone with it.
-        e.batch(Scheme::TreeChain, 0, &batch(2, vec![removed(h[9], 1)]), 3);
-        assert_eq!(held_prefix(&e, &tokens), 2);
-        assert_eq!(e.stats(|n| n.to_string())[0].other_group_blocks, 9);
+        assert_eq!((&stats.groups, stats.engine_blocks, stats.unplaced_blocks), (&vec![sliding, full], 12, 0));
+        // The window's copy of the last block leaves: no run of 8 before the end, none from the
+        // first block either. The full copies are all there, yet the engine reuses nothing.
+        e.batch(Scheme::TreeChain, 0, &batch(1, vec![removed(h[11], 0)]), 2);
+        assert_eq!(depth(&e), 0);
+        let back = in_group(stored(Some(h[10]), &h[11..], &tokens[176..], 16), sliding);
+        e.batch(Scheme::TreeChain, 0, &batch(2, vec![back]), 3);
+        assert_eq!(depth(&e), 3);
+        // The full copy of block 9 leaves: the hit is 9 blocks at most, and the window holds
+        // only 4-8 of the 8 before it.
+        e.batch(Scheme::TreeChain, 0, &batch(3, vec![removed(h[9], 1)]), 4);
+        assert_eq!(depth(&e), 0);
         // Group 1 comes back as a sliding window: another layout, so the node is cleared.
         let relaid = CacheGroup { index: 1, kind: GroupKind::SlidingWindow { window: 512 } };
-        e.batch(Scheme::TreeChain, 0, &batch(3, vec![in_group(stored(None, &h[..4], &tokens[..64], 16), relaid)]), 4);
+        e.batch(Scheme::TreeChain, 0, &batch(4, vec![in_group(stored(None, &h[..4], &tokens[..64], 16), relaid)]), 5);
         let stats = &e.stats(|n| n.to_string())[0];
-        assert_eq!((held_prefix(&e, &tokens), stats.group_changes, stats.counts.clears), (0, 1, 1));
+        assert_eq!((stats.engine_blocks, stats.group_changes, stats.counts.clears), (4, 1, 1));
         // An engine that names no group is followed whole, as before.
         let mut plain = Engines::default();
         plain.batch(Scheme::TreeChain, 0, &batch(0, vec![stored(None, &h, &tokens, 16)]), 1);
-        assert_eq!(held_prefix(&plain, &tokens), 3);
+        assert_eq!((held_prefix(&plain, &tokens), plain.hybrid_sizes().len()), (3, 0));
         assert!(plain.stats(|n| n.to_string())[0].groups.is_empty());
     }
 

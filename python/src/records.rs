@@ -249,7 +249,7 @@ pub fn engine_stats<'py>(py: Python<'py>, e: &sw::EngineStats) -> PyResult<Bound
             blocks = e.blocks,
             counts = counts,
             groups = PyTuple::new(py, e.groups.iter().map(|g| group(py, g)).collect::<PyResult<Vec<_>>>()?)?,
-            other_group_blocks = e.other_group_blocks,
+            unplaced_blocks = e.unplaced_blocks,
             group_changes = e.group_changes,
         ),
     )

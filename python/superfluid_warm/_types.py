@@ -166,8 +166,9 @@ class EngineStats:
         groups: the KV cache groups its events named since this head started, as
             ``(index, kind, window)``: kind ``"full"``, ``"sliding_window"`` (with its window in
             tokens), ``"chunked_local"``, ``"mamba"`` or ``"other"``. Empty for an engine that
-            names none. A hybrid engine's holdings follow its first full-attention group.
-        other_group_blocks: blocks stored in or removed from its other groups (not applied).
+            names none. An engine of several groups is hybrid: answered what vLLM reuses by its
+            rule over every group, its holdings kept in memory only.
+        unplaced_blocks: of a hybrid engine, blocks whose place its events did not give.
         group_changes: times one of its groups changed kind (each cleared the node).
     """
 
@@ -179,7 +180,7 @@ class EngineStats:
     blocks: int
     counts: EngineCounts
     groups: Tuple[Tuple[int, str, Optional[int]], ...] = ()
-    other_group_blocks: int = 0
+    unplaced_blocks: int = 0
     group_changes: int = 0
 
 

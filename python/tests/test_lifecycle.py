@@ -141,6 +141,31 @@ def test_engine_events_make_the_engine_the_source_of_truth(tmp_path: Path) -> No
         assert warm.engine_stats()[0].last_seq == 9
 
 
+def test_a_hybrid_engine_is_answered_what_every_group_holds(tmp_path: Path) -> None:
+    # gpt-oss's layout: a sliding window of 128 tokens (group 0) beside full attention (group 1).
+    # The window keeps only the last 8 blocks of the 16; a prompt that extends this one reuses
+    # all 256 tokens (the full group holds them, the window its last 8 blocks).
+    prompt = list(range(1000, 1256))
+    hashes = list(range(1, 17))
+
+    def in_group(hashes: List[int], group: int, kind: str, window: Any) -> List[Any]:
+        return ["BlockStored", hashes, None, prompt, 16, None, "GPU", None, None, group, kind, window]
+
+    step = [in_group(hashes[8:], 0, "sliding_window", 128), in_group(hashes, 1, "full_attention", None)]
+    longer = prompt + list(range(5000, 5040))
+    with sw.Warm.open(tmp_path / "w.redb") as warm:
+        assert warm.engine_payload("gpu-0", 0, pack([1700000000.0, step, 0]), "m").applied
+        assert warm.warmest("m", longer) == sw.Hit("gpu-0", 256)
+        [stats] = warm.engine_stats()
+        assert stats.groups == ((0, "sliding_window", 128), (1, "full", None))
+        assert (stats.engine_blocks, stats.unplaced_blocks, stats.group_changes) == (16, 0, 0)
+        # The window's copy of the last block goes: no run of 8 before the end, none from the
+        # first block: vLLM would reuse nothing, and nothing is claimed.
+        removed = pack([1700000001.0, [["BlockRemoved", [16], "GPU", 0]], 0])
+        assert warm.engine_payload("gpu-0", 1, removed, "m").applied
+        assert warm.warmest("m", longer) is None
+
+
 def test_an_offloaded_prefix_is_answered_with_its_tier(tmp_path: Path) -> None:
     prompt = list(range(1000, 1256))
     hashes = list(range(1, 17))

@@ -25,7 +25,9 @@ pub(crate) fn prefix(scheme: Scheme, legacy: bool, sizes: &[usize], namespace: &
     prefix.fine = sizes
         .iter()
         .filter(|&&size| size > 0)
-        .map(|&size| (size, fine_keys(scheme, namespace.key(), tokens, size, tokens.len().saturating_sub(1) / size)))
+        .map(|&size| {
+            (size, fine_keys(namespace.key(), &prefix.blocks, tokens, size, tokens.len().saturating_sub(1) / size))
+        })
         .collect();
     prefix
 }

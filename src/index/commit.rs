@@ -65,6 +65,10 @@ pub(crate) struct Inner {
     /// Whether the file holds 0.1.7's imported entries (`Published::legacy_entries > 0`), kept
     /// beside it so that hashing a prompt never waits for the callers' lock.
     pub legacy: AtomicBool,
+    /// The block sizes of the hybrid engines' holdings (bit `n`: size `2^n`), as the last engine
+    /// batch decided left them (`Engines::hybrid_sizes`), beside them for the same reason: a
+    /// prompt's fine keys are made at these sizes.
+    pub hybrid_sizes: AtomicU64,
     /// The filter of the committed keys, and its rebuild.
     pub presence: Mutex<Filters>,
     pub db: Database,

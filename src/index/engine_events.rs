@@ -109,6 +109,7 @@ impl Warm {
                             (outcome, rest, effects) => (outcome, None, rest, effects),
                         },
                     };
+                    self.note_hybrid_sizes(&front.decided.engines.hybrid_sizes());
                     Ok(((outcome, gap, rest, Counted::since(front, node, before)), effects))
                 },
                 |_| {},

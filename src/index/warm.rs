@@ -197,6 +197,7 @@ impl Warm {
             queue_recorded: Mutex::new(0),
             scheme,
             legacy: AtomicBool::new(writer.meta.legacy_entries > 0),
+            hybrid_sizes: AtomicU64::new(0),
             presence: Mutex::default(),
             back: Mutex::new(Back { writer, batch: Vec::new() }),
             front: Mutex::new(front),
@@ -742,8 +743,9 @@ impl Warm {
 
 impl ReadIndex for Warm {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        // The hybrid engines' block sizes, read under the lock; the hashing is done after it.
-        let sizes = self.inner.front.lock().map(|f| f.decided.engines.hybrid_sizes()).unwrap_or_default();
+        // Bit `2^n` set: size `2^n` (see `note_hybrid_sizes`).
+        let mask = self.inner.hybrid_sizes.load(Ordering::Relaxed);
+        let sizes: Vec<usize> = (0..=6).map(|n| 1usize << n).filter(|&s| mask & s as u64 != 0).collect();
         answer::prefix(self.inner.scheme, self.inner.legacy.load(Ordering::Relaxed), &sizes, namespace, tokens)
     }
 
@@ -761,6 +763,13 @@ impl ReadIndex for Warm {
 }
 
 impl Warm {
+    /// Keeps the hybrid engines' block sizes (each a power of two: they divide 64) beside the
+    /// decided state, for [`ReadIndex::prefix`] to read without its lock.
+    pub(crate) fn note_hybrid_sizes(&self, sizes: &[usize]) {
+        let mask = sizes.iter().filter(|s| s.is_power_of_two() && **s <= 64).fold(0u64, |m, s| m | *s as u64);
+        self.inner.hybrid_sizes.store(mask, Ordering::Relaxed);
+    }
+
     /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not
     /// yet back from the stream), then the memtable and the last commit: one read path.
     pub(crate) fn warmest_with(&self, prefix: &Prefix, own: Option<&dyn Layer>) -> Result<Option<Hit>> {

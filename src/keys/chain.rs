@@ -179,20 +179,30 @@ impl ChainState {
 }
 
 impl ChainState {
-    /// The key of the position `tokens` past this state (fewer than a whole block): a keyed
-    /// hash of the chain's value here and those tokens, 4 bytes each, in its own domain (it is
-    /// never the key of a whole block).
-    pub(crate) fn partial_key(&self, tokens: &[u32]) -> BlockKey {
-        let mut hasher = blake3::Hasher::new_keyed(&self.ns_key);
-        hasher.update(b"superfluid-warm partial block\0");
-        hasher.update(&self.cv);
-        for t in tokens {
-            hasher.update(&t.to_le_bytes());
-        }
-        let mut out = [0u8; 16];
-        out.copy_from_slice(&hasher.finalize().as_bytes()[..16]);
-        out
+    /// The namespace's key the chain is seeded and keyed with.
+    pub(crate) fn ns_key(&self) -> &[u8; 32] {
+        &self.ns_key
     }
+}
+
+/// Each of `inputs` hashed as `blake3::keyed_hash(ns_key, input)` gives (one chunk each, at
+/// most 1,024 bytes), as many at once as the CPU has SIMD lanes.
+pub(crate) fn keyed_roots<const N: usize>(ns_key: &[u8; 32], inputs: &[[u8; N]]) -> Vec<[u8; 32]> {
+    let key = blake3::platform::words_from_le_bytes_32(ns_key);
+    let platform = blake3::platform::Platform::detect();
+    let refs: Vec<&[u8; N]> = inputs.iter().collect();
+    let mut hashed = vec![0u8; 32 * inputs.len()];
+    platform.hash_many(
+        &refs,
+        &key,
+        0,
+        blake3::IncrementCounter::No,
+        KEYED_HASH,
+        CHUNK_START,
+        CHUNK_END | ROOT,
+        &mut hashed,
+    );
+    hashed.chunks_exact(32).map(|h| <[u8; 32]>::try_from(h).unwrap_or_default()).collect()
 }
 
 /// BLAKE3's keyed-mode flag, and the flags of a chunk's first and last block (the BLAKE3 spec,
@@ -200,6 +210,7 @@ impl ChainState {
 const KEYED_HASH: u8 = 1 << 4;
 const CHUNK_START: u8 = 1;
 const CHUNK_END: u8 = 1 << 1;
+const ROOT: u8 = 1 << 3;
 
 /// The v3 leaf of every whole block: the chunk chaining value of its bytes in keyed mode,
 /// chunk counter 0. Blocks of each width are hashed together by blake3's `hash_many` (as many

@@ -1,12 +1,44 @@
 //! Keys at an engine's block granularity: where a prompt stands after every multiple of a
 //! block size that divides ours (16 or 32 tokens, say), not only after each whole block of 64.
-//! At the end of a block of ours the key is that block's ([`super::chain`]); inside one it is the
-//! chain's partial key of the tokens since that block began ([`ChainState::partial_key`]). Like
-//! a block key, it names the namespace and every token before it. A hybrid-attention engine's
-//! groups hold blocks of its own size, some of them alone (a sliding window keeps only the last
-//! few), so what it reuses of a prompt is found from these keys.
+//! At the end of a block of ours the key is that block's ([`super::chain`]); inside one it is a
+//! partial key: the namespace's keyed BLAKE3 of a 64-byte header (the key of the last whole
+//! block of ours, or zeros before the first, then a domain string padded with zeros) and the
+//! tokens since, 4 bytes each little-endian, first 16 bytes. Like a block key, it names the
+//! namespace and every token before it. A hybrid-attention engine's groups hold blocks of its
+//! own size, some alone (a sliding window keeps only the last few), so what it reuses of a
+//! prompt is found from these keys.
 
-use super::chain::{BLOCK_TOKENS, BlockKey, ChainState, Scheme};
+use super::chain::{BLOCK_TOKENS, BlockKey, ChainState, Scheme, keyed_roots};
+
+/// The domain string of a partial key's header.
+const PARTIAL: &[u8] = b"superfluid-warm partial block";
+/// Bytes of a partial key's header.
+const HEADER: usize = 64;
+
+/// A partial key's header after block `last` of ours.
+fn header(last: Option<&BlockKey>) -> [u8; HEADER] {
+    let mut out = [0u8; HEADER];
+    let (key, rest) = out.split_at_mut(16);
+    if let Some(last) = last {
+        key.copy_from_slice(last);
+    }
+    rest.iter_mut().zip(PARTIAL).for_each(|(d, s)| *d = *s);
+    out
+}
+
+/// The partial key of `tokens` (fewer than a whole block) past block `last` of ours.
+fn partial_key(ns_key: &[u8; 32], last: Option<&BlockKey>, tokens: &[u32]) -> BlockKey {
+    let mut bytes = Vec::with_capacity(HEADER + 4 * tokens.len());
+    bytes.extend_from_slice(&header(last));
+    bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+    first_16(blake3::keyed_hash(ns_key, &bytes).as_bytes())
+}
+
+fn first_16(hash: &[u8; 32]) -> BlockKey {
+    let mut out = [0u8; 16];
+    out.iter_mut().zip(hash).for_each(|(d, s)| *d = *s);
+    out
+}
 
 /// Where a chain stands after any number of tokens.
 #[derive(Clone, Debug)]
@@ -42,22 +74,82 @@ impl FinePosition {
     pub(crate) fn key(&self) -> Option<BlockKey> {
         match self.partial.is_empty() {
             true => self.last,
-            false => Some(self.state.partial_key(&self.partial)),
+            false => Some(partial_key(self.state.ns_key(), self.last.as_ref(), &self.partial)),
         }
     }
 }
 
-/// The key after each `size` tokens of `tokens` in `scheme` from `ns_key`, for its first
-/// `blocks` blocks of `size` (fewer if it has fewer).
+/// The key after each `size` tokens of `tokens` (a size that divides 64), for its first `count`
+/// blocks of `size` (fewer if it has fewer), from `blocks`, its keys of whole blocks of ours in
+/// namespace `ns_key`. The partial keys of sizes 16 and 32 are hashed many at once.
 pub(crate) fn fine_keys(
-    scheme: Scheme,
     ns_key: &[u8; 32],
+    blocks: &[BlockKey],
     tokens: &[u32],
     size: usize,
-    blocks: usize,
+    count: usize,
 ) -> Vec<BlockKey> {
-    let mut at = FinePosition::start(ns_key);
-    tokens.chunks_exact(size.max(1)).take(blocks).filter_map(|block| at.advance(scheme, block)).collect()
+    if size == 0 || !BLOCK_TOKENS.is_multiple_of(size) {
+        return Vec::new();
+    }
+    let count = count.min(tokens.len() / size);
+    let per = BLOCK_TOKENS / size;
+    // Each position's key: a whole block's, or the partial key of its place inside one.
+    let mut keys = vec![[0u8; 16]; count];
+    match size {
+        16 => {
+            partials::<{ HEADER + 64 }>(ns_key, blocks, tokens, size, 1, &mut keys);
+            partials::<{ HEADER + 128 }>(ns_key, blocks, tokens, size, 2, &mut keys);
+            partials::<{ HEADER + 192 }>(ns_key, blocks, tokens, size, 3, &mut keys);
+        }
+        32 => partials::<{ HEADER + 128 }>(ns_key, blocks, tokens, size, 1, &mut keys),
+        _ => {
+            for (p, key) in keys.iter_mut().enumerate().filter(|(p, _)| (p + 1) % per != 0) {
+                let start = (p + 1) * size / BLOCK_TOKENS * BLOCK_TOKENS;
+                let last = (start / BLOCK_TOKENS).checked_sub(1).and_then(|j| blocks.get(j));
+                *key = partial_key(ns_key, last, tokens.get(start..(p + 1) * size).unwrap_or_default());
+            }
+        }
+    }
+    for (p, key) in keys.iter_mut().enumerate().filter(|(p, _)| (p + 1) % per == 0) {
+        if let Some(block) = blocks.get((p + 1) / per - 1) {
+            *key = *block;
+        }
+    }
+    keys
+}
+
+/// The partial keys of the positions `sub` blocks of `size` into a block of ours (inputs of `N`
+/// bytes: the header and `sub * size` tokens), into their places in `keys`.
+fn partials<const N: usize>(
+    ns_key: &[u8; 32],
+    blocks: &[BlockKey],
+    tokens: &[u32],
+    size: usize,
+    sub: usize,
+    keys: &mut [BlockKey],
+) {
+    let per = BLOCK_TOKENS / size;
+    let places: Vec<usize> = (0..keys.len()).filter(|p| (p + 1) % per == sub).collect();
+    let inputs: Vec<[u8; N]> = places
+        .iter()
+        .map(|&p| {
+            let start = (p + 1 - sub) * size;
+            let last = (start / BLOCK_TOKENS).checked_sub(1).and_then(|j| blocks.get(j));
+            let mut input = [0u8; N];
+            let (head, rest) = input.split_at_mut(HEADER);
+            head.copy_from_slice(&header(last));
+            for (dst, t) in rest.chunks_exact_mut(4).zip(tokens.get(start..start + sub * size).unwrap_or_default()) {
+                dst.copy_from_slice(&t.to_le_bytes());
+            }
+            input
+        })
+        .collect();
+    for (&p, hash) in places.iter().zip(keyed_roots(ns_key, &inputs)) {
+        if let Some(key) = keys.get_mut(p) {
+            *key = first_16(&hash);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -68,39 +160,42 @@ mod tests {
     use crate::keys::Namespace;
 
     /// Every 64 tokens the fine key is the block key; in between, keys are new, depend on
-    /// every token before them, and do not depend on how the tokens arrived.
+    /// every token before them, and are the same whether made a prompt at a time (many at
+    /// once) or as an engine's blocks arrive, in any pieces.
     #[test]
     fn fine_keys_are_block_keys_at_our_blocks_and_name_every_earlier_token() {
         let ns = Namespace::new("m").expect("a namespace");
         let tokens: Vec<u32> = (0..64 * 3 + 40).map(|t| t * 7 % 50_000).collect();
         for scheme in [Scheme::TreeChain, Scheme::KeyedChain] {
             let ours = ns.chain_in(scheme, &tokens);
-            let fine = fine_keys(scheme, ns.key(), &tokens, 16, usize::MAX);
-            assert_eq!(fine.len(), 14);
-            for (j, key) in ours.iter().enumerate() {
-                assert_eq!(fine[4 * j + 3], *key);
+            for size in [4, 8, 16, 32, 64] {
+                let fine = fine_keys(ns.key(), &ours, &tokens, size, usize::MAX);
+                assert_eq!(fine.len(), tokens.len() / size);
+                let per = 64 / size;
+                for (j, key) in ours.iter().enumerate() {
+                    assert_eq!(fine[per * j + per - 1], *key);
+                }
+                let mut distinct = fine.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                assert_eq!(distinct.len(), fine.len(), "size {size}");
+                // As an engine's blocks arrive, in uneven pieces: the same keys.
+                let mut at = FinePosition::start(ns.key());
+                for (p, block) in tokens.chunks_exact(size).enumerate() {
+                    let (a, b) = block.split_at(size / 2);
+                    at.advance(scheme, a);
+                    assert_eq!(at.advance(scheme, b), Some(fine[p]), "size {size}, block {p}");
+                }
+                // One token changed changes every key from its block on, none before.
+                let mut changed = tokens.clone();
+                changed[70] += 1;
+                let other = fine_keys(ns.key(), &ns.chain_in(scheme, &changed), &changed, size, usize::MAX);
+                let first = 70 / size;
+                assert_eq!(other[..first], fine[..first]);
+                assert!(other[first..].iter().zip(&fine[first..]).all(|(a, b)| a != b));
             }
-            let mut distinct = fine.clone();
-            distinct.sort_unstable();
-            distinct.dedup();
-            assert_eq!(distinct.len(), fine.len());
-            // Arrived in uneven pieces, the same keys.
-            let mut at = FinePosition::start(ns.key());
-            let mut pieces = Vec::new();
-            for piece in tokens[..16 * 14].chunks(48) {
-                at.advance(scheme, &piece[..16]);
-                pieces.push(at.key());
-                at.advance(scheme, &piece[16..]);
-            }
-            assert_eq!(pieces[1], Some(fine[3]), "a piece ending at 64 + 16 tokens");
-            assert_eq!(at.key(), fine.last().copied());
-            // One token changed changes every key from its block on, none before.
-            let mut changed = tokens.clone();
-            changed[70] += 1;
-            let other = fine_keys(scheme, ns.key(), &changed, 16, usize::MAX);
-            assert_eq!(other[..4], fine[..4]);
-            assert!(other[4..].iter().zip(&fine[4..]).all(|(a, b)| a != b));
-            assert_eq!(fine_keys(scheme, ns.key(), &tokens, 32, 3).len(), 3);
+            assert_eq!(fine_keys(ns.key(), &ours, &tokens, 32, 3).len(), 3);
+            assert!(fine_keys(ns.key(), &ours, &tokens, 48, 3).is_empty(), "a size that does not divide 64");
         }
     }
 }

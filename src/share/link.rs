@@ -640,6 +640,9 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
         shared.pending().settle(origin.local);
     }
     let mut status = shared.status();
+    // The position with the event's origin, in one critical section: a head that waited for the
+    // event (`wait_for`) sees it applied.
+    status.applied = status.applied.max(seq);
     status.applied_events += 1;
     let from = status.from.entry((origin.head.clone(), origin.boot)).or_default();
     *from = (*from).max(origin.local);

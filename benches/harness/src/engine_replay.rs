@@ -34,6 +34,9 @@ pub struct ReplayEngines {
     /// Engine `i` publishes on loopback port `port + 2i` and answers replays on `port + 2i + 1`
     /// (`None`: ports of the system's choice), so that a `listen` can follow the same engines.
     pub port: Option<u16>,
+    /// Each engine's KV cache groups, as a hybrid-attention model's vLLM keeps them (full
+    /// attention, sliding windows: [`crate::hybrid_sim::HybridCache`]); empty: one group.
+    pub groups: Vec<superfluid_warm::GroupKind>,
 }
 
 impl ReplayEngines {
@@ -53,6 +56,7 @@ impl Default for ReplayEngines {
             offload_blocks: 0,
             offload_weight: 0.5,
             port: None,
+            groups: Vec::new(),
         }
     }
 }
@@ -190,7 +194,7 @@ pub(super) fn simulated(
         .map(|_| {
             SimEngine::new(engines.block, engines.cache_blocks, &config.model, None).map(|e| {
                 // The publishers answer replays; the replay reads an engine's last batch only.
-                let e = e.with_offload(engines.offload_blocks).without_replays();
+                let e = e.with_offload(engines.offload_blocks).with_groups(&engines.groups).without_replays();
                 // Only a replay that restarts engines asks what a process stored before.
                 if engines.restart_every.is_some() { e } else { e.without_stored() }
             })

@@ -9,8 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::hybrid_sim::{self, HybridCache};
 use crate::trace::splitmix64;
-use superfluid_warm::{EngineBatch, EngineEvent, EngineStored, Error, Medium, Namespace, Result};
+use superfluid_warm::{EngineBatch, EngineEvent, EngineStored, Error, GroupKind, Medium, Namespace, Result};
 
 /// Batches an engine keeps for replays (vLLM's `buffer_steps`).
 pub const REPLAY_BUFFER: usize = 10_000;
@@ -164,6 +165,8 @@ pub struct SimEngine {
     offload_capacity: usize,
     offloaded: HashMap<u64, u64>,
     offload_by_tick: BTreeMap<u64, u64>,
+    /// A hybrid-attention engine's groups and their blocks (`None`: one group, in `held`).
+    hybrid: Option<HybridCache>,
 }
 
 impl SimEngine {
@@ -190,7 +193,19 @@ impl SimEngine {
             offload_capacity: 0,
             offloaded: HashMap::new(),
             offload_by_tick: BTreeMap::new(),
+            hybrid: None,
         })
+    }
+
+    /// The same engine with several KV cache groups, as a hybrid-attention model's vLLM keeps
+    /// them (full attention and sliding windows: [`HybridCache`]), its events naming each
+    /// group; no chaos, no offload tier. Without groups, or one full-attention group, it is
+    /// the engine as before.
+    pub fn with_groups(mut self, groups: &[GroupKind]) -> SimEngine {
+        if groups.iter().any(|g| *g != GroupKind::Full) || groups.len() > 1 {
+            self.hybrid = Some(HybridCache::new(groups.to_vec()));
+        }
+        self
     }
 
     /// The same engine with an offload tier of `blocks` blocks in CPU memory, as vLLM's
@@ -267,6 +282,14 @@ impl SimEngine {
     /// before its head), and blocks past capacity are evicted least recent first, one removal
     /// each. Returns the batch it publishes.
     pub fn run(&mut self, tokens: &[u32]) -> EngineBatch {
+        if let Some(hybrid) = self.hybrid.as_mut() {
+            let hashes = hybrid_sim::hashes(tokens, self.block);
+            if self.keep_stored {
+                self.stored.extend(hashes.iter().copied());
+            }
+            let events = hybrid.run(tokens, &hashes, self.block, self.capacity, &self.namespace);
+            return self.publish(events);
+        }
         let mut events = Vec::new();
         let mut parent = None;
         let mut pending: Option<EngineStored> = None;
@@ -362,6 +385,9 @@ impl SimEngine {
 
     /// A restart: a new process, an empty cache, numbers from 0 again, nothing to replay.
     pub fn restart(&mut self) {
+        if let Some(h) = self.hybrid.as_mut() {
+            h.clear();
+        }
         self.held.clear();
         self.by_tick.clear();
         self.seq = 0;
@@ -400,6 +426,10 @@ impl SimEngine {
     /// Tokens of `tokens` the engine holds from the first: (on the GPU, on the GPU or in the
     /// offload tier).
     pub fn holds_by_tier(&self, tokens: &[u32]) -> (usize, usize) {
+        if let Some(hybrid) = &self.hybrid {
+            let held = hybrid.hit(&hybrid_sim::hashes(tokens, self.block), tokens.len(), self.block) * self.block;
+            return (held, held);
+        }
         let mut parent = None;
         let (mut gpu, mut n, mut all_gpu) = (0, 0, true);
         for block in tokens.chunks_exact(self.block) {
@@ -418,14 +448,14 @@ impl SimEngine {
         (gpu, n)
     }
 
-    /// Blocks held.
+    /// Blocks held (a hybrid engine's, once a group).
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.hybrid.as_ref().map_or(self.held.len(), HybridCache::len)
     }
 
     /// Whether it holds nothing.
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.len() == 0
     }
 }
 
@@ -452,7 +482,12 @@ fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), 
     for event in &batch.events {
         match event {
             EngineEvent::Stored(s) => {
-                write_map_len(w, 8)?;
+                let group_fields = match s.group.map(|g| g.kind) {
+                    None => 0,
+                    Some(GroupKind::SlidingWindow { .. }) => 3,
+                    Some(_) => 2,
+                };
+                write_map_len(w, 8 + group_fields)?;
                 write_str(w, "type")?;
                 write_str(w, "BlockStored")?;
                 write_str(w, "block_hashes")?;
@@ -478,9 +513,22 @@ fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), 
                 write_str(w, medium(s.medium))?;
                 write_str(w, "lora_name")?;
                 write_nil(w)?;
+                if let Some(g) = s.group {
+                    write_str(w, "group_idx")?;
+                    write_uint(w, u64::from(g.index))?;
+                    write_str(w, "kv_cache_spec_kind")?;
+                    match g.kind {
+                        GroupKind::SlidingWindow { window } => {
+                            write_str(w, "sliding_window")?;
+                            write_str(w, "kv_cache_spec_sliding_window")?;
+                            write_uint(w, u64::from(window))?;
+                        }
+                        _ => write_str(w, "full_attention")?,
+                    }
+                }
             }
-            EngineEvent::Removed { hashes, medium: m, .. } => {
-                write_map_len(w, 3)?;
+            EngineEvent::Removed { hashes, medium: m, group } => {
+                write_map_len(w, 3 + u32::from(group.is_some()))?;
                 write_str(w, "type")?;
                 write_str(w, "BlockRemoved")?;
                 write_str(w, "block_hashes")?;
@@ -490,6 +538,10 @@ fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), 
                 }
                 write_str(w, "medium")?;
                 write_str(w, medium(*m))?;
+                if let Some(g) = group {
+                    write_str(w, "group_idx")?;
+                    write_uint(w, u64::from(*g))?;
+                }
             }
             _ => {
                 write_map_len(w, 1)?;

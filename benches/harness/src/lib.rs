@@ -11,6 +11,7 @@ pub mod engine_heads;
 pub mod engine_replay;
 pub mod engine_sim;
 pub mod heads;
+pub mod hybrid_sim;
 pub mod prometheus;
 pub mod replay;
 pub mod trace;

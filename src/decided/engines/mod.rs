@@ -243,9 +243,11 @@ impl Engines {
         self.streams.get(&node).map(|s| s.record.counts.clone()).unwrap_or_default()
     }
 
-    /// A claim (`ran`) by `node` at or below this clock is not answered.
+    /// A claim (`ran`) by `node` at or below this clock is not answered. None of a hybrid
+    /// engine's is: what it keeps of a prompt (a sliding window's last blocks) is not the
+    /// prompt, so only its events say what it reuses.
     pub(crate) fn claim_floor(&self, node: u32) -> u64 {
-        self.streams.get(&node).map_or(0, |s| s.claim_floor)
+        self.streams.get(&node).map_or(0, |s| if s.hybrid.is_some() { u64::MAX } else { s.claim_floor })
     }
 
     /// Claims by `node` at or below `clock` are no longer answered (the grace window passed).
@@ -1171,8 +1173,16 @@ mod tests {
     fn a_hybrid_engine_reuses_what_every_group_holds() {
         let tokens: Vec<u32> = (0..64 * 3).collect();
         let prompt: Vec<u32> = (0..64 * 3 + 40).collect();
-        let fine =
-            vec![(16, crate::keys::fine_keys(Scheme::TreeChain, ns().key(), &prompt, 16, (prompt.len() - 1) / 16))];
+        let fine = vec![(
+            16,
+            crate::keys::fine_keys(
+                ns().key(),
+                &ns().chain_in(Scheme::TreeChain, &prompt),
+                &prompt,
+                16,
+                (prompt.len() - 1) / 16,
+            ),
+        )];
         let h: Vec<u64> = (200..212).collect();
         let sliding = CacheGroup { index: 0, kind: GroupKind::SlidingWindow { window: 128 } };
         let full = CacheGroup { index: 1, kind: GroupKind::Full };

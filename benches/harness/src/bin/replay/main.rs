@@ -25,7 +25,7 @@ use harness::engine_replay::{self, ReplayEngines};
 use harness::heads::run_heads;
 use harness::replay::{self, Config, Policy};
 use harness::trace::{self, TraceError};
-use superfluid_warm::{DEFAULT_NODES_PER_PREFIX, Error, MAX_CAPACITY, Snapshot, Warm, describe_metrics};
+use superfluid_warm::{DEFAULT_NODES_PER_PREFIX, Error, GroupKind, MAX_CAPACITY, Snapshot, Warm, describe_metrics};
 use tracing_subscriber::EnvFilter;
 
 /// Most head threads a replay starts.
@@ -143,6 +143,12 @@ struct ReplayArgs {
     /// printed on stderr).
     #[arg(long, requires = "engine_events", value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
     engine_port: Option<u16>,
+    /// With --engine-events: each engine's KV cache groups, as a hybrid-attention model's vLLM
+    /// keeps them, e.g. `sliding:128,full` (gpt-oss) or `sliding:512,sliding:512,full` (Gemma
+    /// 3's layout): `full`, or `sliding:W` for a sliding window of W tokens. Its events name
+    /// each group; the index answers what vLLM's rule reuses over every group.
+    #[arg(long, requires = "engine_events", value_delimiter = ',', value_parser = group_kind)]
+    engine_groups: Vec<GroupKind>,
     /// With --offload-blocks: how much a token warm only in the offload tier counts against one
     /// in GPU memory when balanced weighs a node's warm prefix (1: tiers ignored).
     #[arg(long, requires = "engine_events", default_value_t = 0.5, value_parser = share)]
@@ -164,6 +170,19 @@ struct ReplayArgs {
 }
 
 /// A share, 0 to 1.
+/// A KV cache group of `--engine-groups`: `full`, or `sliding:W` (a window of W tokens, 1 or
+/// more).
+fn group_kind(text: &str) -> Result<GroupKind, String> {
+    match text.split_once(':') {
+        None if text == "full" => Ok(GroupKind::Full),
+        Some(("sliding", w)) => match w.parse::<u32>() {
+            Ok(window) if window > 0 => Ok(GroupKind::SlidingWindow { window }),
+            _ => Err(format!("{w}: give a sliding window of 1 token or more")),
+        },
+        _ => Err(format!("{text}: give full or sliding:W (a window of W tokens)")),
+    }
+}
+
 fn share(text: &str) -> Result<f64, String> {
     match text.parse::<f64>() {
         Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
@@ -391,6 +410,7 @@ fn run(out: &mut impl Write, args: &ReplayArgs) -> Result<ExitCode, ReplayError>
         offload_blocks: usize::try_from(args.offload_blocks).unwrap_or(usize::MAX),
         offload_weight: args.offload_weight,
         port: args.engine_port,
+        groups: args.engine_groups.clone(),
     };
     if let Some(port) = args.engine_port {
         let nodes = args.nodes as usize;

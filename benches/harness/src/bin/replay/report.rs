@@ -43,6 +43,17 @@ pub(crate) fn engines_text(r: &EngineReport, e: &ReplayEngines, source: &str) ->
         thousands(r.warm_not_cached as u64),
         r.imbalance()
     );
+    if !e.groups.is_empty() {
+        let groups: Vec<String> = e
+            .groups
+            .iter()
+            .map(|g| match g {
+                superfluid_warm::GroupKind::SlidingWindow { window } => format!("sliding window {window}"),
+                _ => "full attention".to_string(),
+            })
+            .collect();
+        text += &format!("engines' KV cache groups          {}\n", groups.join(", "));
+    }
     if e.offload_blocks > 0 {
         text += &format!(
             "by tier (offload tier of {} blocks, weighed {}): in GPU memory claimed {}, cached {} ({:+.3} points); only offloaded claimed {}, cached {} ({:+.3} points)\n",
@@ -88,6 +99,10 @@ pub(crate) fn engines_json(r: &EngineReport, e: &ReplayEngines, source: &str) ->
         "engine_cache_blocks": e.cache_blocks, "claimed_share": r.claimed_share(), "cached_share": r.cached_share(),
         "cached_engine_share": r.cached_engine_share(), "warm_not_cached": r.warm_not_cached,
         "offload_blocks": e.offload_blocks, "offload_weight": e.offload_weight,
+        "engine_groups": e.groups.iter().map(|g| match g {
+            superfluid_warm::GroupKind::SlidingWindow { window } => format!("sliding:{window}"),
+            _ => "full".to_string(),
+        }).collect::<Vec<_>>(),
         "claimed_gpu_share": r.claimed_gpu_share(), "cached_gpu_share": r.cached_gpu_share(),
         "claimed_offload_share": r.claimed_offload_share(), "cached_offload_share": r.cached_offload_share(),
         "load_max_over_min": r.imbalance(), "restarts": r.restarts,

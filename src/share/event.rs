@@ -173,32 +173,33 @@ impl WireBatch {
     pub(crate) fn batch(&self) -> Option<EngineBatch> {
         let mut events = Vec::with_capacity(self.events.len());
         for e in &self.events {
-            let namespace_of = |namespace: &Option<(String, Option<Vec<u8>>)>| match namespace {
-                Some((model, tenant)) => Namespace::of(model, tenant.as_deref()).ok().map(Some),
-                None => Some(None),
+            // A store, in a group or not: its namespace must be one this build accepts.
+            let stored = |parent: &Option<u64>,
+                          hashes: &Vec<u64>,
+                          tokens: &Vec<u32>,
+                          (block_size, medium): (u32, u8),
+                          namespace: &Option<(String, Option<Vec<u8>>)>,
+                          group: Option<CacheGroup>| {
+                let namespace = match namespace {
+                    Some((model, tenant)) => Some(Namespace::of(model, tenant.as_deref()).ok()?),
+                    None => None,
+                };
+                Some(EngineEvent::Stored(EngineStored {
+                    parent: *parent,
+                    hashes: hashes.clone(),
+                    tokens: tokens.clone(),
+                    block_size,
+                    medium: medium_of(medium),
+                    namespace,
+                    group,
+                }))
             };
             events.push(match e {
                 WireEvent::Stored { parent, hashes, tokens, block_size, medium, namespace } => {
-                    EngineEvent::Stored(EngineStored {
-                        parent: *parent,
-                        hashes: hashes.clone(),
-                        tokens: tokens.clone(),
-                        block_size: *block_size,
-                        medium: medium_of(*medium),
-                        namespace: namespace_of(namespace)?,
-                        group: None,
-                    })
+                    stored(parent, hashes, tokens, (*block_size, *medium), namespace, None)?
                 }
                 WireEvent::StoredInGroup { parent, hashes, tokens, block_size, medium, namespace, group } => {
-                    EngineEvent::Stored(EngineStored {
-                        parent: *parent,
-                        hashes: hashes.clone(),
-                        tokens: tokens.clone(),
-                        block_size: *block_size,
-                        medium: medium_of(*medium),
-                        namespace: namespace_of(namespace)?,
-                        group: Some(group_of(*group)),
-                    })
+                    stored(parent, hashes, tokens, (*block_size, *medium), namespace, Some(group_of(*group)))?
                 }
                 WireEvent::Removed { hashes, medium } => {
                     EngineEvent::Removed { hashes: hashes.clone(), medium: medium_of(*medium), group: None }

@@ -32,16 +32,6 @@ struct Known {
     copies: Vec<(u32, u32)>,
 }
 
-/// Counts of what a hybrid engine's events did not place (memory only).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) struct Unplaced {
-    /// Blocks whose place could not be found: a parent not held, a sparse store with no store
-    /// listing all of its blocks.
-    pub blocks: u64,
-    /// Stores of a block size not modelled (not dividing 64, or not the engine's size).
-    pub unaligned: u64,
-}
-
 /// A hybrid engine's holdings (see the module docs).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Hybrid {
@@ -50,7 +40,10 @@ pub(crate) struct Hybrid {
     blocks: KeyMap<u64, Known>,
     /// Copies by group of each fine key, and the clock of the newest store of it.
     held: KeyMap<BlockKey, (Vec<(u32, u32)>, u64)>,
-    pub(crate) unplaced: Unplaced,
+    /// Blocks its events did not place (memory only): a parent not held, a sparse store with no
+    /// store listing all of its blocks, a block size not modelled (not dividing 64, or not the
+    /// engine's size).
+    pub(crate) unplaced: u64,
 }
 
 /// Counts one copy more (`up`) or less in group `group` of `copies`, dropping a count that
@@ -94,7 +87,7 @@ impl Hybrid {
     ) -> usize {
         let size = stored.block_size as usize;
         if size == 0 || !BLOCK_TOKENS.is_multiple_of(size) || self.block_size.is_some_and(|s| s != size) {
-            self.unplaced.unaligned += stored.hashes.len() as u64;
+            self.unplaced += stored.hashes.len() as u64;
             return 0;
         }
         self.block_size = Some(size);
@@ -118,7 +111,7 @@ impl Hybrid {
             || !places.is_sorted_by(|a, b| a < b)
             || !stored.tokens.len().is_multiple_of(size)
         {
-            self.unplaced.blocks += stored.hashes.len() as u64;
+            self.unplaced += stored.hashes.len() as u64;
             return 0;
         }
         let mut done = 0;
@@ -142,7 +135,7 @@ impl Hybrid {
             }
             None => {
                 let Some((at, key)) = at.and_then(|at| Some((at.clone(), at.key()?))) else {
-                    self.unplaced.blocks += 1;
+                    self.unplaced += 1;
                     return false;
                 };
                 self.blocks.insert(hash, Known { at, key, copies: vec![(group, 1)] });

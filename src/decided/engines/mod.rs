@@ -359,7 +359,7 @@ impl Engines {
                     by_tier,
                     counts: s.record.counts.clone(),
                     groups: s.groups.kinds.iter().map(|(&index, &kind)| CacheGroup { index, kind }).collect(),
-                    unplaced_blocks: s.hybrid.as_ref().map_or(0, |h| h.unplaced.blocks + h.unplaced.unaligned),
+                    unplaced_blocks: s.hybrid.as_ref().map_or(0, |h| h.unplaced),
                     group_changes: s.groups.changes,
                 }
             })
@@ -575,7 +575,7 @@ impl Engines {
         match event {
             EngineEvent::Stored(stored) if stored.medium == Medium::Gpu => {
                 let Some(group) = stored.group else {
-                    hybrid.unplaced.blocks += stored.hashes.len() as u64;
+                    hybrid.unplaced += stored.hashes.len() as u64;
                     return;
                 };
                 let size = stored.block_size as usize;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use metrics::{Unit, counter, gauge, histogram};
 
-use crate::decided::engines::EngineCounts;
+use crate::decided::engines::{EngineCounts, EngineGauges};
 use crate::error::Error;
 
 /// A commit that takes longer than this is logged (warn): the durability promise is a sync
@@ -110,6 +110,7 @@ const ENGINE_UNDECODABLE: &str = "superfluid_warm_engine_undecodable_total";
 const ENGINE_LAG: &str = "superfluid_warm_engine_lag_seconds";
 const ENGINE_CONNECTED: &str = "superfluid_warm_engine_connected";
 const ENGINE_BLOCKS: &str = "superfluid_warm_engine_blocks";
+const ENGINE_GROUPS: &str = "superfluid_warm_engine_kv_cache_groups";
 
 const NODE: &[&str] = &["node"];
 const HEAD: &[&str] = &["head"];
@@ -166,6 +167,12 @@ pub const METRICS: &[Metric] = &[
     ),
     metric(ENGINE_CONNECTED, Gauge, NODE, "1 while the listener is connected to the engine"),
     metric(ENGINE_BLOCKS, Gauge, NODE, "Engine blocks the node holds, by its events"),
+    metric(
+        ENGINE_GROUPS,
+        Gauge,
+        NODE,
+        "KV cache groups the node's engine named (several, or one not of full attention: a hybrid model)",
+    ),
 ];
 
 /// Gives the installed recorder every metric's help text and unit (once, after installing it;
@@ -294,12 +301,19 @@ pub(crate) fn node(node: &NodeFigures) {
 
 /// An engine stream's counts as a file or a head reports them whole (absolute counters): for
 /// a textfile of one file's figures.
-pub(crate) fn engine_totals(node: &str, counts: &EngineCounts, engine_blocks: usize) {
+pub(crate) fn engine_totals(node: &str, counts: &EngineCounts, gauges: EngineGauges) {
     let label = || ("node", node.to_string());
     for (name, value) in engine_counters(counts) {
         counter!(name, &[label()]).absolute(value);
     }
-    gauge!(ENGINE_BLOCKS, &[label()]).set(engine_blocks as f64);
+    engine_gauges(node, gauges);
+}
+
+/// An engine's gauges: its blocks and its KV cache groups.
+fn engine_gauges(node: &str, gauges: EngineGauges) {
+    let label = || ("node", node.to_string());
+    gauge!(ENGINE_BLOCKS, &[label()]).set(gauges.engine_blocks as f64);
+    gauge!(ENGINE_GROUPS, &[label()]).set(gauges.groups as f64);
 }
 
 /// Each engine counter and its count.
@@ -324,7 +338,7 @@ pub(crate) fn engine_decided(
     seq: u64,
     gap_from: Option<u64>,
     (before, after): (&EngineCounts, &EngineCounts),
-    engine_blocks: usize,
+    gauges: EngineGauges,
 ) {
     let label = || ("node", node.to_string());
     // Every counter, moved or not: a stream's counters are exported from its first batch on.
@@ -336,7 +350,7 @@ pub(crate) fn engine_decided(
     if unknown > 0 {
         tracing::debug!(node, seq, blocks = unknown, "engine blocks stored under a parent the index does not hold");
     }
-    gauge!(ENGINE_BLOCKS, &[label()]).set(engine_blocks as f64);
+    engine_gauges(node, gauges);
     let restarted = after.restarts > before.restarts;
     let lost = after.lost > before.lost;
     if let Some(from) = gap_from {

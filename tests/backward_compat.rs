@@ -160,17 +160,17 @@ fn a_newer_or_unknown_format_is_refused_with_a_typed_error() -> Result<(), Error
     let warm = Warm::open(&path)?;
     warm.ran("m", &[3; 256], "a")?;
     warm.close()?;
-    set_schema(&path, 7, 8);
+    set_schema(&path, 8, 9);
     let err = Warm::open(&path).expect_err("a newer schema");
-    assert!(matches!(err, Error::NewerSchema { found: 8, supported: 7 }), "{err}");
+    assert!(matches!(err, Error::NewerSchema { found: 9, supported: 8 }), "{err}");
     assert!(err.to_string().contains("upgrade superfluid-warm"), "{err}");
     let err = superfluid_warm::Snapshot::open(&path).expect_err("readers refuse it too");
     assert!(matches!(err, Error::NewerSchema { .. }), "{err}");
     // Schema 2 names the 0.2.0 chain: a schema 2 record naming another is not a file we wrote.
-    set_schema(&path, 8, 2);
+    set_schema(&path, 9, 2);
     let err = Warm::open(&path).expect_err("schema 2 with the v3 chain");
     assert!(matches!(err, Error::UnknownFormat { .. }), "{err}");
-    set_schema(&path, 2, 7);
+    set_schema(&path, 2, 8);
     assert_eq!(Warm::open(&path)?.warmest("m", &[3; 256])?.map(|h| h.tokens), Some(256), "refusing changed nothing");
 
     // A redb file of another program, and a file that is not redb at all.
@@ -286,7 +286,7 @@ fn a_schema_2_file_keeps_its_chain_and_every_answer() -> Result<(), Error> {
     let snapshot = superfluid_warm::Snapshot::open(&path)?;
     let stats = snapshot.stats()?;
     // Upgraded to the newest schema in place, keeping its own chain.
-    assert_eq!((stats.schema, stats.hash_scheme.as_str()), (7, "blake3-keyed-chain-seg16/v2"));
+    assert_eq!((stats.schema, stats.hash_scheme.as_str()), (8, "blake3-keyed-chain-seg16/v2"));
     drop(snapshot);
     let warm = Warm::open(&path)?;
     assert_eq!(answers(&warm, &model)?, prompts.len());

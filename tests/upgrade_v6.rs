@@ -38,7 +38,7 @@ fn a_schema_5_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
         warm.close()?;
     }
     let snapshot = Snapshot::open(&path)?;
-    assert_eq!(snapshot.stats()?.schema, 7);
+    assert_eq!(snapshot.stats()?.schema, 8);
     let check = snapshot.check()?;
     assert!(check.problems.is_empty(), "{:?}", check.problems);
     drop(snapshot);

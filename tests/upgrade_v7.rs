@@ -9,7 +9,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::fixtures::queries;
-use common::upgrade::{check_answers, crash_every_write_of_the_upgrade};
+use common::upgrade::{assert_upgraded_and_healthy, check_answers, crash_every_write_of_the_upgrade};
 use harness::engine_sim::engine_hash;
 use harness::trace;
 use superfluid_warm::{
@@ -51,11 +51,7 @@ fn a_schema_6_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
         assert!(by_engines > 50, "answers from the engines' events to check ({by_engines})");
         warm.close()?;
     }
-    let snapshot = Snapshot::open(&path)?;
-    assert_eq!(snapshot.stats()?.schema, 7);
-    let check = snapshot.check()?;
-    assert!(check.problems.is_empty(), "{:?}", check.problems);
-    drop(snapshot);
+    assert_upgraded_and_healthy(&path, 8)?;
 
     // Once upgraded it opens as it is, and takes offloads: gpu-0's engine copies the first
     // block of a prompt it holds to CPU memory and frees it on the GPU. The prompt is then warm
@@ -110,12 +106,7 @@ fn a_schema_6_file_is_upgraded_in_place_and_gives_every_answer_it_gave() -> Resu
     assert_eq!(stream.by_tier[1], 1, "one block only in CPU memory");
     warm.close()?;
     // The CLI shows it: `dump --engines` the block's copies, `ask` the tier, `stats` the count.
-    let cli = |args: &[&str]| -> serde_json::Value {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_superfluid-warm")).args(args).output().expect("run");
-        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-        let text = String::from_utf8(out.stdout).expect("UTF-8");
-        serde_json::Value::Array(text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect())
-    };
+    let cli = common::cli_json;
     let file = path.to_str().expect("a UTF-8 path");
     let blocks = cli(&["dump", file, "--engines", "--json", "--node", "gpu-0"]);
     let root_hex = format!("{root:016x}");

@@ -257,14 +257,7 @@ pub fn engine_stats<'py>(py: Python<'py>, e: &sw::EngineStats) -> PyResult<Bound
 
 /// A KV cache group as `(index, kind, window)`.
 fn group<'py>(py: Python<'py>, g: &sw::CacheGroup) -> PyResult<Bound<'py, PyTuple>> {
-    let (kind, window) = match g.kind {
-        sw::GroupKind::Full => ("full", None),
-        sw::GroupKind::SlidingWindow { window } => ("sliding_window", Some(window)),
-        sw::GroupKind::ChunkedLocal => ("chunked_local", None),
-        sw::GroupKind::Mamba => ("mamba", None),
-        _ => ("other", None),
-    };
-    (g.index, kind, window).into_pyobject(py)
+    (g.index, g.kind.name(), g.kind.window()).into_pyobject(py)
 }
 
 pub fn file_check<'py>(py: Python<'py>, c: &sw::FileCheck) -> PyResult<Bound<'py, PyAny>> {

@@ -60,7 +60,7 @@ index_methods!(SharedWarm {
     #[pyo3(signature = (
         path, url, stream, head, *, capacity=None, nodes_per_prefix=None, node_cache_blocks=None,
         sync_window_ms=None, cache_bytes=None, check_integrity=true, compact_on_close=true,
-        engine_grace_ms=None, max_age_s=None, max_bytes=None, buffer_events=None, publish_timeout_ms=None,
+        engine_grace_ms=None, attention_chunk=None, max_age_s=None, max_bytes=None, buffer_events=None, publish_timeout_ms=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn open(
@@ -78,6 +78,7 @@ index_methods!(SharedWarm {
         check_integrity: bool,
         compact_on_close: bool,
         engine_grace_ms: Option<f64>,
+        attention_chunk: Option<Int>,
         max_age_s: Option<f64>,
         max_bytes: Option<Int>,
         buffer_events: Option<Int>,
@@ -92,6 +93,7 @@ index_methods!(SharedWarm {
             check_integrity,
             compact_on_close,
             engine_grace_ms,
+            attention_chunk,
             import_json: None,
         };
         let shown = path.display().to_string();

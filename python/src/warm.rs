@@ -25,6 +25,7 @@ pub struct Settings {
     pub check_integrity: bool,
     pub compact_on_close: bool,
     pub engine_grace_ms: Option<f64>,
+    pub attention_chunk: Option<Int>,
     pub import_json: Option<PathBuf>,
 }
 
@@ -50,6 +51,9 @@ impl Settings {
         }
         if let Some(ms) = self.engine_grace_ms {
             b.engine_grace(millis("engine grace", ms)?);
+        }
+        if let Some(n) = self.attention_chunk {
+            b.attention_chunk(usize::try_from(count("attention chunk", n)?).unwrap_or(usize::MAX));
         }
         if let Some(path) = &self.import_json {
             b.import_json(path.clone());
@@ -215,6 +219,8 @@ index_methods!(Warm {
     /// - ``compact_on_close``: compact a sparse file at a clean close (default on).
     /// - ``engine_grace_ms``: how long a ``ran`` on a node whose engine reports its KV events
     ///   is answered before the events confirm it (default 3,000).
+    /// - ``attention_chunk``: the served model's attention chunk in tokens, for engines with
+    ///   chunked local attention layers (Llama 4: 8,192); without it they hold nothing.
     /// - ``import_json``: a 0.1.7 ``warm.json`` to import once.
     ///
     /// Raises ``IndexFileError`` (``AlreadyOpen``, ``UnknownFormat``, ``Corrupted``, ...),
@@ -222,7 +228,8 @@ index_methods!(Warm {
     #[classmethod]
     #[pyo3(signature = (
         path, *, capacity=None, nodes_per_prefix=None, node_cache_blocks=None, sync_window_ms=None,
-        cache_bytes=None, check_integrity=true, compact_on_close=true, engine_grace_ms=None, import_json=None,
+        cache_bytes=None, check_integrity=true, compact_on_close=true, engine_grace_ms=None, attention_chunk=None,
+        import_json=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn open(
@@ -237,6 +244,7 @@ index_methods!(Warm {
         check_integrity: bool,
         compact_on_close: bool,
         engine_grace_ms: Option<f64>,
+        attention_chunk: Option<Int>,
         import_json: Option<PathBuf>,
     ) -> PyResult<Warm> {
         let settings = Settings {
@@ -248,6 +256,7 @@ index_methods!(Warm {
             check_integrity,
             compact_on_close,
             engine_grace_ms,
+            attention_chunk,
             import_json,
         };
         let shown = path.display().to_string();

@@ -152,6 +152,7 @@ class Warm(_Index):
         check_integrity: bool = True,
         compact_on_close: bool = True,
         engine_grace_ms: Optional[float] = None,
+        attention_chunk: Optional[int] = None,
         import_json: Optional[StrPath] = None,
     ) -> "Warm":
         """Opens (or creates) the index at ``path``; a file left by a crash is recovered to
@@ -220,6 +221,7 @@ class SharedWarm(_Index):
         check_integrity: bool = True,
         compact_on_close: bool = True,
         engine_grace_ms: Optional[float] = None,
+        attention_chunk: Optional[int] = None,
         max_age_s: Optional[float] = None,
         max_bytes: Optional[int] = None,
         buffer_events: Optional[int] = None,

@@ -96,6 +96,7 @@ def test_settings_out_of_range_are_invalid_config(tmp_path: Path, warm: sw.Warm)
         dict(sync_window_ms=float("nan")),
         dict(sync_window_ms=61_000.0),
         dict(cache_bytes=-1),
+        dict(attention_chunk=-1),
     ]:
         with pytest.raises(sw.InvalidInputError) as raised:
             sw.Warm.open(tmp_path / "other.redb", **settings)  # type: ignore[arg-type]

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use super::engines::StreamRecord;
+use super::engines::{GroupKind, StreamRecord};
 use crate::keys::{BlockKey, Namespace};
 
 /// One effect of a decided change.
@@ -52,8 +52,13 @@ pub(crate) enum Effect {
     /// Node `node`'s engine stream is at `row` (its position and counts), decided at `clock`.
     EngineStream { node: u32, row: Arc<StreamRecord>, clock: u64 },
     /// Every engine block of node `node` is gone; its stream row is `stream` (`None`: gone too,
-    /// the node was forgotten).
+    /// the node was forgotten, with its groups).
     EngineClear { node: u32, stream: Option<Arc<StreamRecord>> },
+    /// Node `node`'s hybrid engine's block `hash`, first stored at `clock`, is `row`
+    /// (`decided/engines/row.rs`'s grouped layout; `None`: gone).
+    HybridBlock { node: u32, clock: u64, hash: u64, row: Option<Arc<[u8]>> },
+    /// Node `node`'s engine's KV cache groups are `kinds` (index, kind), all of them.
+    EngineGroups { node: u32, kinds: Arc<[(u32, GroupKind)]> },
 }
 
 impl Effect {
@@ -61,7 +66,7 @@ impl Effect {
     pub(crate) fn blocks(&self) -> usize {
         match self {
             Effect::Put { blocks, .. } => blocks.len(),
-            Effect::EngineBlock { .. } => 1,
+            Effect::EngineBlock { .. } | Effect::HybridBlock { .. } => 1,
             _ => 0,
         }
     }

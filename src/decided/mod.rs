@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use caches::NodeCaches;
 use effect::Effect;
-use engines::{Cursor, EngineBatch, EngineCounts, EngineOutcome, Engines, PART_BLOCKS};
+use engines::{Cursor, EngineBatch, EngineCounts, EngineGauges, EngineOutcome, Engines, PART_BLOCKS};
 use horizon::Horizon;
 use namespaces::Namespaces;
 use registry::Registry;
@@ -86,10 +86,10 @@ impl Decided {
     }
 
     /// Node `name`'s engine stream's counts and the engine blocks it holds (0 without a stream).
-    pub(crate) fn engine_counts(&self, name: &str) -> (EngineCounts, usize) {
+    pub(crate) fn engine_counts(&self, name: &str) -> (EngineCounts, EngineGauges) {
         match self.nodes.current(name) {
-            Some(id) => (self.engines.counts(id), self.engines.sizes(id).0),
-            None => (EngineCounts::default(), 0),
+            Some(id) => (self.engines.counts(id), self.engines.gauges(id)),
+            None => (EngineCounts::default(), EngineGauges::default()),
         }
     }
 

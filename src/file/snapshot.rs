@@ -10,7 +10,7 @@ use super::lock;
 use super::seal;
 use super::verify::check_copy;
 use crate::decided::caches::{NodeCacheStats, NodeCaches};
-use crate::decided::engines::EngineStats;
+use crate::decided::engines::{EngineGauges, EngineStats};
 use crate::error::{Error, Result, open_error, redb_err};
 use crate::keys::{BLOCK_TOKENS, BlockKey, is_legacy};
 use crate::store::codec;
@@ -34,15 +34,19 @@ pub struct EngineBlockEntry {
     pub hash: u64,
     /// The clock of the batch that stored it.
     pub stored_at: u64,
-    /// Its parent's engine hash (`None`: a prompt's first block).
+    /// Its parent's engine hash (`None`: a prompt's first block, or a hybrid engine's block,
+    /// whose row keeps where the prompt stands after it instead).
     pub parent: Option<u64>,
     /// Its copies in GPU memory, in CPU memory and on storage (an offloading connector's).
     pub copies: [u32; 3],
     /// Its tokens.
     pub tokens: usize,
-    /// For a prompt's first block, the model it is keyed in (`None`: another block, or one
-    /// that keys nothing).
+    /// For a prompt's first block, the model it is keyed in (`None`: another block, one that
+    /// keys nothing, or a hybrid engine's).
     pub model: Option<String>,
+    /// A hybrid engine's block: its GPU copies by KV cache group, (group index, copies); empty
+    /// for an engine of one full-attention group.
+    pub groups: Vec<(u32, u32)>,
 }
 
 /// One entry of the index, as `dump` shows it.
@@ -128,7 +132,8 @@ impl SnapshotStats {
             telemetry::node(&telemetry::NodeFigures { name: node.clone(), held: *held, cache });
         }
         for engine in &self.engines {
-            telemetry::engine_totals(&engine.node, &engine.counts, engine.engine_blocks);
+            let gauges = EngineGauges { engine_blocks: engine.engine_blocks, groups: engine.groups.len() };
+            telemetry::engine_totals(&engine.node, &engine.counts, gauges);
         }
     }
 }
@@ -434,8 +439,9 @@ impl Snapshot {
     /// # Errors
     /// [`Error::Corrupted`] for a row that does not decode; [`Error::Storage`].
     pub fn visit_engine_blocks(&self, mut visit: impl FnMut(EngineBlockEntry) -> bool) -> Result<()> {
+        let mut more = true;
         crate::store::load::visit_rows(&self.txn, |node, hash, row| {
-            visit(EngineBlockEntry {
+            more = visit(EngineBlockEntry {
                 node: self.node_name(node),
                 hash,
                 stored_at: row.clock(),
@@ -443,7 +449,25 @@ impl Snapshot {
                 copies: row.copies(),
                 tokens: row.token_count(),
                 model: row.model().map(str::to_string),
-            })
+                groups: Vec::new(),
+            });
+            more
+        })?;
+        // Then the hybrid engines' blocks.
+        crate::store::load::visit_hybrid_rows(&self.txn, |node, since, hash, row| {
+            let gpu = row.copies().iter().fold(0u32, |n, c| n.saturating_add(c.1));
+            more = more
+                && visit(EngineBlockEntry {
+                    node: self.node_name(node),
+                    hash,
+                    stored_at: since,
+                    parent: None,
+                    copies: [gpu, 0, 0],
+                    tokens: row.block_size(),
+                    model: None,
+                    groups: row.copies().to_vec(),
+                });
+            Ok(more)
         })
     }
 

@@ -36,6 +36,7 @@ pub struct Builder {
     compact_on_close: bool,
     node_cache_blocks: Option<u64>,
     engine_grace: Duration,
+    attention_chunk: Option<usize>,
 }
 
 impl Default for Builder {
@@ -58,6 +59,7 @@ impl Builder {
             compact_on_close: true,
             node_cache_blocks: None,
             engine_grace: DEFAULT_ENGINE_GRACE,
+            attention_chunk: None,
         }
     }
 
@@ -132,6 +134,17 @@ impl Builder {
     /// clear from the engine ends its node's claims at once.
     pub fn engine_grace(&mut self, grace: Duration) -> &mut Self {
         self.engine_grace = grace;
+        self
+    }
+
+    /// The attention chunk of the served model's chunked local attention layers, in tokens
+    /// (Llama 4: `attention_chunk_size` in its `config.json`, 8,192). vLLM's events name a
+    /// chunked local KV cache group but not its chunk; with it, an engine with such a group is
+    /// answered what vLLM reuses (only the blocks of the chunk a prompt's hit ends in are
+    /// needed there). Unset (or 0), such an engine is answered as holding nothing: never more
+    /// than it reuses. A setting of this handle, not stored in the file.
+    pub fn attention_chunk(&mut self, tokens: usize) -> &mut Self {
+        self.attention_chunk = Some(tokens);
         self
     }
 
@@ -224,6 +237,7 @@ impl Builder {
         let recovered_from = writer.meta.writer.as_ref().map(|w| w.pid);
         let check = Opened { check, upgraded_from: prepared.upgraded_from, recovered_from };
         let mut decided = crate::store::load::load_decided(&db, scheme)?;
+        decided.engines.set_attention_chunk(self.attention_chunk);
         // A new capacity is applied at once. Otherwise, as 0.1.7 after a load, a file left over
         // its capacity (by a `ran` longer than an eviction makes room for) is evicted at the
         // next `ran`, once.

@@ -7,7 +7,7 @@ use super::warm::Warm;
 #[cfg(feature = "nats")]
 use crate::decided::engines::Applied;
 use crate::decided::engines::{
-    Cursor, EngineBatch, EngineCounts, EngineOutcome, EngineStats, PART_BLOCKS, ends_within,
+    Cursor, EngineBatch, EngineCounts, EngineGauges, EngineOutcome, EngineStats, PART_BLOCKS, ends_within,
 };
 use crate::error::Result;
 use crate::keys::check_node;
@@ -198,17 +198,17 @@ enum Start {
 struct Counted {
     before: EngineCounts,
     after: EngineCounts,
-    engine_blocks: usize,
+    gauges: EngineGauges,
 }
 
 impl Counted {
-    fn since(front: &Front, node: &str, (before, _): (EngineCounts, usize)) -> Counted {
-        let (after, engine_blocks) = front.decided.engine_counts(node);
-        Counted { before, after, engine_blocks }
+    fn since(front: &Front, node: &str, (before, _): (EngineCounts, EngineGauges)) -> Counted {
+        let (after, gauges) = front.decided.engine_counts(node);
+        Counted { before, after, gauges }
     }
 
     fn record(&self, node: &str, seq: u64, gap: Option<u64>) {
-        telemetry::engine_decided(node, seq, gap, (&self.before, &self.after), self.engine_blocks);
+        telemetry::engine_decided(node, seq, gap, (&self.before, &self.after), self.gauges);
     }
 }
 

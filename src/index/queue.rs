@@ -33,8 +33,12 @@ impl Queued {
         self.effects
             .iter()
             .map(|e| match e {
-                Effect::EngineBlock { row, .. } => ENGINE_EFFECT_BYTES + row.as_ref().map_or(0, |r| r.len()),
-                Effect::EngineStream { .. } | Effect::EngineClear { .. } => ENGINE_EFFECT_BYTES,
+                Effect::EngineBlock { row, .. } | Effect::HybridBlock { row, .. } => {
+                    ENGINE_EFFECT_BYTES + row.as_ref().map_or(0, |r| r.len())
+                }
+                Effect::EngineStream { .. } | Effect::EngineClear { .. } | Effect::EngineGroups { .. } => {
+                    ENGINE_EFFECT_BYTES
+                }
                 _ => 0,
             })
             .sum()

@@ -28,6 +28,8 @@ pub struct Reader {
     others: Mutex<OthersCache>,
     scheme: Scheme,
     legacy: bool,
+    /// The block sizes of the hybrid engines' holdings (a prompt's fine keys are made at each).
+    hybrid_sizes: Vec<usize>,
     /// The process that opened it: a fork's child finds its locks as the parent's threads left
     /// them, so it is refused ([`Error::Forked`]).
     owner: Owner,
@@ -71,15 +73,31 @@ impl Reader {
         let legacy = meta.legacy_entries > 0;
         // Every node a block keeps is read: how many a head keeps is its own setting.
         let others = Mutex::new(OthersCache::of(&view.tables));
+        let hybrid_sizes = decided.engines.hybrid_sizes();
         let front = Front::new(decided, view, MAX_NODES_PER_PREFIX, crate::DEFAULT_ENGINE_GRACE);
-        Ok(Reader { front: Mutex::new(front), others, scheme, legacy, owner: Owner::current(), _snapshot: snapshot })
+        Ok(Reader {
+            front: Mutex::new(front),
+            others,
+            scheme,
+            legacy,
+            hybrid_sizes,
+            owner: Owner::current(),
+            _snapshot: snapshot,
+        })
+    }
+}
+
+impl Reader {
+    /// As [`crate::Builder::attention_chunk`], for this reader's answers.
+    pub fn set_attention_chunk(&self, tokens: usize) {
+        let mut front = self.front.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        front.decided.engines.set_attention_chunk(Some(tokens));
     }
 }
 
 impl ReadIndex for Reader {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
-        // A file holds no hybrid engine's holdings (they are kept in memory only).
-        answer::prefix(self.scheme, self.legacy, &[], namespace, tokens)
+        answer::prefix(self.scheme, self.legacy, &self.hybrid_sizes, namespace, tokens)
     }
 
     fn warmest_prefix(&self, prefix: &Prefix) -> Result<Option<Hit>> {

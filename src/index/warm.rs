@@ -190,6 +190,8 @@ impl Warm {
             published: published(&writer, writer.node_counts(&db)?.into()),
         };
         let others = Mutex::new(OthersCache::of(&view.tables));
+        // A hybrid engine's holdings read from the file are answered from the first prompt.
+        let hybrid_sizes = AtomicU64::new(sizes_mask(&decided.engines.hybrid_sizes()));
         let front = Front::new(decided, view, writer.nodes_per_prefix, engine_grace);
         let inner = Arc::new(Inner {
             others,
@@ -197,7 +199,7 @@ impl Warm {
             queue_recorded: Mutex::new(0),
             scheme,
             legacy: AtomicBool::new(writer.meta.legacy_entries > 0),
-            hybrid_sizes: AtomicU64::new(0),
+            hybrid_sizes,
             presence: Mutex::default(),
             back: Mutex::new(Back { writer, batch: Vec::new() }),
             front: Mutex::new(front),
@@ -741,6 +743,11 @@ impl Warm {
     }
 }
 
+/// Block sizes (powers of two up to 64) as bits: bit `2^n` set for size `2^n`.
+fn sizes_mask(sizes: &[usize]) -> u64 {
+    sizes.iter().filter(|s| s.is_power_of_two() && **s <= 64).fold(0u64, |m, s| m | *s as u64)
+}
+
 impl ReadIndex for Warm {
     fn prefix(&self, namespace: &Namespace, tokens: &[u32]) -> Prefix {
         // Bit `2^n` set: size `2^n` (see `note_hybrid_sizes`).
@@ -766,8 +773,7 @@ impl Warm {
     /// Keeps the hybrid engines' block sizes (each a power of two: they divide 64) beside the
     /// decided state, for [`ReadIndex::prefix`] to read without its lock.
     pub(crate) fn note_hybrid_sizes(&self, sizes: &[usize]) {
-        let mask = sizes.iter().filter(|s| s.is_power_of_two() && **s <= 64).fold(0u64, |m, s| m | *s as u64);
-        self.inner.hybrid_sizes.store(mask, Ordering::Relaxed);
+        self.inner.hybrid_sizes.store(sizes_mask(sizes), Ordering::Relaxed);
     }
 
     /// [`ReadIndex::warmest_prefix`] over `own`'s writes first (a sharing head's own events not

@@ -183,7 +183,37 @@ impl ChainState {
     pub(crate) fn ns_key(&self) -> &[u8; 32] {
         &self.ns_key
     }
+
+    /// The key of the last block chained (`None` before the first): what [`ChainState::push`]
+    /// returned for it.
+    pub(crate) fn last_key(&self) -> Option<BlockKey> {
+        let mut out = [0u8; 16];
+        out[..8].copy_from_slice(&self.segment);
+        out[8..].copy_from_slice(&self.cv[..8]);
+        (self.blocks > 0).then_some(out)
+    }
+
+    /// Appends its [`CHAIN_STATE_BYTES`] bytes: blocks chained (`u64` little-endian), the
+    /// namespace's key, the chaining value, the segment's first 8 bytes.
+    pub(crate) fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.blocks.to_le_bytes());
+        out.extend_from_slice(&self.ns_key);
+        out.extend_from_slice(&self.cv);
+        out.extend_from_slice(&self.segment);
+    }
+
+    /// Reads what [`ChainState::write`] wrote at the start of `bytes`; `None` if too short.
+    pub(crate) fn read(bytes: &[u8]) -> Option<ChainState> {
+        let blocks = u64::from_le_bytes(bytes.get(..8)?.try_into().ok()?);
+        let ns_key = bytes.get(8..40)?.try_into().ok()?;
+        let cv = bytes.get(40..72)?.try_into().ok()?;
+        let segment = bytes.get(72..CHAIN_STATE_BYTES)?.try_into().ok()?;
+        Some(ChainState { ns_key, cv, segment, blocks })
+    }
 }
+
+/// Bytes of a written [`ChainState`].
+pub(crate) const CHAIN_STATE_BYTES: usize = 80;
 
 /// Each of `inputs` hashed as `blake3::keyed_hash(ns_key, input)` gives (one chunk each, at
 /// most 1,024 bytes), as many at once as the CPU has SIMD lanes.

@@ -8,7 +8,7 @@
 //! own size, some alone (a sliding window keeps only the last few), so what it reuses of a
 //! prompt is found from these keys.
 
-use super::chain::{BLOCK_TOKENS, BlockKey, ChainState, Scheme, keyed_roots};
+use super::chain::{BLOCK_TOKENS, BlockKey, CHAIN_STATE_BYTES, ChainState, Scheme, keyed_roots};
 
 /// The domain string of a partial key's header.
 const PARTIAL: &[u8] = b"superfluid-warm partial block";
@@ -68,6 +68,29 @@ impl FinePosition {
             }
         }
         self.key()
+    }
+
+    /// Appends it: the chain state ([`ChainState::write`]), then the tokens past its last
+    /// whole block (`u8` count, each `u32` little-endian). The last whole block's key is the
+    /// state's.
+    pub(crate) fn write(&self, out: &mut Vec<u8>) {
+        self.state.write(out);
+        out.push(u8::try_from(self.partial.len()).unwrap_or(u8::MAX));
+        self.partial.iter().for_each(|t| out.extend_from_slice(&t.to_le_bytes()));
+    }
+
+    /// Reads what [`FinePosition::write`] wrote at the start of `bytes`: the position and the
+    /// bytes after it. `None` if they are not one.
+    pub(crate) fn read(bytes: &[u8]) -> Option<(FinePosition, &[u8])> {
+        let state = ChainState::read(bytes)?;
+        let (&count, rest) = bytes.get(CHAIN_STATE_BYTES..)?.split_first()?;
+        let (tokens, rest) = rest.split_at_checked(4 * usize::from(count))?;
+        let partial: Vec<u32> =
+            tokens.chunks_exact(4).filter_map(|t| t.try_into().ok().map(u32::from_le_bytes)).collect();
+        if partial.len() >= BLOCK_TOKENS {
+            return None;
+        }
+        Some((FinePosition { state, last: state.last_key(), partial }, rest))
     }
 
     /// The key of where it stands (`None`: the chain's start).
@@ -185,6 +208,15 @@ mod tests {
                     let (a, b) = block.split_at(size / 2);
                     at.advance(scheme, a);
                     assert_eq!(at.advance(scheme, b), Some(fine[p]), "size {size}, block {p}");
+                    // Written and read back, it stands where it stood.
+                    let mut bytes = Vec::new();
+                    at.write(&mut bytes);
+                    bytes.push(7);
+                    let (mut back, rest) = FinePosition::read(&bytes).expect("reads back");
+                    assert_eq!((back.key(), rest), (at.key(), &[7u8][..]));
+                    assert!(FinePosition::read(&bytes[..bytes.len() - 2]).is_none(), "cut short");
+                    let next = tokens.get((p + 1) * size..(p + 2) * size).unwrap_or_default();
+                    assert_eq!(back.advance(scheme, next), at.clone().advance(scheme, next));
                 }
                 // One token changed changes every key from its block on, none before.
                 let mut changed = tokens.clone();

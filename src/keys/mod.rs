@@ -11,7 +11,7 @@ mod prefix;
 #[cfg(test)]
 pub(crate) use chain::HASH_SCHEME_V2;
 pub use chain::{BLOCK_TOKENS, BlockKey, HASH_SCHEME, MIN_BLOCKS};
-pub(crate) use chain::{ChainState, Scheme};
+pub(crate) use chain::{CHAIN_STATE_BYTES, ChainState, Scheme};
 pub(crate) use fine::{FinePosition, fine_keys};
 pub(crate) use key_hasher::KeyMap;
 pub(crate) use legacy::{is_legacy, legacy_chain, legacy_key};

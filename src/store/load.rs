@@ -10,13 +10,16 @@ use redb::{Database, ReadableDatabase, ReadableTable};
 use super::codec;
 use super::records::{NodeRecords, read_meta, read_registry};
 use super::tables::{
-    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS, Entry, GENERATIONS, LIVE, META, NAMESPACE_IDS, NODE_CACHE_KEY,
-    NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, OTHERS, PREFIXES, STATE, members, table_key,
+    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_GROUP_BLOCKS, ENGINE_GROUPS, ENGINE_STREAMS, Entry, GENERATIONS, LIVE,
+    META, NAMESPACE_IDS, NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, OTHERS, PREFIXES, STATE, members,
+    table_key,
 };
 use super::writer::read_floor;
 use crate::decided::Decided;
 use crate::decided::caches::NodeCaches;
-use crate::decided::engines::{BlockRowKey, Engines, Layout, Row, StreamRecord, decode_row};
+use crate::decided::engines::{
+    BlockRowKey, Engines, GroupedRow, Layout, Row, StreamRecord, decode_grouped, decode_kind, decode_row,
+};
 use crate::decided::horizon::Horizon;
 use crate::decided::namespaces::Namespaces;
 use crate::decided::registry::Registry;
@@ -137,8 +140,47 @@ pub(crate) fn read_engines(read: &redb::ReadTransaction, scheme: Scheme, clock: 
         engines.add_row(node, hash, row);
         true
     })?;
+    // A hybrid engine's groups, then its blocks (none before schema 8).
+    match read.open_table(ENGINE_GROUPS) {
+        Ok(groups) => {
+            for item in groups.iter().map_err(redb_err(what))? {
+                let (k, v) = item.map_err(redb_err(what))?;
+                let (node, index) = k.value();
+                engines.add_group(node, index, decode_kind(v.value())?);
+            }
+        }
+        Err(redb::TableError::TableDoesNotExist(_)) => {}
+        Err(e) => return Err(redb_err(what)(e)),
+    }
+    visit_hybrid_rows(read, |node, since, hash, row| engines.add_hybrid_row(node, hash, since, row).map(|()| true))?;
     engines.finish(scheme);
     Ok(engines)
+}
+
+/// Calls `visit` with each hybrid engine's block row (node id, clock of its first store, engine
+/// hash, the row), in key order, until it returns false or fails (none before schema 8).
+///
+/// # Errors
+/// [`Error::Corrupted`] for a row that does not decode; [`Error::Storage`]; what `visit`
+/// returns.
+pub(crate) fn visit_hybrid_rows(
+    read: &redb::ReadTransaction,
+    mut visit: impl FnMut(u32, u64, u64, GroupedRow) -> Result<bool>,
+) -> Result<()> {
+    let what = "reading a hybrid engine's blocks";
+    let table = match read.open_table(ENGINE_GROUP_BLOCKS) {
+        Ok(t) => t,
+        Err(redb::TableError::TableDoesNotExist(_)) => return Ok(()),
+        Err(e) => return Err(redb_err(what)(e)),
+    };
+    for item in table.iter().map_err(redb_err(what))? {
+        let (k, v) = item.map_err(redb_err(what))?;
+        let (node, since, hash) = k.value();
+        if !visit(node, since, hash, decode_grouped(v.value())?)? {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// Calls `visit` with each engine block row of the file `read` reads (node id, engine hash, the

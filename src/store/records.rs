@@ -28,9 +28,12 @@ pub(crate) const SCHEMA_V6: u32 = 6;
 /// Schema 7: schema 6's tables, with `engine_blocks/v7` (keyed by store, offloaded copies
 /// counted) in place of `engine_blocks/v6` (`migrations/0007-tiers`).
 pub(crate) const SCHEMA_V7: u32 = 7;
+/// Schema 8: schema 7's tables plus what each hybrid engine holds: its KV cache groups and its
+/// blocks' copies by group (`migrations/0008-hybrid-engines`).
+pub(crate) const SCHEMA_V8: u32 = 8;
 /// Schema version of the files this build creates and upgrades to. 0.1.7's JSON file is
 /// imported, not opened (`migrations/0001-from-0.1.7-json`).
-pub const SCHEMA_VERSION: u32 = SCHEMA_V7;
+pub const SCHEMA_VERSION: u32 = SCHEMA_V8;
 
 /// Entries (blocks) a new file keeps by default: 2^20, 64 Mi tokens of prefixes.
 pub const DEFAULT_CAPACITY: u64 = 1 << 20;

@@ -11,11 +11,12 @@ use redb::ReadableTable;
 
 use super::records::{
     DEFAULT_CAPACITY, META_KEY, Meta, SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5, SCHEMA_V6, SCHEMA_V7,
-    SCHEMA_VERSION, read_meta,
+    SCHEMA_V8, SCHEMA_VERSION, read_meta,
 };
 use super::tables::{
-    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_STREAMS, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES,
-    NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED, STATE,
+    ENGINE_BLOCKS, ENGINE_BLOCKS_V6, ENGINE_GROUP_BLOCKS, ENGINE_GROUPS, ENGINE_STREAMS, GENERATIONS, HELD, LIVE, META,
+    NAMESPACE_IDS, NAMESPACES, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, PREFIXES, RETIRED,
+    STATE,
 };
 use crate::error::{Error, Result, redb_err};
 use crate::keys::{BLOCK_TOKENS, Scheme};
@@ -65,7 +66,7 @@ pub(crate) fn check(meta: &Meta) -> Result<Scheme> {
     let scheme = match (meta.schema, Scheme::named(&meta.hash_scheme)) {
         (SCHEMA_V2, Some(Scheme::KeyedChain)) => Scheme::KeyedChain,
         (SCHEMA_V3, Some(Scheme::TreeChain)) => Scheme::TreeChain,
-        (SCHEMA_V4 | SCHEMA_V5 | SCHEMA_V6 | SCHEMA_V7, Some(scheme)) => scheme,
+        (SCHEMA_V4 | SCHEMA_V5 | SCHEMA_V6 | SCHEMA_V7 | SCHEMA_V8, Some(scheme)) => scheme,
         (schema, _) => {
             return Err(Error::unknown_format(format!("schema {schema} with hash scheme {:?}", meta.hash_scheme)));
         }
@@ -100,7 +101,7 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
         Some(mut meta) => {
             let scheme = check(&meta)?;
             let resized = capacity.is_some_and(|c| c != meta.capacity);
-            let upgraded_from = (meta.schema < SCHEMA_V7).then_some(meta.schema);
+            let upgraded_from = (meta.schema < SCHEMA_V8).then_some(meta.schema);
             if !resized && upgraded_from.is_none() {
                 txn.abort().map_err(redb_err("ending the open"))?;
                 return Ok(Prepared { scheme, resized, upgraded_from });
@@ -116,6 +117,9 @@ pub(crate) fn prepare(db: &Database, capacity: Option<u64>) -> Result<Prepared> 
             }
             if meta.schema < SCHEMA_V7 {
                 upgrade_v7(&txn, &mut meta)?;
+            }
+            if meta.schema < SCHEMA_V8 {
+                upgrade_v8(&txn, &mut meta)?;
             }
             (meta, Prepared { scheme, resized, upgraded_from })
         }
@@ -202,6 +206,18 @@ fn upgrade_v7(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
     Ok(())
 }
 
+/// Upgrades a schema 7 file to schema 8 in the open transaction: the hybrid engine tables,
+/// empty (schema 7 kept a hybrid engine's holdings in memory only: its stream is where it was,
+/// holding nothing, as a schema 7 build reopening it would have it). Every answer stays as it
+/// is; a crash before the commit leaves the old file untouched.
+fn upgrade_v8(txn: &WriteTransaction, meta: &mut Meta) -> Result<()> {
+    let err = redb_err::<redb::TableError>("upgrading to schema 8");
+    txn.open_table(ENGINE_GROUPS).map_err(&err)?;
+    txn.open_table(ENGINE_GROUP_BLOCKS).map_err(&err)?;
+    meta.schema = SCHEMA_V8;
+    Ok(())
+}
+
 /// Opens (so creates) every table, so that readers find them all.
 fn create_tables(txn: &WriteTransaction) -> Result<()> {
     let err = redb_err::<redb::TableError>("creating tables");
@@ -221,6 +237,8 @@ fn create_tables(txn: &WriteTransaction) -> Result<()> {
     txn.open_table(NODE_CAPACITY).map_err(&err)?;
     txn.open_table(ENGINE_BLOCKS).map_err(&err)?;
     txn.open_table(ENGINE_STREAMS).map_err(&err)?;
+    txn.open_table(ENGINE_GROUPS).map_err(&err)?;
+    txn.open_table(ENGINE_GROUP_BLOCKS).map_err(&err)?;
     Ok(())
 }
 
@@ -244,6 +262,7 @@ mod tests {
         assert_eq!(check(&meta(SCHEMA_V5, HASH_SCHEME_V2, 64)).ok(), Some(Scheme::KeyedChain));
         assert_eq!(check(&meta(SCHEMA_V6, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(check(&meta(SCHEMA_V7, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
+        assert_eq!(check(&meta(SCHEMA_V8, HASH_SCHEME, 64)).ok(), Some(Scheme::TreeChain));
         assert_eq!(
             check(&meta(SCHEMA_V4, HASH_SCHEME_V2, 64)).ok(),
             Some(Scheme::KeyedChain),

@@ -54,6 +54,14 @@ pub(crate) const ENGINE_BLOCKS: TableDefinition<(u32, u64, u64), &[u8]> = TableD
 /// every copy on the GPU. Read from schema 6 files, and rewritten into [`ENGINE_BLOCKS`] by the
 /// upgrade to schema 7.
 pub(crate) const ENGINE_BLOCKS_V6: TableDefinition<(u32, u64), &[u8]> = TableDefinition::new("engine_blocks/v6");
+/// (node id, clock of its first store, engine hash) → one block a hybrid engine holds (layout
+/// in `decided/engines/row.rs`): its newest store, its copies by KV cache group, and where the
+/// prompt stands after it. Schema 8.
+pub(crate) const ENGINE_GROUP_BLOCKS: TableDefinition<(u32, u64, u64), &[u8]> =
+    TableDefinition::new("engine_group_blocks/v8");
+/// (node id, group index) → the kind of one KV cache group its engine's events named (layout in
+/// `decided/engines/row.rs`). Schema 8.
+pub(crate) const ENGINE_GROUPS: TableDefinition<(u32, u32), &[u8]> = TableDefinition::new("engine_groups/v8");
 /// Node id → bincode `StreamRecord` (`decided/engines/stream.rs`): where its engine's event
 /// stream stands (the last batch applied, its publish time) and its counts. Schema 6.
 pub(crate) const ENGINE_STREAMS: TableDefinition<u32, &[u8]> = TableDefinition::new("engine_streams/v6");

@@ -14,12 +14,12 @@ use super::records::{
     DEFAULT_CAPACITY, Import, LEGACY_NAMESPACE, META_KEY, Meta, NamespaceRecord, NodeRecord, OpenBy, read_meta,
 };
 use super::tables::{
-    ENGINE_BLOCKS, ENGINE_STREAMS, Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META, NAMESPACE_IDS, NAMESPACES,
-    NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS, POSITION_KEY, PREFIXES, RETIRED,
-    STATE, members, members_row, table_key,
+    ENGINE_BLOCKS, ENGINE_GROUP_BLOCKS, ENGINE_GROUPS, ENGINE_STREAMS, Entry, FLOOR_KEY, GENERATIONS, HELD, LIVE, META,
+    NAMESPACE_IDS, NAMESPACES, NODE_CACHE_KEY, NODE_CAPACITY, NODE_CLOCKS, NODE_FLOORS, NODE_IDS, NODES, OTHERS,
+    POSITION_KEY, PREFIXES, RETIRED, STATE, members, members_row, table_key,
 };
 use crate::decided::effect::Effect;
-use crate::decided::engines::{BlockRowKey, StreamRecord};
+use crate::decided::engines::{BlockRowKey, GroupKind, StreamRecord, encode_kind};
 use crate::decided::import_keeps;
 use crate::decided::node_set::{add_member, leaves_others, names_only_its_own, rewrite};
 use crate::error::{Error, Result, redb_err};
@@ -83,17 +83,27 @@ impl CacheRows {
 /// The engine rows the batch has changed, coalesced: each written once, with its last value.
 #[derive(Default)]
 struct EngineRows {
-    /// Nodes whose engine blocks all went (before the rows below, which came after).
+    /// Nodes whose engine blocks all went, hybrid or not (before the rows below, which came
+    /// after).
     clears: BTreeSet<u32>,
-    /// (node, store clock, engine hash) → the row (`None`: removed).
-    blocks: BTreeMap<BlockRowKey, Option<Arc<[u8]>>>,
+    /// (node, store clock, engine hash) and the row (`None`: removed), in the order written:
+    /// sorted and coalesced (the last write of a key wins) when the batch is written.
+    blocks: Vec<(BlockRowKey, Option<Arc<[u8]>>)>,
+    /// A hybrid engine's block rows, as `blocks`.
+    hybrid: Vec<(BlockRowKey, Option<Arc<[u8]>>)>,
+    /// Node → all its KV cache groups (none: the node was forgotten).
+    groups: BTreeMap<u32, Arc<[(u32, GroupKind)]>>,
     /// Node → its stream row (`None`: removed).
     streams: BTreeMap<u32, Option<Arc<StreamRecord>>>,
 }
 
 impl EngineRows {
     fn is_empty(&self) -> bool {
-        self.clears.is_empty() && self.blocks.is_empty() && self.streams.is_empty()
+        self.clears.is_empty()
+            && self.blocks.is_empty()
+            && self.hybrid.is_empty()
+            && self.groups.is_empty()
+            && self.streams.is_empty()
     }
 }
 
@@ -298,16 +308,26 @@ impl Writer {
                 }
                 Effect::CacheDefault { blocks } => self.rows.default = Some(*blocks),
                 Effect::EngineBlock { node, clock, hash, row } => {
-                    self.engines.blocks.insert((*node, *clock, *hash), row.clone());
+                    self.engines.blocks.push(((*node, *clock, *hash), row.clone()));
                 }
                 Effect::EngineStream { node, row, clock } => {
                     self.meta.clock = *clock;
                     self.engines.streams.insert(*node, Some(Arc::clone(row)));
                 }
                 Effect::EngineClear { node, stream } => {
-                    self.engines.blocks.retain(|&(n, _, _), _| n != *node);
+                    self.engines.blocks.retain(|&((n, _, _), _)| n != *node);
+                    self.engines.hybrid.retain(|&((n, _, _), _)| n != *node);
                     self.engines.clears.insert(*node);
                     self.engines.streams.insert(*node, stream.clone());
+                    if stream.is_none() {
+                        self.engines.groups.insert(*node, Arc::from([]));
+                    }
+                }
+                Effect::HybridBlock { node, clock, hash, row } => {
+                    self.engines.hybrid.push(((*node, *clock, *hash), row.clone()));
+                }
+                Effect::EngineGroups { node, kinds } => {
+                    self.engines.groups.insert(*node, Arc::clone(kinds));
                 }
             }
         }
@@ -669,16 +689,35 @@ impl Writer {
 /// Writes the engine rows a batch changed: the clears, then each row once with its last value.
 fn write_engine_rows(txn: &WriteTransaction, rows: EngineRows) -> Result<()> {
     const WRITE: &str = "writing the engine rows";
-    let mut blocks = txn.open_table(ENGINE_BLOCKS).map_err(redb_err(WRITE))?;
-    for node in rows.clears {
-        blocks.retain_in((node, 0, 0)..=(node, u64::MAX, u64::MAX), |_, _| false).map_err(redb_err(WRITE))?;
-    }
-    for (key, row) in rows.blocks {
-        match row {
-            Some(bytes) => blocks.insert(key, bytes.as_ref()).map(drop),
-            None => blocks.remove(key).map(drop),
+    let rows_clears = rows.clears;
+    for (table, rows) in [(ENGINE_BLOCKS, rows.blocks), (ENGINE_GROUP_BLOCKS, rows.hybrid)] {
+        let mut blocks = txn.open_table(table).map_err(redb_err(WRITE))?;
+        for &node in &rows_clears {
+            blocks.retain_in((node, 0, 0)..=(node, u64::MAX, u64::MAX), |_, _| false).map_err(redb_err(WRITE))?;
         }
-        .map_err(redb_err(WRITE))?;
+        let mut written = rows;
+        // Stable: a key's writes keep their order, and the last of each run is the one kept.
+        written.sort_by_key(|&(key, _)| key);
+        let mut written = written.into_iter().peekable();
+        while let Some((key, row)) = written.next() {
+            if written.peek().is_some_and(|(next, _)| *next == key) {
+                continue;
+            }
+            match row {
+                Some(bytes) => blocks.insert(key, bytes.as_ref()).map(drop),
+                None => blocks.remove(key).map(drop),
+            }
+            .map_err(redb_err(WRITE))?;
+        }
+    }
+    if !rows.groups.is_empty() {
+        let mut groups = txn.open_table(ENGINE_GROUPS).map_err(redb_err(WRITE))?;
+        for (node, kinds) in rows.groups {
+            groups.retain_in((node, 0)..=(node, u32::MAX), |_, _| false).map_err(redb_err(WRITE))?;
+            for &(index, kind) in kinds.iter() {
+                groups.insert((node, index), encode_kind(kind).as_slice()).map_err(redb_err(WRITE))?;
+            }
+        }
     }
     let mut streams = txn.open_table(ENGINE_STREAMS).map_err(redb_err(WRITE))?;
     for (node, row) in rows.streams {

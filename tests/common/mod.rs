@@ -70,6 +70,14 @@ pub fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_superfluid-warm"))
 }
 
+/// The binary's output for `args` (it must succeed), one JSON value a line, as an array.
+pub fn cli_json(args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(bin()).args(args).output().expect("run the binary");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).expect("UTF-8");
+    serde_json::Value::Array(text.lines().map(|l| serde_json::from_str(l).expect("JSON")).collect())
+}
+
 /// The torture writer (`tests/helpers/torture_writer.rs`), which `cargo test` builds as an
 /// example beside the test binaries: `target/<profile>/examples`.
 pub fn torture_writer() -> PathBuf {

@@ -29,6 +29,15 @@ pub fn check_answers(warm: &Warm, queries: &[Query], what: &str, keep: impl Fn(&
     Ok(warm_answers)
 }
 
+/// Asserts the closed file at `path` is of schema `schema` and passes `check`.
+pub fn assert_upgraded_and_healthy(path: &Path, schema: u32) -> Result<(), Error> {
+    let snapshot = Snapshot::open(path)?;
+    assert_eq!(snapshot.stats()?.schema, schema);
+    let check = snapshot.check()?;
+    assert!(check.problems.is_empty(), "{:?}", check.problems);
+    Ok(())
+}
+
 /// A copy of migration folder `migration`'s fixture `name` in `dir`.
 pub fn fixture_copy(migration: &str, name: &str, dir: &Path) -> std::path::PathBuf {
     let path = dir.join(name);

@@ -95,8 +95,8 @@ fn dump_engines(
     if !json {
         writeln!(
             out,
-            "{:<20}  {:<16}  {:>10}  {:<16}  {:>3}  {:>3}  {:>7}  {:>6}  model",
-            "node", "engine hash", "stored at", "parent", "GPU", "CPU", "STORAGE", "tokens"
+            "{:<20}  {:<16}  {:>10}  {:<16}  {:>3}  {:>3}  {:>7}  {:>6}  {:<12}  model",
+            "node", "engine hash", "stored at", "parent", "GPU", "CPU", "STORAGE", "tokens", "groups"
         )
         .map_err(CliError::Output)?;
     }
@@ -112,13 +112,19 @@ fn dump_engines(
                     "parent": b.parent.map(|p| format!("{p:016x}")),
                     "copies": {"GPU": b.copies[0], "CPU": b.copies[1], "STORAGE": b.copies[2]},
                     "tokens": b.tokens, "model": b.model,
+                    "groups": b.groups.iter().map(|&(group, copies)| json!({"group": group, "copies": copies})).collect::<Vec<_>>(),
                 });
                 writeln!(out, "{line}")
             } else {
                 let parent = b.parent.map_or_else(|| "-".to_string(), |p| format!("{p:016x}"));
+                // Copies by group, `group:copies` (a hybrid engine's), else `-`.
+                let groups = match b.groups.is_empty() {
+                    true => "-".to_string(),
+                    false => b.groups.iter().map(|(g, c)| format!("{g}:{c}")).collect::<Vec<_>>().join(","),
+                };
                 writeln!(
                     out,
-                    "{:<20}  {:016x}  {:>10}  {parent:<16}  {:>3}  {:>3}  {:>7}  {:>6}  {}",
+                    "{:<20}  {:016x}  {:>10}  {parent:<16}  {:>3}  {:>3}  {:>7}  {:>6}  {groups:<12}  {}",
                     b.node,
                     b.hash,
                     b.stored_at,

@@ -16,13 +16,16 @@ pub(crate) fn ask(
     out: &mut impl Write,
     path: &Path,
     (model, tenant): (&str, Option<&str>),
-    prompts: &Path,
+    (prompts, attention_chunk): (&Path, Option<usize>),
     json: bool,
 ) -> Result<ExitCode, CliError> {
     let namespace = Namespace::of(model, tenant.map(str::as_bytes))?;
     let text = std::fs::read_to_string(prompts)
         .map_err(|e| CliError::Refused(format!("cannot read the prompts {}: {e}", prompts.display())))?;
     let reader = Reader::open(path)?;
+    if let Some(tokens) = attention_chunk {
+        reader.set_attention_chunk(tokens);
+    }
     let mut nowhere = false;
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let tokens: Vec<u32> = serde_json::from_str(line).map_err(|e| {
@@ -124,6 +127,10 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
                 "node": e.node, "last_seq": e.last_seq, "last_ts": e.last_ts,
                 "engine_blocks": e.engine_blocks, "blocks": e.blocks, "counts": e.counts,
                 "engine_blocks_by_tier": {"GPU": e.by_tier[0], "CPU": e.by_tier[1], "STORAGE": e.by_tier[2]},
+                "groups": e.groups.iter().map(|g| json!({
+                    "index": g.index, "kind": g.kind.name(), "window": g.kind.window(),
+                })).collect::<Vec<_>>(),
+                "unplaced_blocks": e.unplaced_blocks, "group_changes": e.group_changes,
                 "listener": live(&e.node),
             })).collect::<Vec<_>>(),
             "listener_running": listener_down.is_none() && !listening.is_empty(),
@@ -220,6 +227,24 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
                 c.unkeyed,
                 c.malformed
             );
+            if !e.groups.is_empty() {
+                // A hybrid engine: its KV cache groups, `index:kind[:window]`.
+                let groups: Vec<String> = e
+                    .groups
+                    .iter()
+                    .map(|g| match g.kind.window() {
+                        Some(w) => format!("{}:{}:{w}", g.index, g.kind.name()),
+                        None => format!("{}:{}", g.index, g.kind.name()),
+                    })
+                    .collect();
+                text += &format!(
+                    "\n  {:<20} KV cache groups {}; {} blocks not placed, {} group changes",
+                    "",
+                    groups.join(" "),
+                    e.unplaced_blocks,
+                    e.group_changes
+                );
+            }
             if let Some(l) = listening.iter().find(|l| l.node == e.node) {
                 let lag = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1} ms"));
                 let connected = if l.connected { "connected" } else { "not connected" };

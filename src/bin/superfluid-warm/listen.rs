@@ -44,6 +44,10 @@ pub(crate) struct ListenArgs {
     /// following 8 full engines of 65,536 blocks under 256 MiB resident.
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=65536))]
     cache_mb: u64,
+    /// The served model's attention chunk in tokens (Llama 4: 8192), for engines with chunked
+    /// local attention layers: without it they are answered as holding nothing.
+    #[arg(long)]
+    attention_chunk: Option<usize>,
     /// Share through this NATS JetStream server (e.g. nats://127.0.0.1:4222): the engines'
     /// batches are published to the stream, which every head sharing it applies in order (this
     /// one too, into PATH), instead of into PATH alone. Several heads may publish the same
@@ -87,6 +91,9 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
     let nats_wait = seconds("nats-wait", args.nats_wait)?;
     let mut builder = Warm::builder();
     builder.cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX));
+    if let Some(tokens) = args.attention_chunk {
+        builder.attention_chunk(tokens);
+    }
     let sink = match &args.nats {
         Some(url) => {
             let shared = SharedWarm::open(&builder, &args.path, Sharing::nats(url, &args.stream, &args.head))?;

@@ -114,6 +114,10 @@ enum Command {
         /// One JSON object a line.
         #[arg(long)]
         json: bool,
+        /// The served model's attention chunk in tokens, for engines with chunked local
+        /// attention layers (as `listen --attention-chunk`).
+        #[arg(long)]
+        attention_chunk: Option<usize>,
     },
     /// Keeps the index of what each engine holds from its KV cache events (vLLM's or SGLang's,
     /// over ZMQ), as a head that only listens, until SIGTERM or Ctrl-C (then closes the file
@@ -234,8 +238,8 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Import { old, path } => write::import(out, &old, &path),
         Command::Forget { path, node } => write::forget(out, &path, &node),
         Command::Listen(args) => listen::listen(out, &args),
-        Command::Ask { path, model, tenant, prompts, json } => {
-            inspect::ask(out, &path, (&model, tenant.as_deref()), &prompts, json)
+        Command::Ask { path, model, tenant, prompts, json, attention_chunk } => {
+            inspect::ask(out, &path, (&model, tenant.as_deref()), (&prompts, attention_chunk), json)
         }
     }
 }

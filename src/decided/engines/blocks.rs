@@ -203,14 +203,13 @@ impl Blocks {
     }
 
     /// Slot `i`'s children (held, attached or not).
-    pub(crate) fn children(&self, i: u32) -> Vec<u32> {
-        let mut out = Vec::new();
+    pub(crate) fn children(&self, i: u32) -> impl Iterator<Item = u32> + '_ {
         let mut c = self.slots.get(i as usize).map_or(NIL, |s| s.first_child);
-        while let Some(child) = self.slots.get(c as usize) {
-            out.push(c);
-            c = child.next_sibling;
-        }
-        out
+        std::iter::from_fn(move || {
+            let at = c;
+            c = self.slots.get(at as usize)?.next_sibling;
+            Some(at)
+        })
     }
 
     /// Adds a block (one copy), linked under its parent (or waiting for it), adopting the
@@ -362,22 +361,22 @@ mod tests {
         let y = b.insert(3, Some(1), &[5, 6, 7], 1, None);
         assert_eq!(b.tokens(y), [5, 6, 7], "a block of another size");
         assert_eq!(b.tokens(x), [3, 4]);
-        let mut kids = b.children(root);
+        let mut kids: Vec<u32> = b.children(root).collect();
         kids.sort_unstable();
         assert_eq!(kids, vec![x, y]);
         // The parent goes: its children wait for its hash, and come back with it.
         b.remove(root);
         assert_eq!(b.find(1), None);
         let again = b.insert(1, None, &[1, 2], 2, Some(None));
-        let mut kids = b.children(again);
+        let mut kids: Vec<u32> = b.children(again).collect();
         kids.sort_unstable();
         assert_eq!(kids, vec![x, y]);
         // A child stored before its parent waits for it too.
         let z = b.insert(9, Some(8), &[0, 0], 3, None);
         let p = b.insert(8, Some(1), &[0, 1], 3, None);
-        assert_eq!(b.children(p), vec![z]);
+        assert_eq!(b.children(p).collect::<Vec<_>>(), vec![z]);
         b.remove(x);
-        let mut kids = b.children(again);
+        let mut kids: Vec<u32> = b.children(again).collect();
         kids.sort_unstable();
         assert_eq!(kids, vec![y, p]);
         assert_eq!(b.len(), 4);

@@ -89,6 +89,26 @@ pub enum GroupKind {
 }
 
 impl GroupKind {
+    /// Its short name, as `stats` and the Python package show it: `full`, `sliding_window`,
+    /// `chunked_local`, `mamba` or `other`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            GroupKind::Full => "full",
+            GroupKind::SlidingWindow { .. } => "sliding_window",
+            GroupKind::ChunkedLocal => "chunked_local",
+            GroupKind::Mamba => "mamba",
+            GroupKind::Other => "other",
+        }
+    }
+
+    /// Its window in tokens (a sliding window's).
+    pub fn window(&self) -> Option<u32> {
+        match self {
+            GroupKind::SlidingWindow { window } => Some(*window),
+            _ => None,
+        }
+    }
+
     /// The kind vLLM names (`kv_cache_spec_kind`), with its window if it named one.
     pub fn named(kind: Option<&str>, window: Option<u32>) -> GroupKind {
         match (kind, window) {

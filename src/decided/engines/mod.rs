@@ -38,7 +38,9 @@ use std::sync::Arc;
 pub use event::{
     CacheGroup, EngineBatch, EngineCounts, EngineEvent, EngineOutcome, EngineStats, EngineStored, GroupKind, Medium,
 };
-pub(crate) use row::{BlockRowKey, Layout, Row, decode_row, upgrade_row};
+pub(crate) use row::{
+    BlockRowKey, GroupedRow, Layout, Row, decode_grouped, decode_kind, decode_row, encode_kind, upgrade_row,
+};
 pub(crate) use stream::{Applied, Follows, StreamRecord};
 
 use super::effect::Effect;
@@ -99,16 +101,17 @@ struct Stream {
     claim_floor: u64,
     /// Memory only: the last batches applied, to tell copies from a restarted engine's.
     applied: Applied,
-    /// Memory only: the KV cache groups its events named.
+    /// The KV cache groups its events named (`engine_groups/v8`).
     groups: Groups,
-    /// Memory only: a hybrid engine's holdings, per group (`None`: one group, in `blocks`).
+    /// A hybrid engine's holdings, per group (`engine_group_blocks/v8`; `None`: one group, in
+    /// `blocks`).
     hybrid: Option<Box<Hybrid>>,
 }
 
-/// The KV cache groups an engine's events named (memory only: learned again from its next
-/// events after a restart of the head). An engine of one full-attention group (or that names
-/// none) is followed in its blocks; an engine of several groups, or of another kind of
-/// attention, is hybrid ([`Hybrid`]).
+/// The KV cache groups an engine's events named (their kinds in the file; how often they changed
+/// in memory only). An engine of one full-attention group (or that names none) is followed in
+/// its blocks; an engine of several groups, or of another kind of attention, is hybrid
+/// ([`Hybrid`]).
 #[derive(Clone, Debug, Default)]
 struct Groups {
     /// Each group's kind, by index, as its stores named it.
@@ -197,6 +200,13 @@ impl Holders {
     }
 }
 
+/// An engine's figures a gauge shows: its engine blocks, and its KV cache groups.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct EngineGauges {
+    pub(crate) engine_blocks: usize,
+    pub(crate) groups: usize,
+}
+
 /// Every engine stream, and the blocks of ours each holds.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Engines {
@@ -208,9 +218,19 @@ pub(crate) struct Engines {
     effects: Vec<Effect>,
     /// The clock of the decision in progress.
     clock: u64,
+    /// Where rows are written before they are copied out whole (memory reused across rows).
+    scratch: Vec<u8>,
+    /// A setting: the attention chunk of chunked local groups, in tokens (the model's; not in
+    /// the events). `None`: such a group is answered as holding nothing.
+    attention_chunk: Option<usize>,
 }
 
 impl Engines {
+    /// Sets the attention chunk of chunked local groups (a setting, not decided state).
+    pub(crate) fn set_attention_chunk(&mut self, tokens: Option<usize>) {
+        self.attention_chunk = tokens.filter(|&t| t > 0);
+    }
+
     /// Whether any node has an event stream.
     pub(crate) fn any(&self) -> bool {
         !self.streams.is_empty()
@@ -283,7 +303,7 @@ impl Engines {
                 let hybrid = s.hybrid.as_ref()?;
                 let size = hybrid.block_size()?;
                 let (_, keys) = fine.iter().find(|(at, _)| *at == size)?;
-                let (tokens, clock) = hybrid.reused(&s.groups.kinds, keys);
+                let (tokens, clock) = hybrid.reused(&s.groups.kinds, self.attention_chunk, keys);
                 let blocks = tokens / BLOCK_TOKENS;
                 (blocks > 0).then_some((node, blocks, clock))
             })
@@ -327,7 +347,16 @@ impl Engines {
         }
     }
 
-    /// Engine blocks and blocks of ours `node` holds.
+    /// Node `node`'s engine's figures for its gauges.
+    pub(crate) fn gauges(&self, node: u32) -> EngineGauges {
+        EngineGauges {
+            engine_blocks: self.sizes(node).0,
+            groups: self.streams.get(&node).map_or(0, |s| s.groups.kinds.len()),
+        }
+    }
+
+    /// Node `node`'s engine blocks and blocks of ours held (0 of ours for a hybrid engine: its
+    /// answers are not blocks of ours).
     pub(crate) fn sizes(&self, node: u32) -> (usize, usize) {
         self.streams.get(&node).map_or((0, 0), |s| match &s.hybrid {
             Some(h) => (h.len(), 0),
@@ -548,7 +577,12 @@ impl Engines {
     fn learn(&mut self, node: u32, group: Option<CacheGroup>) {
         let Some(g) = group else { return };
         let Some(s) = self.streams.get_mut(&node) else { return };
-        let changed = s.groups.kinds.insert(g.index, g.kind).is_some_and(|before| before != g.kind);
+        let before = s.groups.kinds.insert(g.index, g.kind);
+        if before != Some(g.kind) {
+            let kinds = s.groups.kinds.iter().map(|(&i, &k)| (i, k)).collect();
+            self.effects.push(Effect::EngineGroups { node, kinds });
+        }
+        let changed = before.is_some_and(|before| before != g.kind);
         s.groups.changes += u64::from(changed);
         let hybrid = s.groups.hybrid();
         if changed || hybrid != s.hybrid.is_some() {
@@ -594,13 +628,13 @@ impl Engines {
                         })
                     })
                     .flatten();
-                let placed = hybrid.store(scheme, stored, group.index, clock, dense);
+                let placed = hybrid.store(scheme, stored, (group.index, clock), dense, (node, &mut self.effects));
                 s.record.counts.stored += placed as u64;
             }
             EngineEvent::Removed { hashes, medium: Medium::Gpu, group: Some(group) } => {
                 let mut removed = 0;
                 for &hash in hashes {
-                    removed += u64::from(hybrid.remove(hash, *group));
+                    removed += u64::from(hybrid.remove(hash, *group, (node, &mut self.effects)));
                 }
                 s.record.counts.removed += removed;
                 s.record.counts.unknown_removals += hashes.len() as u64 - removed;
@@ -687,7 +721,7 @@ impl Engines {
                 };
                 stream.record.counts.stored += 1;
                 add_copy(stream, &mut self.held, node, i, tier);
-                let row = encode_row(&stream.blocks, i, &stream.namespaces);
+                let row = encode_row(&stream.blocks, i, &stream.namespaces, &mut self.scratch);
                 let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
                 self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
             }
@@ -728,7 +762,7 @@ impl Engines {
                     stream.record.counts.duplicate_blocks += 1;
                 }
                 add_copy(stream, &mut self.held, node, i, tier);
-                let row = encode_row(&stream.blocks, i, &stream.namespaces);
+                let row = encode_row(&stream.blocks, i, &stream.namespaces, &mut self.scratch);
                 let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
                 self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
                 parent = Some(hash);
@@ -751,7 +785,7 @@ impl Engines {
                 node,
                 clock,
                 hash,
-                row: Some(encode_row(&stream.blocks, i, &stream.namespaces)),
+                row: Some(encode_row(&stream.blocks, i, &stream.namespaces, &mut self.scratch)),
             });
             let parent_attached = parent
                 .and_then(|p| stream.blocks.find(p))
@@ -786,7 +820,7 @@ impl Engines {
             if b.own_tier() != before {
                 retier(stream, &mut self.held, node, i);
             }
-            let row = encode_row(&stream.blocks, i, &stream.namespaces);
+            let row = encode_row(&stream.blocks, i, &stream.namespaces, &mut self.scratch);
             let clock = stream.blocks.get(i).map_or(clock, |b| b.clock);
             self.effects.push(Effect::EngineBlock { node, clock, hash, row: Some(row) });
             return;
@@ -845,6 +879,30 @@ impl Engines {
         }
     }
 
+    /// One KV cache group read: node `node`'s engine's group `index` is of `kind` (before its
+    /// hybrid rows).
+    pub(crate) fn add_group(&mut self, node: u32, index: u32, kind: GroupKind) {
+        let s = self.streams.entry(node).or_default();
+        s.groups.kinds.insert(index, kind);
+        if s.groups.hybrid() && s.hybrid.is_none() {
+            s.hybrid = Some(Box::default());
+        }
+    }
+
+    /// One hybrid engine's block row read: node `node`'s block `hash`, first stored at `since`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Corrupted`] for a row of a node whose groups are not hybrid, or that does
+    /// not fit the node's others.
+    pub(crate) fn add_hybrid_row(&mut self, node: u32, hash: u64, since: u64, row: GroupedRow) -> Result<()> {
+        match self.streams.get_mut(&node).and_then(|s| s.hybrid.as_mut()) {
+            Some(h) => h.load(hash, since, row),
+            None => Err(crate::Error::Corrupted {
+                detail: format!("node id {node} has a hybrid engine's block rows but no hybrid groups"),
+            }),
+        }
+    }
+
     /// Ends a load (after [`Engines::with_streams`] and every [`Engines::add_row`]): drops what
     /// an unfinished stream holds, and attaches every stream's blocks.
     pub(crate) fn finish(&mut self, scheme: Scheme) {
@@ -859,8 +917,11 @@ impl Engines {
     /// batch. Its rows go with the next engine change.
     fn drop_unfinished(&mut self) {
         for (&node, s) in &mut self.streams {
-            if s.record.last.is_none() && s.blocks.len() > 0 {
+            if s.record.last.is_none() && (s.blocks.len() > 0 || s.hybrid.as_ref().is_some_and(|h| h.len() > 0)) {
                 s.blocks.clear();
+                if let Some(h) = s.hybrid.as_mut() {
+                    h.clear();
+                }
                 s.namespaces.clear();
                 s.ours = 0;
                 s.record.counts.lost += 1;
@@ -974,7 +1035,7 @@ fn retier(stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, 
         for key in keys_of(b) {
             set_tier(held, key, node, was, tier);
         }
-        todo.extend(stream.blocks.children(i).into_iter().map(|c| (c, tier, false)));
+        todo.extend(stream.blocks.children(i).map(|c| (c, tier, false)));
     }
 }
 
@@ -999,8 +1060,10 @@ fn keys_of(b: &Slot) -> &[BlockKey] {
 /// detached block below it: each holds the blocks of ours that end inside it, derived the first
 /// time it is attached.
 fn attach(scheme: Scheme, stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, i: u32) {
-    let mut todo = vec![i];
-    while let Some(i) = todo.pop() {
+    // The first block is kept out of the list, which a block without children (the usual
+    // one, at the end of its chain) never allocates.
+    let (mut first, mut todo) = (Some(i), Vec::new());
+    while let Some(i) = first.take().or_else(|| todo.pop()) {
         if !stream.blocks.get(i).is_some_and(|b| b.derived) {
             let Some((ns, end, completed)) = derive(scheme, stream, i) else { continue };
             if let Some(b) = stream.blocks.get_mut(i) {
@@ -1016,9 +1079,7 @@ fn attach(scheme: Scheme, stream: &mut Stream, held: &mut KeyMap<BlockKey, Holde
         }
         let n = keys_of(b).len();
         stream.ours += n;
-        todo.extend(
-            stream.blocks.children(i).into_iter().filter(|&c| stream.blocks.get(c).is_some_and(|b| !b.attached)),
-        );
+        todo.extend(stream.blocks.children(i).filter(|&c| stream.blocks.get(c).is_some_and(|b| !b.attached)));
     }
 }
 
@@ -1048,7 +1109,9 @@ fn derive(scheme: Scheme, stream: &Stream, i: u32) -> Option<(Option<u16>, u64, 
             let mut cursor = stream.blocks.find(p)?;
             let parent = stream.blocks.get(cursor).filter(|b| b.attached)?;
             let (ns, end) = (parent.ns, parent.end);
-            let mut tail: Vec<&[u32]> = Vec::new();
+            // The tokens since the state, gathered backwards and turned round once: fewer than
+            // one block of ours, so with the block's own they fit one allocation.
+            let mut pending = Vec::with_capacity(BLOCK_TOKENS + own.len());
             let state = loop {
                 let at = stream.blocks.get(cursor)?;
                 if let Some(c) = at.completed.as_deref() {
@@ -1056,24 +1119,24 @@ fn derive(scheme: Scheme, stream: &Stream, i: u32) -> Option<(Option<u16>, u64, 
                     let boundary = c.state.blocks() * BLOCK_TOKENS as u64;
                     let after = usize::try_from(at.end.saturating_sub(boundary)).unwrap_or(usize::MAX);
                     let tokens = stream.blocks.tokens(cursor);
-                    tail.push(tokens.get(tokens.len().saturating_sub(after)..).unwrap_or(&[]));
+                    pending.extend(tokens.get(tokens.len().saturating_sub(after)..).unwrap_or(&[]).iter().rev());
                     break Some(c.state);
                 }
                 if at.ns.is_none() {
                     break None;
                 }
-                tail.push(stream.blocks.tokens(cursor));
+                pending.extend(stream.blocks.tokens(cursor).iter().rev());
                 cursor = stream.blocks.find(at.parent?)?;
             };
-            let pending: Vec<u32> = tail.iter().rev().flat_map(|t| t.iter().copied()).collect();
+            pending.reverse();
             (ns, end, state, pending)
         }
     };
     let end = start + own.len() as u64;
-    let mut keys = Vec::new();
     let mut completed = None;
     if let Some(s) = state.as_mut() {
         pending.extend_from_slice(own);
+        let mut keys = Vec::with_capacity(pending.len() / BLOCK_TOKENS);
         for chunk in pending.chunks_exact(BLOCK_TOKENS) {
             if let Ok(whole) = <&[u32; BLOCK_TOKENS]>::try_from(chunk) {
                 keys.push(s.push(scheme, whole));
@@ -1089,8 +1152,10 @@ fn derive(scheme: Scheme, stream: &Stream, i: u32) -> Option<(Option<u16>, u64, 
 /// Detaches the block in slot `i` and every attached block below it: their blocks of ours are
 /// no longer held by `node`.
 fn detach(stream: &mut Stream, held: &mut KeyMap<BlockKey, Holders>, node: u32, i: u32) {
-    let mut todo = vec![i];
-    while let Some(i) = todo.pop() {
+    // The first block is kept out of the list, which a block without children (the usual
+    // one, at the end of its chain) never allocates.
+    let (mut first, mut todo) = (Some(i), Vec::new());
+    while let Some(i) = first.take().or_else(|| todo.pop()) {
         let Some(b) = stream.blocks.get_mut(i).filter(|b| b.attached) else { continue };
         b.attached = false;
         for key in keys_of(b) {

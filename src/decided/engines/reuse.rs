@@ -22,10 +22,8 @@ pub(crate) enum Need {
         /// The window, in tokens.
         window: usize,
     },
-    /// The blocks from the start of the chunk the lookup ends in (chunked local attention).
-    /// Checked against vLLM, not yet asked for: the chunk is not in the events (an engine's
-    /// chunked-local groups are claimed to hold nothing).
-    #[cfg_attr(not(test), expect(dead_code))]
+    /// The blocks from the start of the chunk the lookup ends in (chunked local attention; the
+    /// chunk is the model's, not in the events: [`crate::Builder::attention_chunk`]).
     Chunk {
         /// The attention chunk, in tokens.
         chunk: usize,

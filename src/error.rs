@@ -187,6 +187,13 @@ pub enum Error {
         /// The NATS client's error underneath, if any.
         source: Option<Arc<dyn std::error::Error + Send + Sync>>,
     },
+    /// A request's prompt cannot be rendered into the model's tokens (a chat template that fails
+    /// or uses what this renderer does not run, content that is not text). The request can
+    /// still be routed on load alone.
+    Render {
+        /// What could not be rendered, and why.
+        detail: String,
+    },
 }
 
 impl fmt::Display for Error {
@@ -276,6 +283,9 @@ impl fmt::Display for Error {
                 reason.as_deref().unwrap_or("the server is slow to acknowledge them")
             ),
             Error::Engine { detail, .. } => write!(f, "engine events: {detail}"),
+            Error::Render { detail } => {
+                write!(f, "cannot render the prompt into the model's tokens: {detail} (route it on load alone)")
+            }
             Error::Sharing { detail, source } => write!(
                 f,
                 "sharing through NATS: {detail}{}",

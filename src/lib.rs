@@ -26,6 +26,8 @@
 //!   [`EngineBatch`]es (rmp), for a caller that receives them itself.
 //! - `engines`: with `kv-events`, the ZMQ [`Listener`] that subscribes to engines, replays their
 //!   gaps and applies their batches (libzmq, built by the `zmq` crate).
+//! - `render`: prompts into the model's tokens as vLLM makes them ([`Renderer`]: its
+//!   `tokenizer.json` and chat template).
 //! - `cli`: the `superfluid-warm` binary (with `nats` and `engines`). Built from the
 //!   repository's root, the workspace turns it on.
 #![forbid(unsafe_code)]
@@ -38,6 +40,8 @@ mod error;
 mod file;
 mod index;
 mod keys;
+#[cfg(feature = "render")]
+mod render;
 #[cfg(feature = "nats")]
 mod share;
 mod store;
@@ -66,6 +70,8 @@ pub use index::warm::{Hit, NodeStats, OpenCheck, Stats, Warm};
 pub use keys::{
     BLOCK_TOKENS, HASH_SCHEME, MAX_MODEL_BYTES, MAX_NODE_BYTES, MAX_TENANT_BYTES, MIN_BLOCKS, Namespace, Prefix,
 };
+#[cfg(feature = "render")]
+pub use render::Renderer;
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::import::{ImportReport, LegacyJson};

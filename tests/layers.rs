@@ -7,6 +7,7 @@ use std::path::Path;
 const ALLOWED: &[(&str, &[&str])] = &[
     ("error", &[]),
     ("keys", &["error"]),
+    ("render", &["error"]),
     // The decided state knows no storage: the store loads it and persists its effects.
     ("decided", &["error", "keys"]),
     ("store", &["error", "keys", "decided"]),

@@ -1,0 +1,68 @@
+//! Prompts into tokens as `transformers` makes them, the way vLLM uses it: three model folders
+//! (`tests/fixtures/render`: tokenizers trained there, the chat templates of ChatML models, of
+//! Llama 3 as transformers 5 saves it beside the config, and of Qwen 2.5 with tools) and 1,050
+//! prompts and conversations with the ids Python's `transformers` 5.25 gave them
+//! (`make_fixtures.py` there): Unicode, emoji, long prompts, empty messages, text that looks
+//! like special tokens or template syntax.
+
+use std::path::Path;
+
+use serde_json::Value;
+use superfluid_warm::{Error, Renderer};
+
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/render");
+
+/// (prompts, those whose ids differ, a few of them).
+fn parity(model: &str) -> (usize, usize, Vec<String>) {
+    let dir = Path::new(DIR).join(model);
+    let renderer = Renderer::open(&dir).expect("the model's folder");
+    let text = std::fs::read_to_string(dir.join("prompts.jsonl")).expect("the prompts");
+    let (mut n, mut differ, mut shown) = (0, 0, Vec::new());
+    for line in text.lines() {
+        let v: Value = serde_json::from_str(line).expect("a JSON line");
+        let want: Vec<u32> = serde_json::from_value(v["ids"].clone()).expect("ids");
+        let got = match v.get("completion") {
+            Some(prompt) => renderer.completion(prompt.as_str().expect("a prompt"), true),
+            None => renderer.chat(v["messages"].as_str().expect("messages"), v["tools"].as_str(), true),
+        };
+        n += 1;
+        if got.as_ref().ok() != Some(&want) {
+            differ += 1;
+            if shown.len() < 3 {
+                let rendered = v["messages"].as_str().map(|m| renderer.render_chat(m, v["tools"].as_str(), true));
+                shown.push(format!("{line:.300}\n  got {got:?}\n  rendered {rendered:?}"));
+            }
+        }
+    }
+    (n, differ, shown)
+}
+
+#[test]
+fn completions_and_chats_give_the_ids_transformers_gives() {
+    for model in ["chatml", "llama3", "qwen25"] {
+        let (n, differ, shown) = parity(model);
+        assert_eq!(n, 350, "{model}: the fixture's prompts");
+        assert!(differ == 0, "{model}: {differ} of {n} differ:\n{}", shown.join("\n"));
+    }
+}
+
+/// Content as a list of text parts is their texts joined by newlines (vLLM's rule); a part that
+/// is not text, messages that are not an array, or a template's own exception are typed errors.
+#[test]
+fn text_parts_are_joined_and_what_cannot_be_rendered_is_a_typed_error() {
+    let renderer = Renderer::open(Path::new(DIR).join("chatml")).expect("the model's folder");
+    let parts = r#"[{"role": "user", "content": [{"type": "text", "text": "a b"}, {"type": "text", "text": "c"}]}]"#;
+    let joined = r#"[{"role": "user", "content": "a b\nc"}]"#;
+    assert_eq!(renderer.chat(parts, None, true).ok(), Some(renderer.chat(joined, None, true).expect("renders")));
+    let image = r#"[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]"#;
+    for bad in [image, "{}", "not json"] {
+        assert!(matches!(renderer.chat(bad, None, true), Err(Error::Render { .. })), "{bad}");
+    }
+    let llama = Renderer::open(Path::new(DIR).join("llama3")).expect("the model's folder");
+    assert_eq!(
+        llama.render_chat(r#"[{"role": "user", "content": " hi "}]"#, None, false).ok().as_deref(),
+        Some("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>")
+    );
+    let dir = tempfile::tempdir().expect("a folder");
+    assert!(matches!(Renderer::open(dir.path()), Err(Error::InvalidConfig { .. })), "no tokenizer.json");
+}

@@ -12,6 +12,7 @@ pub mod engine_replay;
 pub mod engine_sim;
 pub mod heads;
 pub mod hybrid_sim;
+pub mod openai_engine;
 pub mod prometheus;
 pub mod replay;
 pub mod trace;

@@ -1,0 +1,384 @@
+//! A simulated OpenAI-compatible engine over HTTP, as vLLM serves one: `POST /v1/completions`
+//! and `/v1/chat/completions` (streamed as server-sent events or not), `POST /tokenize`, `GET
+//! /health` and `/v1/models`. Behind it, vLLM's prefix cache model ([`SimEngine`]: blocks of the
+//! engine's size, an LRU) publishing its KV events over ZMQ with a replay endpoint
+//! ([`Publisher`]), `usage.prompt_tokens_details.cached_tokens` as vLLM reports it, and a time
+//! model: a request waits for one of `batch` slots, then its prefill takes a constant plus a
+//! time per uncached token, then each output token a decode time. Text and chats are tokenized
+//! through the model's folder with the library's [`Renderer`], as the head does.
+//!
+//! The HTTP is the least a client of vLLM needs: one request a connection (`Connection:
+//! close`), bodies by `Content-Length`, a stream delimited by the close.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+use superfluid_warm::{Error, Renderer, Result};
+
+use crate::engine_sim::{Publisher, SimEngine};
+
+/// Largest request head or body read.
+const MAX_REQUEST_BYTES: usize = 64 << 20;
+
+/// How the simulated engine is made.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// The model's name (`/v1/models`, and the events' namespace).
+    pub model: String,
+    /// The model's folder (`tokenizer.json`, chat template); `None`: token-id prompts only.
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens a KV block holds (16 on GPUs, 32 on vLLM's CPU build).
+    pub block: usize,
+    /// Blocks the prefix cache holds (an LRU).
+    pub capacity: usize,
+    /// Requests run at once; the rest wait.
+    pub batch: usize,
+    /// Prefill: a constant...
+    pub prefill_base: Duration,
+    /// ... and a time per prompt token not cached.
+    pub prefill_per_token: Duration,
+    /// Decode: a time per output token.
+    pub decode_per_token: Duration,
+}
+
+impl EngineConfig {
+    /// An engine of `model` with 16-token blocks, `capacity` blocks, 8 requests at once, and no
+    /// time spent (tests).
+    pub fn instant(model: &str, tokenizer: Option<PathBuf>, capacity: usize) -> EngineConfig {
+        EngineConfig {
+            model: model.into(),
+            tokenizer,
+            block: 16,
+            capacity,
+            batch: 8,
+            prefill_base: Duration::ZERO,
+            prefill_per_token: Duration::ZERO,
+            decode_per_token: Duration::ZERO,
+        }
+    }
+}
+
+/// What the connections share.
+struct Shared {
+    config: EngineConfig,
+    cache: Mutex<SimEngine>,
+    /// Its events' sockets (a ZMQ socket is used by one thread at a time).
+    publisher: Mutex<Publisher>,
+    renderer: Option<Renderer>,
+    /// Requests running; a slot frees with a notify.
+    running: Mutex<usize>,
+    slot_free: Condvar,
+    stop: AtomicBool,
+}
+
+/// A running simulated engine; stopped when dropped.
+pub struct OpenAiEngine {
+    /// Where it serves HTTP.
+    pub addr: SocketAddr,
+    /// Its KV events' PUB endpoint.
+    pub events: String,
+    /// Its KV events' replay endpoint.
+    pub replay: String,
+    shared: Arc<Shared>,
+    acceptor: Option<JoinHandle<()>>,
+}
+
+impl OpenAiEngine {
+    /// Starts an engine on a loopback port of the system's choice.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] for a tokenizer folder that does not load, or a socket that
+    /// cannot be bound; [`Error::Thread`].
+    pub fn start(config: EngineConfig) -> Result<OpenAiEngine> {
+        let renderer = config.tokenizer.as_ref().map(Renderer::open).transpose()?;
+        let cache = SimEngine::new(config.block, config.capacity, &config.model, None)?;
+        let publisher = Publisher::new(Duration::ZERO)?;
+        let (events, replay) = (publisher.events.clone(), publisher.replay.clone());
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .map_err(|e| Error::InvalidConfig { detail: format!("simulated engine: bind: {e}") })?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| Error::InvalidConfig { detail: format!("simulated engine: address: {e}") })?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::InvalidConfig { detail: format!("simulated engine: listener: {e}") })?;
+        let shared = Arc::new(Shared {
+            config,
+            cache: Mutex::new(cache),
+            publisher: Mutex::new(publisher),
+            renderer,
+            running: Mutex::new(0),
+            slot_free: Condvar::new(),
+            stop: AtomicBool::new(false),
+        });
+        let s = Arc::clone(&shared);
+        let acceptor = std::thread::Builder::new()
+            .name("sim-openai-accept".into())
+            .spawn(move || accept(&listener, &s))
+            .map_err(|source| Error::Thread { source: Arc::new(source) })?;
+        Ok(OpenAiEngine { addr, events, replay, shared, acceptor: Some(acceptor) })
+    }
+
+    /// Its base URL, `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Tokens of `tokens` its prefix cache holds (what a request of them would find cached).
+    pub fn holds(&self, tokens: &[u32]) -> usize {
+        self.shared.cache.lock().map_or(0, |c| c.holds(tokens))
+    }
+}
+
+impl Drop for OpenAiEngine {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.acceptor.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn accept(listener: &TcpListener, shared: &Arc<Shared>) {
+    while !shared.stop.load(Ordering::SeqCst) {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let s = Arc::clone(shared);
+                let _ = std::thread::Builder::new().name("sim-openai-conn".into()).spawn(move || {
+                    let _ = serve(stream, &s);
+                });
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// A request: method, path, body.
+struct Request {
+    method: String,
+    path: String,
+    body: Vec<u8>,
+}
+
+fn read_request(stream: &TcpStream) -> std::io::Result<Option<Request>> {
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    if reader.read_line(&mut line)? == 0 {
+        return Ok(None);
+    }
+    let mut parts = line.split_whitespace();
+    let (method, path) = (parts.next().unwrap_or_default().to_string(), parts.next().unwrap_or_default().to_string());
+    let mut length = 0usize;
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header)? == 0 || header == "\r\n" || header == "\n" {
+            break;
+        }
+        if let Some((name, value)) = header.split_once(':')
+            && name.trim().eq_ignore_ascii_case("content-length")
+        {
+            length = value.trim().parse().unwrap_or(0);
+        }
+    }
+    let mut body = vec![0u8; length.min(MAX_REQUEST_BYTES)];
+    reader.read_exact(&mut body)?;
+    Ok(Some(Request { method, path, body }))
+}
+
+fn respond(stream: &mut TcpStream, status: &str, body: &Value) -> std::io::Result<()> {
+    let body = body.to_string();
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    stream.flush()
+}
+
+fn error(stream: &mut TcpStream, status: &str, message: &str) -> std::io::Result<()> {
+    respond(stream, status, &json!({"error": {"message": message, "type": "BadRequestError", "code": 400}}))
+}
+
+fn serve(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    let Some(request) = read_request(&stream)? else { return Ok(()) };
+    match (request.method.as_str(), request.path.as_str()) {
+        ("GET", "/health") => respond(&mut stream, "200 OK", &json!({})),
+        ("GET", "/v1/models") => respond(
+            &mut stream,
+            "200 OK",
+            &json!({"object": "list", "data": [{"id": shared.config.model, "object": "model", "owned_by": "sim"}]}),
+        ),
+        ("POST", "/tokenize") => match tokens_of(shared, &request.body, Kind::Tokenize) {
+            Ok((tokens, _)) => respond(
+                &mut stream,
+                "200 OK",
+                &json!({"count": tokens.len(), "max_model_len": 1 << 20, "tokens": tokens, "token_strs": null}),
+            ),
+            Err(e) => error(&mut stream, "400 Bad Request", &e),
+        },
+        ("POST", "/v1/completions") => generate(&mut stream, shared, &request.body, Kind::Completion),
+        ("POST", "/v1/chat/completions") => generate(&mut stream, shared, &request.body, Kind::Chat),
+        _ => respond(&mut stream, "404 Not Found", &json!({"detail": "Not Found"})),
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+    Tokenize,
+}
+
+/// The fields of a request body this engine reads (the arrays kept as their JSON text, so that
+/// a template's `tojson` sees the client's key order).
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    add_special_tokens: Option<bool>,
+    add_generation_prompt: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+/// A request's prompt tokens and its body; `Err` says why they cannot be had.
+fn tokens_of<'a>(shared: &Shared, body: &'a [u8], kind: Kind) -> std::result::Result<(Vec<u32>, Body<'a>), String> {
+    let parsed: Body<'a> = serde_json::from_slice(body).map_err(|e| format!("the body is not a request: {e}"))?;
+    let renderer = || shared.renderer.as_ref().ok_or_else(|| "this engine has no tokenizer".to_string());
+    let tokens = match (kind, parsed.prompt, parsed.messages) {
+        (Kind::Completion | Kind::Tokenize, Some(prompt), _) => match serde_json::from_str::<Value>(prompt.get()) {
+            Ok(Value::String(text)) => {
+                renderer()?.completion(&text, parsed.add_special_tokens.unwrap_or(true)).map_err(|e| e.to_string())?
+            }
+            Ok(Value::Array(ids)) => ids
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or("a token id out of range"))
+                .collect::<std::result::Result<Vec<u32>, _>>()?,
+            _ => return Err("the prompt is neither text nor token ids".into()),
+        },
+        (Kind::Chat | Kind::Tokenize, _, Some(messages)) => renderer()?
+            .chat(messages.get(), parsed.tools.map(RawValue::get), parsed.add_generation_prompt.unwrap_or(true))
+            .map_err(|e| e.to_string())?,
+        _ => return Err("no prompt or messages".into()),
+    };
+    Ok((tokens, parsed))
+}
+
+fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) -> std::io::Result<()> {
+    let (tokens, parsed) = match tokens_of(shared, body, kind) {
+        Ok(t) => t,
+        Err(e) => return error(stream, "400 Bad Request", &e),
+    };
+    if tokens.is_empty() {
+        return error(stream, "400 Bad Request", "the prompt is empty");
+    }
+    let max_tokens = parsed.max_completion_tokens.or(parsed.max_tokens).unwrap_or(16).max(1);
+    let include_usage = parsed.stream_options.as_ref().is_some_and(|o| o.include_usage);
+    let _slot = Slot::take(shared);
+    let config = &shared.config;
+    // What the engine finds cached: whole blocks, the prompt's last token always computed.
+    let cached = {
+        let Ok(mut cache) = shared.cache.lock() else { return error(stream, "500 Internal Server Error", "poisoned") };
+        let limit = (tokens.len() - 1) / config.block * config.block;
+        let cached = cache.holds(&tokens).min(limit);
+        let batch = cache.run(&tokens);
+        if let Ok(publisher) = shared.publisher.lock() {
+            let _ = publisher.publish(&batch, false);
+        }
+        cached
+    };
+    let uncached = u32::try_from(tokens.len() - cached).unwrap_or(u32::MAX);
+    std::thread::sleep(config.prefill_base + config.prefill_per_token * uncached);
+    let usage = json!({
+        "prompt_tokens": tokens.len(), "completion_tokens": max_tokens, "total_tokens": tokens.len() + max_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    });
+    let (object, chunk_object) = match kind {
+        Kind::Chat => ("chat.completion", "chat.completion.chunk"),
+        _ => ("text_completion", "text_completion"),
+    };
+    let model = &config.model;
+    if !parsed.stream {
+        std::thread::sleep(config.decode_per_token * u32::try_from(max_tokens).unwrap_or(u32::MAX));
+        let text = vec!["tok"; max_tokens].join(" ");
+        let choice = match kind {
+            Kind::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"})
+            }
+            _ => json!({"index": 0, "text": text, "finish_reason": "length"}),
+        };
+        let body =
+            json!({"id": "sim-1", "object": object, "created": 0, "model": model, "choices": [choice], "usage": usage});
+        return respond(stream, "200 OK", &body);
+    }
+    write!(stream, "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")?;
+    for i in 0..max_tokens {
+        let last = i + 1 == max_tokens;
+        let finish = if last { json!("length") } else { Value::Null };
+        let choice = match kind {
+            Kind::Chat => json!({"index": 0, "delta": {"content": " tok"}, "finish_reason": finish}),
+            _ => json!({"index": 0, "text": " tok", "finish_reason": finish}),
+        };
+        let chunk = json!({"id": "sim-1", "object": chunk_object, "created": 0, "model": model, "choices": [choice]});
+        write!(stream, "data: {chunk}\n\n")?;
+        stream.flush()?;
+        std::thread::sleep(config.decode_per_token);
+    }
+    if include_usage {
+        let chunk =
+            json!({"id": "sim-1", "object": chunk_object, "created": 0, "model": model, "choices": [], "usage": usage});
+        write!(stream, "data: {chunk}\n\n")?;
+    }
+    write!(stream, "data: [DONE]\n\n")?;
+    stream.flush()
+}
+
+/// One of the engine's batch slots, taken until dropped.
+struct Slot<'a>(&'a Shared);
+
+impl<'a> Slot<'a> {
+    fn take(shared: &'a Shared) -> Slot<'a> {
+        if let Ok(mut running) = shared.running.lock() {
+            while *running >= shared.config.batch.max(1) {
+                match shared.slot_free.wait(running) {
+                    Ok(r) => running = r,
+                    Err(_) => return Slot(shared),
+                }
+            }
+            *running += 1;
+        }
+        Slot(shared)
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut running) = self.0.running.lock() {
+            *running = running.saturating_sub(1);
+        }
+        self.0.slot_free.notify_one();
+    }
+}

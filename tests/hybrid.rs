@@ -32,18 +32,23 @@ struct Tally {
 
 /// Replays one case into a new index as engine `e0`'s stream and asks every probe; with
 /// `reopen_every`, the head is closed and opened again after every so many batches; with
-/// `chunk`, the model's attention chunk is given.
-fn replay(case: &Path, reopen_every: Option<usize>, chunk: Option<usize>) -> Tally {
+/// `chunk`, the model's attention chunk is given (and with `import`, 0.1.7's fixture file is
+/// imported at the first open, which reads the decided state again).
+fn replay(case: &Path, reopen_every: Option<usize>, chunk: Option<usize>, import: bool) -> Tally {
     let dir = common::tempdir();
     let path = dir.path().join("warm.redb");
-    let open = || {
+    let open = |import: bool| {
         let mut builder = Warm::builder();
         if let Some(tokens) = chunk {
             builder.attention_chunk(tokens);
         }
+        if import {
+            builder
+                .import_json(Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/0001-from-0.1.7-json/warm.json"));
+        }
         builder.open(&path).expect("an index")
     };
-    let mut warm = open();
+    let mut warm = open(import);
     let ns = Namespace::new("m").expect("a namespace");
     let mut tally = Tally::default();
     let text = std::fs::read_to_string(case).expect("a fixture");
@@ -57,7 +62,7 @@ fn replay(case: &Path, reopen_every: Option<usize>, chunk: Option<usize>) -> Tal
             batches += 1;
             if reopen_every.is_some_and(|n| batches % n == 0) {
                 warm.close().expect("closes");
-                warm = open();
+                warm = open(false);
                 tally.reopens += 1;
             }
         } else if let Some(probe) = v.get("probe") {
@@ -115,7 +120,7 @@ fn case(name: &str) -> PathBuf {
 #[test]
 fn hybrid_engines_are_answered_what_vllm_reuses() {
     for name in ["gptoss", "gptoss_bs32", "gemma3", "mamba", "three_types"] {
-        let tally = replay(&case(name), None, None);
+        let tally = replay(&case(name), None, None, false);
         assert!(tally.probes >= 90, "{name}: {} probes", tally.probes);
         assert!(tally.above.is_empty() && tally.below.is_empty(), "{name}: {tally:#?}");
         assert!(tally.groups >= 2 && tally.unplaced == 0 && tally.unknown_removals == 0, "{name}: {tally:#?}");
@@ -126,22 +131,23 @@ fn hybrid_engines_are_answered_what_vllm_reuses() {
 /// the index does not place, and counted so): every probe is still answered exactly.
 #[test]
 fn mamba_blocks_of_another_size_are_answered_exactly() {
-    let tally = replay(&case("mamba64"), None, None);
+    let tally = replay(&case("mamba64"), None, None, false);
     assert!(tally.probes >= 90 && tally.unplaced > 0, "{tally:#?}");
     assert!(tally.above.is_empty() && tally.below.is_empty(), "{tally:#?}");
 }
 
 /// Chunked local attention (3 groups of chunks of 256 tokens beside full attention): given the
 /// model's chunk, every probe is answered exactly what vLLM reused, across restarts of the head
-/// too; without it (the events do not carry it), never above.
+/// too, and after an import (the setting outlives the decided state read again); without it
+/// (the events do not carry it), never above.
 #[test]
 fn chunked_local_attention_is_answered_exactly_given_the_models_chunk() {
-    for reopen in [None, Some(3)] {
-        let tally = replay(&case("chunked"), reopen, Some(256));
+    for (reopen, import) in [(None, false), (Some(3), false), (None, true)] {
+        let tally = replay(&case("chunked"), reopen, Some(256), import);
         assert!(tally.probes >= 90 && tally.groups == 4, "{tally:#?}");
         assert!(tally.above.is_empty() && tally.below.is_empty(), "{tally:#?}");
     }
-    let tally = replay(&case("chunked"), None, None);
+    let tally = replay(&case("chunked"), None, None, false);
     assert!(tally.above.is_empty() && tally.exact > 0 && !tally.below.is_empty(), "{tally:#?}");
 }
 
@@ -152,7 +158,7 @@ fn chunked_local_attention_is_answered_exactly_given_the_models_chunk() {
 fn hybrid_holdings_survive_a_restart_of_the_head() {
     let mut warm_at_end = 0;
     for (name, every) in [("gptoss", 5), ("gemma3", 2), ("mamba", 5), ("three_types", 2)] {
-        let tally = replay(&case(name), Some(every), None);
+        let tally = replay(&case(name), Some(every), None, false);
         assert!(tally.probes >= 90 && tally.reopens >= 10, "{name}: {tally:#?}");
         warm_at_end += tally.warm_at_end;
         assert!(tally.above.is_empty() && tally.below.is_empty(), "{name}: {tally:#?}");

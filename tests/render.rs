@@ -65,4 +65,22 @@ fn text_parts_are_joined_and_what_cannot_be_rendered_is_a_typed_error() {
     );
     let dir = tempfile::tempdir().expect("a folder");
     assert!(matches!(Renderer::open(dir.path()), Err(Error::InvalidConfig { .. })), "no tokenizer.json");
+    // A template's own exception, and `strftime_now` (UTC), as transformers runs them.
+    std::fs::copy(Path::new(DIR).join("chatml/tokenizer.json"), dir.path().join("tokenizer.json")).expect("copy");
+    let config = |template: &str| {
+        let text = serde_json::json!({"chat_template": template}).to_string();
+        std::fs::write(dir.path().join("tokenizer_config.json"), text).expect("write");
+        Renderer::open(dir.path()).expect("the model's folder")
+    };
+    let raising = config("{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}ok");
+    assert_eq!(raising.render_chat(r#"[{"role": "user", "content": "a"}]"#, None, true).ok().as_deref(), Some("ok"));
+    let two = r#"[{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]"#;
+    assert!(
+        matches!(raising.render_chat(two, None, true), Err(Error::Render { detail }) if detail.contains("one message only"))
+    );
+    let dated = config("{{ strftime_now('%Y') }}");
+    let year: u32 = dated.render_chat("[]", None, true).expect("renders").parse().expect("a year");
+    assert!((2026..2200).contains(&year), "{year}");
+    let bad = config("{{ strftime_now('%Z') }}");
+    assert!(matches!(bad.render_chat("[]", None, true), Err(Error::Render { .. })));
 }

@@ -125,6 +125,13 @@ pub(crate) struct Front {
 }
 
 impl Front {
+    /// Takes `decided`, read again from the file, in place of the decided state, keeping the
+    /// handle's settings the state carries (the attention chunk).
+    pub(crate) fn replace_decided(&mut self, mut decided: Decided) {
+        decided.engines.set_attention_chunk(self.decided.engines.attention_chunk());
+        self.decided = decided;
+    }
+
     pub(crate) fn new(decided: Decided, view: View, nodes_per_prefix: usize, engine_grace: Duration) -> Front {
         Front {
             decided,

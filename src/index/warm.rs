@@ -548,7 +548,7 @@ impl Warm {
         let mut front = self.front()?;
         front.set_importing(false);
         match reloaded {
-            Some(Ok(decided)) => front.decided = decided,
+            Some(Ok(decided)) => front.replace_decided(decided),
             // What was decided is ahead of the file and cannot be read back: changes are refused
             // (`CommitFailed`, saying to reopen) rather than decided from it.
             Some(Err(e)) => front.commit_failed(e),
@@ -681,7 +681,7 @@ impl Warm {
         let before = back.writer.meta.entries;
         let effects = {
             let mut front = self.front()?;
-            front.decided = loaded;
+            front.replace_decided(loaded);
             front.decided.evict_to_capacity()
         };
         if !effects.is_empty() {

@@ -169,6 +169,7 @@ struct Request {
     body: Vec<u8>,
 }
 
+/// Reads one request; a body longer than [`MAX_REQUEST_BYTES`] is `Err` (after a 413).
 fn read_request(stream: &TcpStream) -> std::io::Result<Option<Request>> {
     let mut reader = BufReader::new(stream);
     let mut line = String::new();
@@ -177,24 +178,40 @@ fn read_request(stream: &TcpStream) -> std::io::Result<Option<Request>> {
     }
     let mut parts = line.split_whitespace();
     let (method, path) = (parts.next().unwrap_or_default().to_string(), parts.next().unwrap_or_default().to_string());
-    let mut length = 0usize;
+    let (mut length, mut expect_continue) = (0usize, false);
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header)? == 0 || header == "\r\n" || header == "\n" {
             break;
         }
-        if let Some((name, value)) = header.split_once(':')
-            && name.trim().eq_ignore_ascii_case("content-length")
-        {
-            length = value.trim().parse().unwrap_or(0);
+        if let Some((name, value)) = header.split_once(':') {
+            let (name, value) = (name.trim(), value.trim());
+            if name.eq_ignore_ascii_case("content-length") {
+                length = value.parse().unwrap_or(0);
+            } else if name.eq_ignore_ascii_case("expect") && value.eq_ignore_ascii_case("100-continue") {
+                expect_continue = true;
+            }
         }
     }
-    let mut body = vec![0u8; length.min(MAX_REQUEST_BYTES)];
+    if length > MAX_REQUEST_BYTES {
+        let mut out = stream;
+        respond(
+            &mut out,
+            "413 Payload Too Large",
+            &json!({"error": {"message": "the body is too large", "code": 413}}),
+        )?;
+        return Err(std::io::Error::other("a body too large"));
+    }
+    if expect_continue {
+        let mut out = stream;
+        out.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")?;
+    }
+    let mut body = vec![0u8; length];
     reader.read_exact(&mut body)?;
     Ok(Some(Request { method, path, body }))
 }
 
-fn respond(stream: &mut TcpStream, status: &str, body: &Value) -> std::io::Result<()> {
+fn respond(mut stream: impl Write, status: &str, body: &Value) -> std::io::Result<()> {
     let body = body.to_string();
     write!(
         stream,
@@ -205,7 +222,9 @@ fn respond(stream: &mut TcpStream, status: &str, body: &Value) -> std::io::Resul
 }
 
 fn error(stream: &mut TcpStream, status: &str, message: &str) -> std::io::Result<()> {
-    respond(stream, status, &json!({"error": {"message": message, "type": "BadRequestError", "code": 400}}))
+    let code: u16 = status.split_whitespace().next().and_then(|c| c.parse().ok()).unwrap_or(500);
+    let kind = if code < 500 { "BadRequestError" } else { "InternalServerError" };
+    respond(stream, status, &json!({"error": {"message": message, "type": kind, "code": code}}))
 }
 
 fn serve(mut stream: TcpStream, shared: &Shared) -> std::io::Result<()> {
@@ -302,7 +321,8 @@ fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) ->
     // What the engine finds cached: whole blocks, the prompt's last token always computed.
     let cached = {
         let Ok(mut cache) = shared.cache.lock() else { return error(stream, "500 Internal Server Error", "poisoned") };
-        let limit = (tokens.len() - 1) / config.block * config.block;
+        let block = config.block.max(1);
+        let limit = (tokens.len() - 1) / block * block;
         let cached = cache.holds(&tokens).min(limit);
         let batch = cache.run(&tokens);
         if let Ok(publisher) = shared.publisher.lock() {

@@ -224,10 +224,11 @@ impl Hybrid {
         Ok(())
     }
 
-    /// Everything is gone.
+    /// Everything is gone; the next store sets the block size again (as after an open).
     pub(crate) fn clear(&mut self) {
         self.blocks.clear();
         self.held.clear();
+        self.block_size = None;
     }
 
     /// The tokens the engine reuses of a prompt whose fine keys at its block size, up to its

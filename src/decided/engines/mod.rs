@@ -231,6 +231,11 @@ impl Engines {
         self.attention_chunk = tokens.filter(|&t| t > 0);
     }
 
+    /// The attention chunk of chunked local groups, if set.
+    pub(crate) fn attention_chunk(&self) -> Option<usize> {
+        self.attention_chunk
+    }
+
     /// Whether any node has an event stream.
     pub(crate) fn any(&self) -> bool {
         !self.streams.is_empty()

@@ -477,6 +477,7 @@ pub fn _replay_rust(
         check_integrity: true,
         compact_on_close: true,
         engine_grace_ms: None,
+        attention_chunk: None,
         import_json: None,
     };
     crate::errors::detached(py, || {

@@ -689,13 +689,12 @@ impl Writer {
 /// Writes the engine rows a batch changed: the clears, then each row once with its last value.
 fn write_engine_rows(txn: &WriteTransaction, rows: EngineRows) -> Result<()> {
     const WRITE: &str = "writing the engine rows";
-    let rows_clears = rows.clears;
-    for (table, rows) in [(ENGINE_BLOCKS, rows.blocks), (ENGINE_GROUP_BLOCKS, rows.hybrid)] {
+    let EngineRows { clears, blocks, hybrid, groups, streams } = rows;
+    for (table, mut written) in [(ENGINE_BLOCKS, blocks), (ENGINE_GROUP_BLOCKS, hybrid)] {
         let mut blocks = txn.open_table(table).map_err(redb_err(WRITE))?;
-        for &node in &rows_clears {
+        for &node in &clears {
             blocks.retain_in((node, 0, 0)..=(node, u64::MAX, u64::MAX), |_, _| false).map_err(redb_err(WRITE))?;
         }
-        let mut written = rows;
         // Stable: a key's writes keep their order, and the last of each run is the one kept.
         written.sort_by_key(|&(key, _)| key);
         let mut written = written.into_iter().peekable();
@@ -710,23 +709,23 @@ fn write_engine_rows(txn: &WriteTransaction, rows: EngineRows) -> Result<()> {
             .map_err(redb_err(WRITE))?;
         }
     }
-    if !rows.groups.is_empty() {
-        let mut groups = txn.open_table(ENGINE_GROUPS).map_err(redb_err(WRITE))?;
-        for (node, kinds) in rows.groups {
-            groups.retain_in((node, 0)..=(node, u32::MAX), |_, _| false).map_err(redb_err(WRITE))?;
+    if !groups.is_empty() {
+        let mut table = txn.open_table(ENGINE_GROUPS).map_err(redb_err(WRITE))?;
+        for (node, kinds) in groups {
+            table.retain_in((node, 0)..=(node, u32::MAX), |_, _| false).map_err(redb_err(WRITE))?;
             for &(index, kind) in kinds.iter() {
-                groups.insert((node, index), encode_kind(kind).as_slice()).map_err(redb_err(WRITE))?;
+                table.insert((node, index), encode_kind(kind).as_slice()).map_err(redb_err(WRITE))?;
             }
         }
     }
-    let mut streams = txn.open_table(ENGINE_STREAMS).map_err(redb_err(WRITE))?;
-    for (node, row) in rows.streams {
+    let mut table = txn.open_table(ENGINE_STREAMS).map_err(redb_err(WRITE))?;
+    for (node, row) in streams {
         match row {
             Some(record) => {
                 let bytes = codec::encode("engine stream", record.as_ref())?;
-                streams.insert(node, bytes.as_slice()).map(drop)
+                table.insert(node, bytes.as_slice()).map(drop)
             }
-            None => streams.remove(node).map(drop),
+            None => table.remove(node).map(drop),
         }
         .map_err(redb_err(WRITE))?;
     }

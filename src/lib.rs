@@ -42,6 +42,7 @@ mod index;
 mod keys;
 #[cfg(feature = "render")]
 mod render;
+mod route;
 #[cfg(feature = "nats")]
 mod share;
 mod store;
@@ -72,6 +73,9 @@ pub use keys::{
 };
 #[cfg(feature = "render")]
 pub use render::Renderer;
+pub use route::choice::{Candidate, Costs, Priced, choose};
+pub use route::load::Load;
+pub use route::tally::{PREDICTION_SLACK, RouteStats, RouteTally, record_decision, record_load_only};
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::import::{ImportReport, LegacyJson};

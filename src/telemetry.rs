@@ -111,9 +111,22 @@ const ENGINE_LAG: &str = "superfluid_warm_engine_lag_seconds";
 const ENGINE_CONNECTED: &str = "superfluid_warm_engine_connected";
 const ENGINE_BLOCKS: &str = "superfluid_warm_engine_blocks";
 const ENGINE_GROUPS: &str = "superfluid_warm_engine_kv_cache_groups";
+const ROUTE_REQUESTS: &str = "superfluid_warm_route_requests_total";
+const ROUTE_FAILURES: &str = "superfluid_warm_route_failures_total";
+const ROUTE_EJECTIONS: &str = "superfluid_warm_route_ejections_total";
+const ROUTE_EJECTED: &str = "superfluid_warm_route_ejected";
+const ROUTE_PREDICTED: &str = "superfluid_warm_route_predicted_tokens_total";
+const ROUTE_DELIVERED: &str = "superfluid_warm_route_delivered_tokens_total";
+const ROUTE_PROMPT: &str = "superfluid_warm_route_prompt_tokens_total";
+const ROUTE_MISPREDICTED: &str = "superfluid_warm_route_mispredicted_total";
+const ROUTE_LOAD_ONLY: &str = "superfluid_warm_route_load_only_total";
+const ROUTE_DECISION: &str = "superfluid_warm_route_decision_seconds";
+const ROUTE_TOKENIZE: &str = "superfluid_warm_route_tokenize_seconds";
 
 const NODE: &[&str] = &["node"];
 const HEAD: &[&str] = &["head"];
+const NODE_REASON: &[&str] = &["node", "reason"];
+const REASON: &[&str] = &["reason"];
 
 /// Every metric the library records, for a dashboard, an exporter's buckets, or
 /// [`describe_metrics`].
@@ -173,6 +186,17 @@ pub const METRICS: &[Metric] = &[
         NODE,
         "KV cache groups the node's engine named (several, or one not of full attention: a hybrid model)",
     ),
+    metric(ROUTE_REQUESTS, Counter, NODE, "Requests a routing head sent to the engine (retries included)"),
+    metric(ROUTE_FAILURES, Counter, NODE_REASON, "Requests the engine failed before the client had a byte"),
+    metric(ROUTE_EJECTIONS, Counter, NODE, "Times the engine was taken out of the choice after failing in a row"),
+    metric(ROUTE_EJECTED, Gauge, NODE, "1 while the engine is out of the choice"),
+    metric(ROUTE_PREDICTED, Counter, NODE, "Warm tokens predicted for the answers that told cached_tokens"),
+    metric(ROUTE_DELIVERED, Counter, NODE, "cached_tokens the engine reported for those answers"),
+    metric(ROUTE_PROMPT, Counter, NODE, "Prompt tokens of those answers"),
+    metric(ROUTE_MISPREDICTED, Counter, NODE, "Answers whose prediction was off by more than 64 tokens"),
+    metric(ROUTE_LOAD_ONLY, Counter, REASON, "Requests routed on load alone (unrendered, late, no_events, error)"),
+    timing(ROUTE_DECISION, &[], "From a request's tokens to its engine chosen (the index's answer and the cost)"),
+    timing(ROUTE_TOKENIZE, &[], "Rendering and tokenizing a request's prompt"),
 ];
 
 /// Gives the installed recorder every metric's help text and unit (once, after installing it;
@@ -188,6 +212,59 @@ pub fn describe_metrics() {
             Histogram => drop(histogram!(m.name)),
         }
     }
+}
+
+/// A routing head starts with this engine: its counters at 0.
+pub(crate) fn route_engine(node: &str) {
+    for name in [ROUTE_REQUESTS, ROUTE_EJECTIONS, ROUTE_PREDICTED, ROUTE_DELIVERED, ROUTE_PROMPT, ROUTE_MISPREDICTED] {
+        counter!(name, "node" => node.to_string()).increment(0);
+    }
+    gauge!(ROUTE_EJECTED, "node" => node.to_string()).set(0.0);
+}
+
+pub(crate) fn route_sent(node: &str) {
+    counter!(ROUTE_REQUESTS, "node" => node.to_string()).increment(1);
+}
+
+pub(crate) fn route_failed(node: &str, why: &str) {
+    counter!(ROUTE_FAILURES, "node" => node.to_string(), "reason" => why.to_string()).increment(1);
+}
+
+pub(crate) fn route_ejected(node: &str, back: bool) {
+    if back {
+        tracing::info!(node, "engine answers its health check again: back in the choice");
+    } else {
+        counter!(ROUTE_EJECTIONS, "node" => node.to_string()).increment(1);
+        tracing::warn!(node, "engine failed requests in a row: out of the choice until its health check answers");
+    }
+    gauge!(ROUTE_EJECTED, "node" => node.to_string()).set(if back { 0.0 } else { 1.0 });
+}
+
+pub(crate) fn route_delivered(node: &str, predicted: u64, delivered: u64, prompt: u64, off: bool) {
+    counter!(ROUTE_PREDICTED, "node" => node.to_string()).increment(predicted);
+    counter!(ROUTE_DELIVERED, "node" => node.to_string()).increment(delivered);
+    counter!(ROUTE_PROMPT, "node" => node.to_string()).increment(prompt);
+    if off {
+        counter!(ROUTE_MISPREDICTED, "node" => node.to_string()).increment(1);
+        tracing::info!(
+            node,
+            predicted,
+            delivered,
+            prompt,
+            "the engine reused a different prefix than the index predicted (a stale index, another tokenizer, or another block size?)"
+        );
+    }
+}
+
+pub(crate) fn route_load_only(why: &'static str) {
+    counter!(ROUTE_LOAD_ONLY, "reason" => why).increment(1);
+}
+
+pub(crate) fn route_decision(tokenize: Option<Duration>, decide: Duration) {
+    if let Some(t) = tokenize {
+        histogram!(ROUTE_TOKENIZE).record(t.as_secs_f64());
+    }
+    histogram!(ROUTE_DECISION).record(decide.as_secs_f64());
 }
 
 /// Gives the recorder every metric's help text and unit.

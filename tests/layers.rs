@@ -11,8 +11,10 @@ const ALLOWED: &[(&str, &[&str])] = &[
     // The decided state knows no storage: the store loads it and persists its effects.
     ("decided", &["error", "keys"]),
     ("store", &["error", "keys", "decided"]),
+    // Where a request goes: prices engines from numbers the index and the head give it.
+    ("route", &["error", "decided", "telemetry"]),
     ("telemetry", &["error", "decided"]),
-    ("file", &["error", "keys", "decided", "store", "telemetry"]),
+    ("file", &["error", "keys", "decided", "store", "telemetry", "route"]),
     ("index", &["error", "keys", "decided", "store", "file", "telemetry"]),
     ("share", &["error", "keys", "decided", "store", "index", "telemetry"]),
     ("engine", &["error", "keys", "decided", "store", "file", "index", "telemetry"]),

@@ -21,7 +21,8 @@ use harness::replay::{self, Config};
 use harness::trace;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use superfluid_warm::{
-    EngineEndpoint, Error, Listener, METRICS, MetricKind, ReadIndex, SharedWarm, Sharing, Warm, describe_metrics,
+    EngineEndpoint, Error, Listener, METRICS, MetricKind, ReadIndex, RouteTally, SharedWarm, Sharing, Warm,
+    describe_metrics, record_decision, record_load_only,
 };
 
 /// The process's recorder (with the library's buckets) and its log lines, installed once for
@@ -312,6 +313,15 @@ fn every_metric_is_exported_and_the_dashboard_queries_only_real_ones() -> Result
         value(&exposition(), "superfluid_warm_share_applied_events_total", &[("head", "dash-head")])
             .is_some_and(|n| n >= 10.0)
     });
+    // A routing head's figures (`serve`): requests, a failure and an ejection, predictions
+    // against deliveries, decisions routed on load alone, decision and tokenization times.
+    let tally = RouteTally::new(&["dash-gpu"]);
+    tally.sent(0, true);
+    tally.failed(0, "connect");
+    tally.ejected(0, false);
+    tally.delivered(0, 640, 512, 700);
+    record_load_only("late");
+    record_decision(Some(Duration::from_micros(300)), Duration::from_micros(40));
 
     let samples = exposition();
     let names: BTreeSet<&str> = samples.iter().map(|s| s.name.as_str()).collect();
@@ -335,6 +345,8 @@ fn every_metric_is_exported_and_the_dashboard_queries_only_real_ones() -> Result
     let gpu = [("node", "dash-gpu")];
     assert_eq!(value(&samples, "superfluid_warm_engine_batches_total", &gpu), Some(counts.batches as f64));
     assert!(value(&samples, "superfluid_warm_engine_gaps_total", &[("node", "dash-gpu")]).is_some_and(|g| g >= 1.0));
+    assert_eq!(value(&samples, "superfluid_warm_route_mispredicted_total", &gpu), Some(1.0));
+    assert_eq!(value(&samples, "superfluid_warm_route_ejected", &gpu), Some(1.0));
 
     let dashboard: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/grafana/superfluid-warm.json"))

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::index_file::IndexFile;
 use crate::error::{Error, Result};
+use crate::route::tally::RouteStats;
 
 /// A listener's status, as its status file holds it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -31,6 +32,10 @@ pub struct ListenStatus {
     pub sharing: Option<LinkStatus>,
     /// Each engine it follows.
     pub engines: Vec<EngineStatus>,
+    /// A routing head's figures per engine (`serve`): requests, failures, predicted against
+    /// delivered. Empty for a head that only listens.
+    #[serde(default)]
+    pub routes: Vec<RouteStats>,
 }
 
 /// What a listener's link to a NATS JetStream stream has seen (`ShareStats`' figures

@@ -47,6 +47,8 @@ pub struct EngineConfig {
     pub prefill_per_token: Duration,
     /// Decode: a time per output token.
     pub decode_per_token: Duration,
+    /// Loopback ports: HTTP, KV events, replays (0: of the system's choice).
+    pub ports: (u16, u16, u16),
 }
 
 impl EngineConfig {
@@ -62,6 +64,7 @@ impl EngineConfig {
             prefill_base: Duration::ZERO,
             prefill_per_token: Duration::ZERO,
             decode_per_token: Duration::ZERO,
+            ports: (0, 0, 0),
         }
     }
 }
@@ -100,9 +103,10 @@ impl OpenAiEngine {
     pub fn start(config: EngineConfig) -> Result<OpenAiEngine> {
         let renderer = config.tokenizer.as_ref().map(Renderer::open).transpose()?;
         let cache = SimEngine::new(config.block, config.capacity, &config.model, None)?;
-        let publisher = Publisher::new(Duration::ZERO)?;
+        let (http, events, replay) = config.ports;
+        let publisher = Publisher::at(Duration::ZERO, (events != 0 || replay != 0).then_some((events, replay)))?;
         let (events, replay) = (publisher.events.clone(), publisher.replay.clone());
-        let listener = TcpListener::bind("127.0.0.1:0")
+        let listener = TcpListener::bind(("127.0.0.1", http))
             .map_err(|e| Error::InvalidConfig { detail: format!("simulated engine: bind: {e}") })?;
         let addr = listener
             .local_addr()

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use crate::emit;
 use crate::exporter::render_stats;
 use crate::format::{thousands, tier_name};
-use crate::listen_status::listen_status;
+use crate::listen_status::{head_status, listen_status};
 use crate::{CliError, UNHEALTHY};
 use serde_json::json;
 use superfluid_warm::{FileCheck, Hit, IndexFile, Medium, Namespace, ReadIndex, Reader, Snapshot};
@@ -107,7 +107,7 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
     let s = snapshot.stats()?;
     let side_file_missing = snapshot.side_file_missing();
     // The listener's live figures (connections, replays, lag), from its status file.
-    let (listener_down, listening, listener_error) = listen_status(path);
+    let (listener_down, listening, listener_error, routes) = head_status(path);
     let live = |node: &str| listening.iter().find(|l| l.node == node).map(|l| json!(l));
     if json {
         let per_node: serde_json::Map<String, serde_json::Value> =
@@ -136,6 +136,7 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
             "listener_running": listener_down.is_none() && !listening.is_empty(),
             "listener_down": listener_down,
             "listener_error": listener_error,
+            "routes": routes,
         });
         return emit(out, &line.to_string());
     }
@@ -261,6 +262,28 @@ pub(crate) fn stats(out: &mut impl Write, path: &Path, json: bool) -> Result<Exi
                     ),
                 );
             }
+        }
+    }
+    if !routes.is_empty() {
+        text += "\nrouted (serve), per engine: predicted warm tokens against the cached tokens it delivered";
+        if let Some(why) = &listener_down {
+            text += &format!("\n  (head {why}: as it last counted)");
+        }
+        for r in &routes {
+            let share = |n: u64| if r.answered == 0 { 0.0 } else { n as f64 / r.answered as f64 };
+            text += &format!(
+                "\n  {:<20} {} requests ({} not rendered), {} failures, {} ejections; {} answers told cached tokens: predicted {} / delivered {} tokens a request, {} off by more than 64 ({} above)",
+                r.engine,
+                r.requests,
+                r.unrendered,
+                r.failures,
+                r.ejections,
+                r.answered,
+                share(r.predicted_tokens).round(),
+                share(r.delivered_tokens).round(),
+                r.mispredicted,
+                r.over_predicted
+            );
         }
     }
     emit(out, &text)

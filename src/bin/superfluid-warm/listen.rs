@@ -15,8 +15,8 @@ use crate::listen_status::write_listen_status;
 use crate::{CliError, storage_cause};
 use clap::Args;
 use superfluid_warm::{
-    EngineBatch, EngineEndpoint, EngineOutcome, EngineSink, Error, LinkStatus, ListenStats, Listener, SharedWarm,
-    Sharing, Warm,
+    EngineBatch, EngineEndpoint, EngineOutcome, EngineSink, Error, LinkStatus, ListenStats, Listener, ReadIndex,
+    SharedWarm, Sharing, Warm,
 };
 
 #[derive(Args)]
@@ -370,14 +370,30 @@ impl ListenHealth {
 
 /// Where `listen` applies the engines' batches: its own file, or the stream it shares.
 #[derive(Clone)]
-enum Sink {
+pub(crate) enum Sink {
     Own(Arc<Warm>),
     Shared(Arc<SharedWarm>),
 }
 
 impl Sink {
+    /// The index's read side.
+    pub(crate) fn read(&self) -> &dyn ReadIndex {
+        match self {
+            Sink::Own(warm) => &**warm,
+            Sink::Shared(shared) => &**shared,
+        }
+    }
+
+    /// Records that `node` ran `prefix` (a head's claim).
+    pub(crate) fn ran_prefix(&self, prefix: &superfluid_warm::Prefix, node: &str) -> Result<(), Error> {
+        match self {
+            Sink::Own(warm) => warm.ran_prefix(prefix, node),
+            Sink::Shared(shared) => shared.ran_prefix(prefix, node).map(drop),
+        }
+    }
+
     /// Closes the file, if this is the last handle on it (`None`: it is not).
-    fn close(self) -> Option<Result<(), Error>> {
+    pub(crate) fn close(self) -> Option<Result<(), Error>> {
         match self {
             Sink::Own(warm) => Arc::try_unwrap(warm).ok().map(Warm::close),
             Sink::Shared(shared) => Arc::try_unwrap(shared).ok().map(SharedWarm::close),
@@ -387,9 +403,9 @@ impl Sink {
 
 /// The sink `listen`'s threads apply to: keeps the first error after which the file takes no
 /// more writes (an I/O error latched, a full disk), for `listen` to stop on.
-struct Watched {
-    sink: Sink,
-    fatal: Arc<Mutex<Option<Error>>>,
+pub(crate) struct Watched {
+    pub(crate) sink: Sink,
+    pub(crate) fatal: Arc<Mutex<Option<Error>>>,
 }
 
 impl Watched {

@@ -5,7 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use crate::listen::ListenHealth;
-use superfluid_warm::{EngineStatus, Error, IndexFile, ListenStats, ListenStatus};
+use superfluid_warm::{EngineStatus, Error, IndexFile, ListenStats, ListenStatus, RouteStats};
 
 /// Writes `listen`'s status file. A failure is said on stderr and does not stop the listener.
 pub(crate) fn write_listen_status(
@@ -35,10 +35,16 @@ pub(crate) fn write_listen_status(
 /// process is alive and it wrote within three refreshes), and otherwise why not; and why it
 /// stopped on its own, if it did.
 pub(crate) fn listen_status(path: &Path) -> (Option<String>, Vec<EngineStatus>, Option<String>) {
+    let (down, engines, error, _) = head_status(path);
+    (down, engines, error)
+}
+
+/// As [`listen_status`], with a routing head's figures per engine (`serve`).
+pub(crate) fn head_status(path: &Path) -> (Option<String>, Vec<EngineStatus>, Option<String>, Vec<RouteStats>) {
     match IndexFile::new(path).listen_status() {
         // One that cannot be read is taken as none, as before it was a type.
-        Ok(None) | Err(Error::Io { .. }) => (None, Vec::new(), None),
-        Err(_) => (Some("its status file does not parse".into()), Vec::new(), None),
-        Ok(Some(status)) => (status.down(), status.engines, status.error),
+        Ok(None) | Err(Error::Io { .. }) => (None, Vec::new(), None, Vec::new()),
+        Err(_) => (Some("its status file does not parse".into()), Vec::new(), None, Vec::new()),
+        Ok(Some(status)) => (status.down(), status.engines, status.error, status.routes),
     }
 }

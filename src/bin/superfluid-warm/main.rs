@@ -12,6 +12,7 @@ mod inspect;
 mod listen;
 mod listen_status;
 mod malloc;
+mod serve;
 mod write;
 
 use std::path::PathBuf;
@@ -132,6 +133,12 @@ enum Command {
     /// the status file `PATH.listen.json` (`stats` shows it), and the file is closed cleanly
     /// where it still can be. 2: an option was refused.
     Listen(ListenArgs),
+    /// An OpenAI-compatible head in front of the engines: renders each request's prompt into
+    /// the engine's tokens, routes it to the engine that holds the most of it for the least
+    /// queued work, and proxies it (streams as they come). Counts the warm tokens it predicted
+    /// against the `cached_tokens` each engine reports (`stats` shows them). Until SIGTERM or
+    /// Ctrl-C, which finish the requests in flight (up to --drain) and close the index cleanly.
+    Serve(Box<serve::ServeArgs>),
 }
 
 /// What can stop a command: the index's errors, a refusal of the command's own, or the output
@@ -205,7 +212,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // `listen` runs for days: what an operator should hear of (its own info events, and every
     // library's warnings); the other commands print their output and only warnings besides.
-    let level = if matches!(cli.command, Command::Listen(_)) { "warn,superfluid_warm=info" } else { "warn" };
+    let level = if matches!(cli.command, Command::Listen(_) | Command::Serve(_)) {
+        "warn,superfluid_warm=info"
+    } else {
+        "warn"
+    };
     init_logs(cli.log_format, level);
     match run(cli.command) {
         Ok(code) => code,
@@ -238,6 +249,7 @@ fn run(command: Command) -> Result<ExitCode, CliError> {
         Command::Import { old, path } => write::import(out, &old, &path),
         Command::Forget { path, node } => write::forget(out, &path, &node),
         Command::Listen(args) => listen::listen(out, &args),
+        Command::Serve(args) => serve::serve(out, &args),
         Command::Ask { path, model, tenant, prompts, json, attention_chunk } => {
             inspect::ask(out, &path, (&model, tenant.as_deref()), (&prompts, attention_chunk), json)
         }

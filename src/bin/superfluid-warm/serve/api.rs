@@ -1,0 +1,325 @@
+//! The HTTP API: what each path does, and how what is refused is said (OpenAI's error shape).
+//! `POST /v1/completions` and `/v1/chat/completions` are routed and proxied; `POST /v1/route`
+//! decides without proxying, for a gateway that proxies itself, and `POST /v1/route/done` ends
+//! such a decision; `GET /v1/models` and `GET /health` answer from the head.
+
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use hyper::body::{Bytes, Incoming};
+use hyper::header::CONTENT_TYPE;
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::{Value, json};
+
+use super::Head;
+use super::engines::Flight;
+use super::prompt::{Kind, Tokens, tokens};
+use super::proxy::{Failed, Out, Warmth, forward, full, pick, warmth};
+
+/// Largest request body taken.
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// A `/v1/route` decision not yet reported done is dropped after this long.
+const TICKET_TTL: Duration = Duration::from_secs(600);
+
+/// First wait before the next engine is tried; doubled each try.
+const FIRST_BACKOFF: Duration = Duration::from_millis(20);
+
+/// `/v1/route`'s open decisions: the load each keeps on its engine.
+#[derive(Default)]
+pub(crate) struct Tickets {
+    next: AtomicU64,
+    open: Mutex<HashMap<u64, (Flight, Instant)>>,
+}
+
+impl Tickets {
+    /// Ends every open decision.
+    pub(crate) fn clear(&self) {
+        let open = self.open.lock().map(|mut open| std::mem::take(&mut *open)).unwrap_or_default();
+        drop(open);
+    }
+}
+
+/// An answer in OpenAI's error shape.
+pub(crate) fn error(status: StatusCode, message: &str) -> Response<Out> {
+    let kind = match status.as_u16() {
+        400 | 413 | 422 => "invalid_request_error",
+        404 => "not_found_error",
+        405 => "method_not_allowed",
+        _ => "service_unavailable",
+    };
+    let body = json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
+    json_response(status, &body)
+}
+
+fn json_response(status: StatusCode, body: &Value) -> Response<Out> {
+    let mut response = Response::new(full(body.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    response
+}
+
+/// What the head serves.
+const SERVED: &str = "POST /v1/completions, POST /v1/chat/completions, POST /v1/route, POST /v1/route/done, \
+GET /v1/models, GET /health";
+
+/// Answers one request.
+pub(crate) async fn handle(head: Arc<Head>, request: Request<Incoming>) -> Response<Out> {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let kind = match path.as_str() {
+        "/v1/completions" => Some(Kind::Completion),
+        "/v1/chat/completions" => Some(Kind::Chat),
+        _ => None,
+    };
+    match (&method, path.as_str()) {
+        (&Method::GET, "/health") => health(&head),
+        (&Method::GET, "/v1/models") => models(&head),
+        (&Method::POST, "/v1/completions" | "/v1/chat/completions" | "/v1/route" | "/v1/route/done") => {
+            let (parts, body) = request.into_parts();
+            let bytes = match read_body(body).await {
+                Ok(b) => b,
+                Err(response) => return *response,
+            };
+            match (path.as_str(), kind) {
+                ("/v1/route", _) => route(&head, &bytes).await,
+                ("/v1/route/done", _) => route_done(&head, &bytes),
+                (_, Some(kind)) => proxy(&head, kind, method, &path, &parts.headers, bytes).await,
+                _ => error(StatusCode::NOT_FOUND, "not served"),
+            }
+        }
+        (_, "/health" | "/v1/models" | "/v1/completions" | "/v1/chat/completions" | "/v1/route" | "/v1/route/done") => {
+            error(StatusCode::METHOD_NOT_ALLOWED, &format!("{method} {path} is not served; this head serves {SERVED}"))
+        }
+        _ => error(StatusCode::NOT_FOUND, &format!("{method} {path} is not served; this head serves {SERVED}")),
+    }
+}
+
+/// The body, whole, up to [`MAX_BODY_BYTES`].
+async fn read_body(body: Incoming) -> Result<Bytes, Box<Response<Out>>> {
+    let limited = http_body_util::Limited::new(body, MAX_BODY_BYTES);
+    match limited.collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Box::new(error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("the request body is over {} MiB", MAX_BODY_BYTES >> 20),
+        ))),
+        Err(e) => Err(Box::new(error(StatusCode::BAD_REQUEST, &format!("the request body could not be read: {e}")))),
+    }
+}
+
+/// The body as a JSON object naming the head's model.
+fn parse_request(head: &Head, bytes: &[u8]) -> Result<Value, Box<Response<Out>>> {
+    let body: Value = serde_json::from_slice(bytes)
+        .map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, &format!("the body is not JSON: {e}"))))?;
+    if !body.is_object() {
+        return Err(Box::new(error(StatusCode::BAD_REQUEST, "the body must be a JSON object")));
+    }
+    match body.get("model").and_then(Value::as_str) {
+        Some(m) if m == head.model => Ok(body),
+        Some(m) => Err(Box::new(error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{m}` does not exist; this head serves `{}`", head.model),
+        ))),
+        None => Err(Box::new(error(StatusCode::BAD_REQUEST, "the body names no model"))),
+    }
+}
+
+/// The prompt's tokens and the index's answer for them.
+async fn decide_warmth(head: &Arc<Head>, kind: Kind, body: &Value) -> (Warmth, Option<String>) {
+    match tokens(head, kind, body).await {
+        Tokens::Ids(ids, took) => (warmth(head, Some(ids), took).await, None),
+        Tokens::Unrendered(why) => (warmth(head, None, None).await, Some(why)),
+    }
+}
+
+/// Routes a completion or chat and proxies it, trying the next engine on a failure before the
+/// client had a byte.
+async fn proxy(
+    head: &Arc<Head>,
+    kind: Kind,
+    method: Method,
+    path: &str,
+    headers: &hyper::HeaderMap,
+    bytes: Bytes,
+) -> Response<Out> {
+    if head.stopping.load(Relaxed) {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "the head is stopping");
+    }
+    let mut body = match parse_request(head, &bytes) {
+        Ok(b) => b,
+        Err(response) => return *response,
+    };
+    let (warmth, unrendered) = decide_warmth(head, kind, &body).await;
+    if let Some(why) = &unrendered {
+        tracing::debug!(why = %why, "a prompt not rendered into tokens: routed on load");
+    }
+    // A stream is asked for its usage (to read `cached_tokens`); the usage event goes to the
+    // client only if it asked for it.
+    let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
+    let client_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+    let strip_usage = streamed && !client_usage;
+    let bytes = if strip_usage {
+        if let Some(map) = body.as_object_mut() {
+            let options = map.entry("stream_options").or_insert_with(|| json!({}));
+            if let Some(options) = options.as_object_mut() {
+                options.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        Bytes::from(body.to_string())
+    } else {
+        bytes
+    };
+    let mut tried = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    let mut last_answer: Option<Failed> = None;
+    let mut backoff = FIRST_BACKOFF;
+    for attempt in 0..head.attempts {
+        let Some((engine, priced)) = pick(head, &warmth, &tried) else { break };
+        tried.push(engine);
+        let predicted = priced.iter().find(|(i, _)| *i == engine).map_or(0, |(_, p)| p.warm_tokens as u64);
+        if let Some(prefix) = &warmth.prefix {
+            head.claim(prefix.clone(), engine);
+        }
+        head.tally.sent(engine, unrendered.is_none());
+        let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
+        match forward(flight, method.clone(), path, headers, bytes.clone(), strip_usage).await {
+            Ok(response) => return response,
+            Err((flight, failed)) => {
+                let name = head.engines.get(engine).map_or("?", |e| e.name.as_str());
+                tracing::warn!(engine = name, reason = failed.reason, detail = %failed.detail, attempt, "an engine failed a request; trying the next");
+                flight.failed(failed.reason);
+                failures.push(failed.detail.clone());
+                last_answer = Some(failed);
+            }
+        }
+        tokio::time::sleep(backoff).await;
+        backoff *= 2;
+    }
+    // Every try failed: the last engine's own 5xx if it gave one, else a 503 saying why.
+    if let Some(Failed { answer: Some((status, headers, body)), .. }) = last_answer {
+        let mut response = Response::new(full(body));
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        response.headers_mut().remove(hyper::header::CONTENT_LENGTH);
+        response.headers_mut().remove(hyper::header::TRANSFER_ENCODING);
+        return response;
+    }
+    let why = if failures.is_empty() { "no engine to send it to".to_string() } else { failures.join("; ") };
+    error(StatusCode::SERVICE_UNAVAILABLE, &format!("no engine could take the request: {why}"))
+}
+
+/// `POST /v1/route`: the decision without the proxying. The body is a completion or chat request
+/// (or `{"model": M, "prompt": [ids]}`); the answer names the engine, and prices every engine.
+/// The decision keeps its load on the engine until `/v1/route/done` (or 10 minutes).
+async fn route(head: &Arc<Head>, bytes: &[u8]) -> Response<Out> {
+    let body = match parse_request(head, bytes) {
+        Ok(b) => b,
+        Err(response) => return *response,
+    };
+    let kind = if body.get("messages").is_some() { Kind::Chat } else { Kind::Completion };
+    let (warmth, unrendered) = decide_warmth(head, kind, &body).await;
+    let Some((engine, priced)) = pick(head, &warmth, &[]) else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "no engine to route to");
+    };
+    if let Some(prefix) = &warmth.prefix {
+        head.claim(prefix.clone(), engine);
+    }
+    head.tally.sent(engine, unrendered.is_none());
+    let predicted = priced.iter().find(|(i, _)| *i == engine).map_or(0, |(_, p)| p.warm_tokens as u64);
+    let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
+    let ticket = head.tickets.next.fetch_add(1, Relaxed) + 1;
+    if let Ok(mut open) = head.tickets.open.lock() {
+        open.retain(|_, (_, at)| at.elapsed() < TICKET_TTL);
+        open.insert(ticket, (flight, Instant::now()));
+    }
+    let engines: Vec<Value> = priced
+        .iter()
+        .filter_map(|(i, p)| {
+            let e = head.engines.get(*i)?;
+            let hit = warmth.hits.iter().find(|h| h.node == e.name);
+            let load = e.load();
+            Some(json!({
+                "engine": e.name, "url": format!("http://{}", e.authority),
+                "warm_tokens": p.warm_tokens, "gpu_tokens": hit.map_or(0, |h| h.gpu_tokens),
+                "tier": hit.map(|h| format!("{:?}", h.tier).to_uppercase()),
+                "credited_tokens": p.credited, "cost": p.cost, "events_up": e.events_up.load(Relaxed),
+                "load": {"in_flight": load.in_flight, "prefill_tokens": load.prefill_tokens, "decoding": load.decoding},
+            }))
+        })
+        .collect();
+    let chosen = head.engines.get(engine);
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "engine": chosen.map(|e| e.name.clone()),
+            "url": chosen.map(|e| format!("http://{}", e.authority)),
+            "ticket": ticket,
+            "prompt_tokens": warmth.tokens,
+            "predicted_tokens": predicted,
+            "unrendered": unrendered,
+            "engines": engines,
+        }),
+    )
+}
+
+/// `POST /v1/route/done`: `{"ticket": N, "cached_tokens": C?}` ends a decision (its load off;
+/// its prediction counted against `cached_tokens`, if given).
+fn route_done(head: &Head, bytes: &[u8]) -> Response<Out> {
+    let body: Value = match serde_json::from_slice(bytes) {
+        Ok(b) => b,
+        Err(e) => return error(StatusCode::BAD_REQUEST, &format!("the body is not JSON: {e}")),
+    };
+    let Some(ticket) = body.get("ticket").and_then(Value::as_u64) else {
+        return error(StatusCode::BAD_REQUEST, "the body names no ticket (a number /v1/route gave)");
+    };
+    let flight = head.tickets.open.lock().ok().and_then(|mut open| open.remove(&ticket));
+    let Some((mut flight, _)) = flight else {
+        return error(
+            StatusCode::NOT_FOUND,
+            &format!("no open decision {ticket} (done already, or older than 10 minutes)"),
+        );
+    };
+    flight.first_token();
+    flight.cached = body.get("cached_tokens").and_then(Value::as_u64);
+    drop(flight);
+    json_response(StatusCode::OK, &json!({"ticket": ticket, "done": true}))
+}
+
+/// `GET /v1/models`: the head's model.
+fn models(head: &Head) -> Response<Out> {
+    json_response(
+        StatusCode::OK,
+        &json!({"object": "list", "data": [{"id": head.model, "object": "model", "owned_by": "superfluid-warm"}]}),
+    )
+}
+
+/// `GET /health`: each engine (in the choice, its events up, its load); 200 while one engine is
+/// in the choice, else 503.
+fn health(head: &Head) -> Response<Out> {
+    let engines: Vec<Value> = head
+        .engines
+        .iter()
+        .map(|e| {
+            let load = e.load();
+            json!({
+                "engine": e.name, "url": format!("http://{}", e.authority),
+                "up": !e.ejected.load(Relaxed), "events": e.has_events, "events_up": e.events_up.load(Relaxed),
+                "in_flight": load.in_flight, "prefill_tokens": load.prefill_tokens, "decoding": load.decoding,
+            })
+        })
+        .collect();
+    let up = head.engines.iter().filter(|e| !e.ejected.load(Relaxed)).count();
+    let status = if up > 0 && !head.stopping.load(Relaxed) { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    json_response(
+        status,
+        &json!({
+            "status": if status == StatusCode::OK { "ok" } else { "unavailable" },
+            "engines_up": up, "engines": engines,
+            "claims_dropped": head.claims_dropped.load(Relaxed),
+        }),
+    )
+}

@@ -1,0 +1,313 @@
+//! `serve`: an OpenAI-compatible head in front of the engines. It renders each request's prompt
+//! into the engine's tokens, asks the index which engine holds the longest prefix, prices the
+//! engines by warmth and load (`superfluid_warm::choose`), claims the prefix for the chosen one
+//! at once, and proxies the request there, streams passed through as they come. What the engine
+//! then reports as `cached_tokens` is counted against what the head predicted.
+//!
+//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides); the index is read on its
+//! blocking pool under a deadline, and written (the claims) by a thread of its own, so that
+//! neither a slow disk nor the commit thread's back-pressure holds a request.
+
+mod api;
+mod engines;
+mod prompt;
+mod proxy;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::time::Duration;
+
+use clap::Args;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use superfluid_warm::{Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, Warm};
+
+use crate::exporter::serve_metrics;
+use crate::format::say_how_opened;
+use crate::listen::{Sink, Watched};
+use crate::{CliError, emit};
+use engines::Engine;
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    /// The index file (created if absent).
+    path: PathBuf,
+    /// Where to serve the OpenAI API, e.g. 0.0.0.0:8000.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// The model the engines serve (requests for another are refused with 404).
+    #[arg(long)]
+    model: String,
+    /// The model's folder (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`):
+    /// prompts are rendered and tokenized here, as vLLM does. Without it, an engine's
+    /// `/tokenize` is asked.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// An engine: NAME=http://HOST:PORT[,events=tcp://HOST:PORT][,replay=tcp://HOST:PORT]
+    /// [,topic=T]. NAME is its node in the index; without events= the index knows it by the
+    /// requests this head sends it. Once per engine.
+    #[arg(long = "engine", required = true)]
+    engines: Vec<String>,
+    /// Milliseconds the index's answer may take; past it the request is routed on load alone
+    /// (and counted).
+    #[arg(long, default_value_t = 5.0)]
+    deadline_ms: f64,
+    /// Prefill tokens that one decoding stream on an engine is worth in the cost.
+    #[arg(long, default_value_t = Costs::default().decode_tokens)]
+    decode_cost: f64,
+    /// Engines a request is tried on before it is refused (a refused connection, a reset or a
+    /// 5xx before the client had a byte move it to the next; never twice the same).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
+    attempts: u32,
+    /// Failures in a row after which an engine leaves the choice until its `/health` answers.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    eject_after: u32,
+    /// Seconds a replay of an engine's events may take before its gap is taken as lost.
+    #[arg(long, default_value_t = 5.0)]
+    replay_timeout: f64,
+    /// Seconds between writes of the status file (`stats` reads it).
+    #[arg(long, default_value_t = 2.0)]
+    status_every: f64,
+    /// Seconds in-flight requests get to finish after SIGTERM or SIGINT.
+    #[arg(long, default_value_t = 30.0)]
+    drain: f64,
+    /// Stop after this many seconds, as on SIGTERM.
+    #[arg(long)]
+    duration: Option<f64>,
+    /// redb's page cache in MiB.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    cache_mb: u64,
+    /// The served model's attention chunk in tokens (as `listen --attention-chunk`).
+    #[arg(long)]
+    attention_chunk: Option<usize>,
+    /// Serve the metrics at http://ADDR/metrics in Prometheus' text format.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+}
+
+/// What every connection shares.
+pub(crate) struct Head {
+    pub(crate) model: String,
+    pub(crate) namespace: superfluid_warm::Namespace,
+    pub(crate) index: Sink,
+    pub(crate) renderer: Option<Renderer>,
+    pub(crate) engines: Vec<Engine>,
+    pub(crate) tally: RouteTally,
+    pub(crate) costs: Costs,
+    pub(crate) deadline: Duration,
+    pub(crate) attempts: u32,
+    pub(crate) eject_after: u32,
+    /// Spreads equal engines round-robin.
+    pub(crate) turn: AtomicUsize,
+    /// Claims (`ran`) for the claim thread.
+    claims: SyncSender<(Prefix, usize)>,
+    /// Claims dropped because the claim thread was behind.
+    pub(crate) claims_dropped: AtomicU64,
+    /// `/v1/route`'s open decisions.
+    pub(crate) tickets: api::Tickets,
+    /// Set once the head stops taking requests.
+    pub(crate) stopping: AtomicBool,
+}
+
+impl Head {
+    /// Claims `prefix` for engine `engine` in the index, on the claim thread; never waits.
+    pub(crate) fn claim(&self, prefix: Prefix, engine: usize) {
+        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.claims.try_send((prefix, engine)) {
+            self.claims_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Seconds as a `Duration`, refusing what is not a finite, non-negative number.
+fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
+    Duration::try_from_secs_f64(s)
+        .map_err(|_| CliError::Refused(format!("--{what} must be a number of seconds, 0 or more (got {s})")))
+}
+
+pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<ExitCode, CliError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("serve")
+        .enable_all()
+        .build()
+        .map_err(CliError::Output)?;
+    // Signals are caught before anything is opened (as `listen` does).
+    let (mut term, mut int) = {
+        let _entered = runtime.enter();
+        use tokio::signal::unix::{SignalKind, signal};
+        (
+            signal(SignalKind::terminate()).map_err(CliError::Output)?,
+            signal(SignalKind::interrupt()).map_err(CliError::Output)?,
+        )
+    };
+    if let Some(addr) = args.metrics {
+        serve_metrics(addr).map_err(CliError::Refused)?;
+    }
+    let specs = args.engines.iter().map(|s| engines::parse(s, &args.model)).collect::<Result<Vec<_>, _>>()?;
+    let endpoints: Vec<EngineEndpoint> = specs.iter().filter_map(|(_, e)| e.clone()).collect();
+    let names: Vec<String> = specs.iter().map(|(e, _)| e.name.clone()).collect();
+    for (i, name) in names.iter().enumerate() {
+        if names.iter().skip(i + 1).any(|n| n == name) {
+            return Err(CliError::Refused(format!("two --engine options name {name}: give each engine its own name")));
+        }
+    }
+    let renderer = args.tokenizer.as_ref().map(Renderer::open).transpose()?;
+    let deadline = Duration::try_from_secs_f64(args.deadline_ms / 1000.0)
+        .map_err(|_| CliError::Refused(format!("--deadline-ms must be 0 or more (got {})", args.deadline_ms)))?;
+    let (replay_timeout, status_every, drain) = (
+        seconds("replay-timeout", args.replay_timeout)?,
+        seconds("status-every", args.status_every)?,
+        seconds("drain", args.drain)?,
+    );
+    let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
+    let namespace = superfluid_warm::Namespace::new(&args.model)?;
+
+    let mut builder = Warm::builder();
+    builder.cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX));
+    if let Some(tokens) = args.attention_chunk {
+        builder.attention_chunk(tokens);
+    }
+    let warm = builder.open(&args.path)?;
+    say_how_opened(&args.path, &warm.stats()?);
+    let index = Sink::Own(Arc::new(warm));
+    let fatal = Arc::new(std::sync::Mutex::new(None));
+    let listener = if endpoints.is_empty() {
+        None
+    } else {
+        let watched = Arc::new(Watched { sink: index.clone(), fatal: Arc::clone(&fatal) });
+        Some(Listener::start(watched, &endpoints, replay_timeout)?)
+    };
+    let (claims, claimed) = std::sync::mpsc::sync_channel(4096);
+    let mut costs = Costs::default();
+    costs.decode_tokens = args.decode_cost;
+    let tally = RouteTally::new(&names);
+    let head = Arc::new(Head {
+        model: args.model.clone(),
+        namespace,
+        index: index.clone(),
+        renderer,
+        engines: specs.into_iter().map(|(e, _)| e).collect(),
+        tally,
+        costs,
+        deadline,
+        attempts: args.attempts,
+        eject_after: args.eject_after,
+        turn: AtomicUsize::new(0),
+        claims,
+        claims_dropped: AtomicU64::new(0),
+        tickets: api::Tickets::default(),
+        stopping: AtomicBool::new(false),
+    });
+    let claimer = {
+        let (index, names) = (index.clone(), names.clone());
+        std::thread::Builder::new()
+            .name("serve-claims".into())
+            .spawn(move || claim_loop(&index, &names, &claimed))
+            .map_err(CliError::Output)?
+    };
+    let listener = Arc::new(std::sync::Mutex::new(listener));
+    let result = runtime.block_on(async {
+        let socket = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .map_err(|e| CliError::Refused(format!("cannot listen on {}: {e}", args.listen)))?;
+        eprintln!(
+            "superfluid-warm: serving {} on http://{} in front of {} engine(s), index {}",
+            args.model,
+            socket.local_addr().map_or(args.listen, |a| a),
+            head.engines.len(),
+            args.path.display()
+        );
+        let background = engines::watch(Arc::clone(&head), Arc::clone(&listener), args.path.clone(), status_every);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut connections = tokio::task::JoinSet::new();
+        let deadline = until.map(|d| tokio::time::Instant::now() + d);
+        let why = loop {
+            let until_deadline = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = term.recv() => break "SIGTERM",
+                _ = int.recv() => break "SIGINT",
+                () = until_deadline => break "--duration",
+                Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                accepted = socket.accept() => {
+                    let Ok((stream, _)) = accepted else { continue };
+                    let _ = stream.set_nodelay(true);
+                    let head = Arc::clone(&head);
+                    let mut stopped = stopped.clone();
+                    connections.spawn(async move {
+                        let service = service_fn(move |request| {
+                            let head = Arc::clone(&head);
+                            async move { Ok::<_, std::convert::Infallible>(api::handle(head, request).await) }
+                        });
+                        let connection = http1::Builder::new().serve_connection(TokioIo::new(stream), service);
+                        tokio::pin!(connection);
+                        tokio::select! {
+                            _ = connection.as_mut() => {}
+                            _ = stopped.changed() => {
+                                connection.as_mut().graceful_shutdown();
+                                let _ = connection.await;
+                            }
+                        }
+                    });
+                }
+            }
+        };
+        // Stop taking connections; let the requests in flight finish, up to --drain.
+        drop(socket);
+        head.stopping.store(true, Ordering::Relaxed);
+        let in_flight = connections.len();
+        let _ = stop.send(true);
+        let drained = tokio::time::timeout(drain, async { while connections.join_next().await.is_some() {} }).await;
+        connections.abort_all();
+        background.abort();
+        eprintln!(
+            "superfluid-warm: stopping on {why}: {in_flight} connection(s) {}",
+            if drained.is_ok() { "finished" } else { "cut after --drain" }
+        );
+        Ok::<(), CliError>(())
+    });
+    // Every task is dropped with the runtime, and with them their handles on the head; the
+    // claim thread ends once the head (the claims' sender) is gone.
+    drop(runtime);
+    let stats = listener.lock().ok().and_then(|mut l| l.take()).map(Listener::stop).unwrap_or_default();
+    let routes = head.tally.stats();
+    // Open `/v1/route` decisions hold the head too.
+    head.tickets.clear();
+    drop(head);
+    let _ = claimer.join();
+    let mut status = ListenStatus::now(false, status_every);
+    status.engines = stats.iter().map(superfluid_warm::EngineStatus::from).collect();
+    status.routes = routes;
+    if let Err(e) = status.write(&IndexFile::new(&args.path)) {
+        eprintln!("superfluid-warm: cannot write the status file: {e}");
+    }
+    result?;
+    if let Some(e) = fatal.lock().ok().and_then(|mut f| f.take()) {
+        return Err(e.into());
+    }
+    match index.close() {
+        Some(Err(e)) => Err(e.into()),
+        _ => emit(out, &format!("stopped; {} closed cleanly", args.path.display())),
+    }
+}
+
+/// The claim thread: every choice becomes a `ran` of the chosen engine, so that the next request
+/// of the same prefix sees it before the engine's events come. Ends when the head, which holds
+/// the sender, is gone.
+fn claim_loop(index: &Sink, names: &[String], claimed: &Receiver<(Prefix, usize)>) {
+    while let Ok((prefix, engine)) = claimed.recv() {
+        let Some(name) = names.get(engine) else { continue };
+        if let Err(e) = index.ran_prefix(&prefix, name) {
+            tracing::warn!(engine = %name, error = %e, "the index did not take a claim");
+        }
+    }
+}

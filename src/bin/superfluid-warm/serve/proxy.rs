@@ -1,0 +1,381 @@
+//! The choice and the proxying: the index's answer under its deadline, the engines priced, the
+//! request sent to the cheapest (the next on a failure before the client had a byte), and the
+//! answer passed back, a stream event by event, with the engine's `cached_tokens` read on the way.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Bytes, Frame, Incoming};
+use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderMap, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use superfluid_warm::{Candidate, Hit, Prefix, Priced, choose, record_decision, record_load_only};
+
+use super::Head;
+use super::api::error;
+use super::engines::Flight;
+
+/// The body of every answer the head gives.
+pub(crate) type Out = BoxBody<Bytes, hyper::Error>;
+
+/// A whole body.
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Out {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed()
+}
+
+/// What the index says of a prompt: its hash (to claim it) and the engines' warm prefixes.
+pub(crate) struct Warmth {
+    pub(crate) prefix: Option<Prefix>,
+    pub(crate) hits: Vec<Hit>,
+    pub(crate) tokens: usize,
+}
+
+/// The index's answer for `tokens` (hashed and looked up on the blocking pool), within the
+/// head's deadline; past it, or on an error, none (the request goes by load, counted).
+pub(crate) async fn warmth(head: &Arc<Head>, tokens: Option<Vec<u32>>, tokenize: Option<Duration>) -> Warmth {
+    let Some(tokens) = tokens else {
+        record_load_only("unrendered");
+        return Warmth { prefix: None, hits: Vec::new(), tokens: 0 };
+    };
+    let started = Instant::now();
+    let n = tokens.len();
+    let h = Arc::clone(head);
+    let lookup = tokio::task::spawn_blocking(move || {
+        let index = h.index.read();
+        let prefix = index.prefix(&h.namespace, &tokens);
+        let hits = index.warm_nodes_prefix(&prefix);
+        (prefix, hits)
+    });
+    let warmth = match tokio::time::timeout(head.deadline, lookup).await {
+        Ok(Ok((prefix, Ok(hits)))) => Warmth { prefix: Some(prefix), hits, tokens: n },
+        Ok(Ok((prefix, Err(e)))) => {
+            tracing::warn!(error = %e, "the index did not answer: routed on load");
+            record_load_only("error");
+            Warmth { prefix: Some(prefix), hits: Vec::new(), tokens: n }
+        }
+        Ok(Err(_)) | Err(_) => {
+            record_load_only("late");
+            Warmth { prefix: None, hits: Vec::new(), tokens: n }
+        }
+    };
+    record_decision(tokenize, started.elapsed());
+    warmth
+}
+
+/// The cheapest engine for the prompt, of those not in `tried`: engines in the choice, or, when
+/// none is left, the ejected ones (a head that refuses all is worse than one that tries). With
+/// every engine's price, for `/v1/route`.
+pub(crate) fn pick(head: &Head, warmth: &Warmth, tried: &[usize]) -> Option<(usize, Vec<(usize, Priced)>)> {
+    let open = |ejected_too: bool| -> Vec<usize> {
+        (0..head.engines.len())
+            .filter(|i| !tried.contains(i))
+            .filter(|&i| ejected_too || head.engines.get(i).is_some_and(|e| !e.ejected.load(Relaxed)))
+            .collect()
+    };
+    let mut indices = open(false);
+    if indices.is_empty() {
+        indices = open(true);
+    }
+    let candidates: Vec<Candidate<'_>> = indices
+        .iter()
+        .filter_map(|&i| head.engines.get(i))
+        .map(|e| {
+            let c = Candidate::new(&e.name, e.load());
+            // An engine whose event stream is down is priced on load alone.
+            match warmth.hits.iter().find(|h| h.node == e.name).filter(|_| e.events_up.load(Relaxed)) {
+                Some(hit) => c.holding(hit.tokens, hit.gpu_tokens, hit.tier),
+                None => c,
+            }
+        })
+        .collect();
+    let turn = head.turn.fetch_add(1, Relaxed);
+    let (best, priced) = choose(warmth.tokens, &candidates, &head.costs, turn)?;
+    let best = *indices.get(best)?;
+    if warmth.prefix.is_some() && head.engines.get(best).is_some_and(|e| !e.events_up.load(Relaxed)) {
+        record_load_only("no_events");
+    }
+    Some((best, indices.into_iter().zip(priced).collect()))
+}
+
+/// Why a try failed before the client had a byte, for the next try and the refusal.
+pub(crate) struct Failed {
+    pub(crate) reason: &'static str,
+    pub(crate) detail: String,
+    /// The engine's own 5xx answer, for the client if no engine does better.
+    pub(crate) answer: Option<(StatusCode, HeaderMap, Bytes)>,
+}
+
+/// Sends the request to the flight's engine and gives the client's answer: a stream relayed
+/// event by event (the usage event the head asked for itself left out), or a whole body.
+pub(crate) async fn forward(
+    mut flight: Flight,
+    method: Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: Bytes,
+    strip_usage: bool,
+) -> Result<Response<Out>, (Flight, Failed)> {
+    let Some(engine) = flight.head.engines.get(flight.engine) else {
+        let failed = Failed { reason: "gone", detail: "no such engine".into(), answer: None };
+        return Err((flight, failed));
+    };
+    let (name, authority) = (engine.name.clone(), engine.authority.clone());
+    let fail = |reason, detail: String| Failed { reason, detail, answer: None };
+    let stream = match tokio::net::TcpStream::connect(&authority).await {
+        Ok(s) => s,
+        Err(e) => return Err((flight, fail("connect", format!("{name}: {e}")))),
+    };
+    let _ = stream.set_nodelay(true);
+    let (mut sender, connection) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
+        Ok(pair) => pair,
+        Err(e) => return Err((flight, fail("connect", format!("{name}: {e}")))),
+    };
+    let connection = Abort(tokio::spawn(async move {
+        let _ = connection.await;
+    }));
+    let mut request = Request::builder().method(method).uri(path);
+    for (k, v) in headers {
+        if !hop_by_hop(k.as_str()) && k != HOST && k != CONTENT_LENGTH {
+            request = request.header(k, v);
+        }
+    }
+    let request = match request.header(HOST, authority.as_str()).body(Full::new(body)) {
+        Ok(r) => r,
+        Err(e) => return Err((flight, fail("request", e.to_string()))),
+    };
+    let response = match sender.send_request(request).await {
+        Ok(r) => r,
+        Err(e) => return Err((flight, fail("reset", format!("{name}: {e}")))),
+    };
+    let (parts, incoming) = response.into_parts();
+    if parts.status.is_server_error() {
+        let bytes = incoming.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+        let failed = Failed {
+            reason: "5xx",
+            detail: format!("{name} answered {}", parts.status),
+            answer: Some((parts.status, parts.headers, bytes)),
+        };
+        return Err((flight, failed));
+    }
+    flight.answered();
+    let mut answer = Response::builder().status(parts.status);
+    for (k, v) in &parts.headers {
+        if !hop_by_hop(k.as_str()) && k != CONTENT_LENGTH {
+            answer = answer.header(k, v);
+        }
+    }
+    answer = answer
+        .header("x-superfluid-warm-engine", HeaderValue::from_str(&name).unwrap_or(HeaderValue::from_static("?")))
+        .header("x-superfluid-warm-predicted", flight.predicted);
+    let is_stream = parts
+        .headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"));
+    let body = if is_stream {
+        Relay {
+            inner: incoming,
+            scan: Scan { pending: Vec::new(), strip_usage },
+            flight: Some(flight),
+            _connection: connection,
+        }
+        .boxed()
+    } else {
+        let bytes = match incoming.collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => {
+                // Headers came, the body did not: the client has had nothing yet.
+                return Err((flight, fail("reset", format!("{name}: {e}"))));
+            }
+        };
+        flight.first_token();
+        if parts.status.is_success() {
+            flight.cached = serde_json::from_slice::<Value>(&bytes).ok().as_ref().and_then(cached_tokens);
+        }
+        drop(flight);
+        full(bytes)
+    };
+    Ok(answer
+        .body(body)
+        .unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, &format!("{name}'s answer could not be passed on: {e}"))))
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of an answer or a stream's usage event.
+fn cached_tokens(answer: &Value) -> Option<u64> {
+    answer.get("usage")?.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64()
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 7.6.1).
+fn hop_by_hop(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "proxy-connection"
+            | "transfer-encoding"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+    )
+}
+
+/// Aborts the upstream connection's task when dropped: a client that goes away closes the
+/// engine's connection, and vLLM cancels the request.
+struct Abort(tokio::task::JoinHandle<()>);
+
+impl Drop for Abort {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A stream relayed to the client event by event.
+struct Relay {
+    inner: Incoming,
+    scan: Scan,
+    flight: Option<Flight>,
+    _connection: Abort,
+}
+
+/// Reads a server-sent-events stream: the first event is the first token, a usage event tells
+/// `cached_tokens` (and is left out if the head asked for it, not the client).
+struct Scan {
+    pending: Vec<u8>,
+    strip_usage: bool,
+}
+
+/// Past this many bytes without an event's end, the stream is passed on as it is.
+const MAX_EVENT_BYTES: usize = 1 << 20;
+
+impl Scan {
+    /// Takes `data` in; gives what goes to the client now.
+    fn feed(&mut self, data: &[u8], flight: &mut Flight) -> Vec<u8> {
+        self.pending.extend_from_slice(data);
+        let mut out = Vec::new();
+        while let Some(end) = self.pending.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = self.pending.drain(..end + 2).collect();
+            if self.keep(&event, flight) {
+                out.extend_from_slice(&event);
+            }
+        }
+        if self.pending.len() > MAX_EVENT_BYTES {
+            out.append(&mut self.pending);
+        }
+        out
+    }
+
+    /// Whether an event goes to the client; reads it on the way.
+    fn keep(&self, event: &[u8], flight: &mut Flight) -> bool {
+        let Some(data) = event.strip_prefix(b"data: ") else { return true };
+        flight.first_token();
+        if !contains(data, b"\"usage\":{") && !contains(data, b"\"usage\": {") {
+            return true;
+        }
+        let Ok(chunk) = serde_json::from_slice::<Value>(data) else { return true };
+        if let Some(cached) = cached_tokens(&chunk) {
+            flight.cached = Some(cached);
+        }
+        let no_choices = chunk.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
+        !(self.strip_usage && no_choices)
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+impl Body for Relay {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        loop {
+            let Some(flight) = this.flight.as_mut() else { return Poll::Ready(None) };
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => {
+                        let out = this.scan.feed(&data, flight);
+                        if !out.is_empty() {
+                            return Poll::Ready(Some(Ok(Frame::data(Bytes::from(out)))));
+                        }
+                    }
+                    Err(frame) => return Poll::Ready(Some(Ok(frame))),
+                },
+                Poll::Ready(Some(Err(e))) => {
+                    // After the first byte: the failure is the client's to see.
+                    this.flight = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    let rest = std::mem::take(&mut this.scan.pending);
+                    // Ends the flight: its load off, its prediction recorded.
+                    this.flight = None;
+                    if rest.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(rest)))));
+                }
+            }
+        }
+    }
+}
+
+/// A GET of `path` on `authority`, its status and JSON body (`Null` if not JSON).
+///
+/// # Errors
+/// What failed (connect, send, read, timeout).
+pub(crate) async fn get(authority: &str, path: &str, timeout: Duration) -> Result<(u16, Value), String> {
+    call(authority, Method::GET, path, None, timeout).await
+}
+
+/// A POST of `body` as JSON.
+///
+/// # Errors
+/// As [`get`].
+pub(crate) async fn post_json(
+    authority: &str,
+    path: &str,
+    body: &Value,
+    timeout: Duration,
+) -> Result<(u16, Value), String> {
+    call(authority, Method::POST, path, Some(Bytes::from(body.to_string())), timeout).await
+}
+
+async fn call(
+    authority: &str,
+    method: Method,
+    path: &str,
+    body: Option<Bytes>,
+    timeout: Duration,
+) -> Result<(u16, Value), String> {
+    let exchange = async {
+        let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| e.to_string())?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
+        let _connection = Abort(tokio::spawn(async move {
+            let _ = connection.await;
+        }));
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(HOST, authority)
+            .header(CONTENT_TYPE, "application/json")
+            .body(Full::new(body.unwrap_or_default()))
+            .map_err(|e| e.to_string())?;
+        let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        Ok((status, serde_json::from_slice(&bytes).unwrap_or(Value::Null)))
+    };
+    tokio::time::timeout(timeout, exchange).await.map_err(|_| format!("no answer within {timeout:?}"))?
+}

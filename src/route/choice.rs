@@ -1,0 +1,156 @@
+//! `Costs` and `choose`: the one rule that picks an engine.
+//!
+//! The cost estimates the prefill work that stands between a request and its first token on an
+//! engine, in tokens: the uncached prompt tokens of the requests already waiting for their first
+//! token there, plus this prompt's tokens the engine does not hold, plus a fixed price for each
+//! stream decoding there (it shares the engine's steps with the prefill). Warm tokens in a slower
+//! tier are credited partly (they are loaded back, not recomputed). vLLM's router multiplies its
+//! prefill estimate by the active requests plus one, which makes a warm but busy engine lose to a
+//! cold idle one long before its queue is the slower; Dynamo adds the prefill and decode blocks
+//! with weights. Adding the queue's prefill work to the request's own is the time to first token
+//! under the first-come prefill order that vLLM's scheduler keeps.
+
+use super::load::Load;
+use crate::decided::engines::Medium;
+
+/// The weights of the cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Costs {
+    /// The share of a warm token kept in CPU memory that is not prefilled again (0 to 1).
+    pub cpu_credit: f64,
+    /// The same for disk or remote storage.
+    pub storage_credit: f64,
+    /// Prefill tokens that one decoding stream is worth.
+    pub decode_tokens: f64,
+}
+
+impl Default for Costs {
+    /// vLLM's router's tier credits (host 0.8, disk 0.3), and a decoding stream worth 64 prefill
+    /// tokens (a step of 64 streams costs about what a 4k-token prefill chunk does).
+    fn default() -> Costs {
+        Costs { cpu_credit: 0.8, storage_credit: 0.3, decode_tokens: 64.0 }
+    }
+}
+
+/// One engine a request could go to.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Candidate<'a> {
+    /// The engine (the node the index knows it by).
+    pub engine: &'a str,
+    /// Prompt tokens it holds, from the start (the index's `Hit::tokens`; 0: none).
+    pub warm_tokens: usize,
+    /// Of those, how many from the start are in GPU memory (`Hit::gpu_tokens`).
+    pub gpu_tokens: usize,
+    /// The slowest tier the rest is in (`Hit::tier`).
+    pub tier: Medium,
+    /// Its load.
+    pub load: Load,
+}
+
+impl<'a> Candidate<'a> {
+    /// An engine that holds nothing of the prompt, with its load.
+    pub fn new(engine: &'a str, load: Load) -> Candidate<'a> {
+        Candidate { engine, warm_tokens: 0, gpu_tokens: 0, tier: Medium::Gpu, load }
+    }
+
+    /// The same engine holding `tokens` of the prompt, `gpu_tokens` of them in GPU memory and
+    /// the rest in `tier` (as the index's `Hit` says).
+    #[must_use]
+    pub fn holding(self, tokens: usize, gpu_tokens: usize, tier: Medium) -> Candidate<'a> {
+        Candidate { warm_tokens: tokens, gpu_tokens: gpu_tokens.min(tokens), tier, ..self }
+    }
+}
+
+/// What [`choose`] found for one engine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct Priced {
+    /// The prompt tokens the engine holds (all tiers).
+    pub warm_tokens: usize,
+    /// Of those, the tokens it would not prefill, with the tier credits.
+    pub credited: f64,
+    /// The cost: prefill tokens ahead of the request's first token.
+    pub cost: f64,
+}
+
+/// Prices every candidate for a prompt of `prompt_tokens` tokens and picks the cheapest; ties go
+/// to the fewest requests in flight, then to the candidate at or after `turn` in the list (a
+/// caller that passes a counter spreads equal engines round-robin). `None` for no candidate.
+pub fn choose(
+    prompt_tokens: usize,
+    candidates: &[Candidate<'_>],
+    costs: &Costs,
+    turn: usize,
+) -> Option<(usize, Vec<Priced>)> {
+    let priced: Vec<Priced> = candidates.iter().map(|c| price(prompt_tokens, c, costs)).collect();
+    let n = candidates.len();
+    // From `turn` on, so that the first of equal candidates is a different one each turn.
+    let best = (0..n)
+        .map(|k| (turn.wrapping_add(k)) % n)
+        .filter_map(|i| Some((i, candidates.get(i)?, priced.get(i)?)))
+        .min_by(|(_, a, pa), (_, b, pb)| pa.cost.total_cmp(&pb.cost).then(a.load.in_flight.cmp(&b.load.in_flight)))
+        .map(|(i, _, _)| i)?;
+    Some((best, priced))
+}
+
+/// One candidate's price.
+fn price(prompt_tokens: usize, c: &Candidate<'_>, costs: &Costs) -> Priced {
+    let credit = match c.tier {
+        Medium::Gpu => 1.0,
+        Medium::Cpu => costs.cpu_credit,
+        Medium::Storage | Medium::Other => costs.storage_credit,
+    };
+    let (warm_tokens, slow) = (c.warm_tokens, c.warm_tokens.saturating_sub(c.gpu_tokens));
+    let credited = c.gpu_tokens.min(warm_tokens) as f64 + slow as f64 * credit;
+    let own = (prompt_tokens as f64 - credited).max(0.0);
+    let cost = c.load.prefill_tokens as f64 + own + costs.decode_tokens * f64::from(c.load.decoding);
+    Priced { warm_tokens, credited, cost }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warmth_wins_until_the_queue_ahead_costs_more_than_the_prefill_it_saves() {
+        let costs = Costs::default();
+        let idle = Load::default();
+        // Warm and idle against cold and idle: the warm engine.
+        let c = [Candidate::new("a", idle).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
+        let (i, priced) = choose(5000, &c, &costs, 1).expect("two candidates");
+        assert_eq!(i, 0);
+        assert_eq!(priced.first().map(|p| p.cost), Some(904.0));
+        // Warm with 3,000 tokens queued: still cheaper (3,904 < 5,000).
+        let c =
+            [Candidate::new("a", Load::new(2, 3000, 0)).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
+        assert_eq!(choose(5000, &c, &costs, 0).map(|c| c.0), Some(0));
+        // Warm with 4,500 queued: the cold idle engine is first to the first token.
+        let c =
+            [Candidate::new("a", Load::new(2, 4500, 0)).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
+        assert_eq!(choose(5000, &c, &costs, 0).map(|c| c.0), Some(1));
+        // Decoding streams count: 20 of them (1,280 tokens) tip it the other way too.
+        let c = [Candidate::new("a", Load::new(20, 0, 20)).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
+        assert_eq!(choose(5000, &c, &costs, 0).map(|c| c.0), Some(0));
+        let c = [Candidate::new("a", Load::new(70, 0, 70)).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
+        assert_eq!(choose(5000, &c, &costs, 0).map(|c| c.0), Some(1));
+    }
+
+    #[test]
+    fn slower_tiers_are_credited_partly_and_ties_go_round_robin() {
+        let costs = Costs::default();
+        let c = [Candidate::new("a", Load::default()).holding(1024, 512, Medium::Cpu)];
+        let (_, priced) = choose(2048, &c, &costs, 0).expect("one candidate");
+        assert_eq!(priced.first().map(|p| (p.warm_tokens, p.credited)), Some((1024, 512.0 + 0.8 * 512.0)));
+        // Equal engines: the turn picks, so a counter spreads them.
+        let idle = Load::default();
+        let c = [Candidate::new("a", idle), Candidate::new("b", idle), Candidate::new("c", idle)];
+        let picks: Vec<usize> = (0..6).filter_map(|t| choose(100, &c, &costs, t).map(|c| c.0)).collect();
+        assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+        // Equal cost: fewer in flight first.
+        let c = [Candidate::new("a", Load::new(3, 0, 0)), Candidate::new("b", Load::new(1, 0, 0))];
+        assert_eq!(choose(100, &c, &costs, 0).map(|c| c.0), Some(1));
+        assert_eq!(choose(100, &[], &costs, 0).map(|c| c.0), None);
+    }
+}

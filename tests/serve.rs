@@ -1,0 +1,373 @@
+//! `serve` as a client and an operator see it: a real `superfluid-warm serve` process in front of
+//! simulated engines over HTTP and ZMQ (`harness::openai_engine`). Conversations land on the
+//! engine that holds their prefix and the head's prediction matches what the engine delivers;
+//! streams pass through with the usage the client asked for; engines that fail are skipped,
+//! ejected and taken back; what is not served is refused clearly; SIGTERM closes the index
+//! cleanly.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::Reaped;
+use harness::openai_engine::{EngineConfig, OpenAiEngine};
+use serde_json::{Value, json};
+
+const MODEL: &str = "m";
+
+fn chatml() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/render/chatml"))
+}
+
+/// A `serve` process, its address, and its stderr lines so far.
+struct Serve {
+    child: Reaped,
+    addr: SocketAddr,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl Serve {
+    fn start(path: &Path, engines: &[&OpenAiEngine], extra: &[&str]) -> Serve {
+        let mut args: Vec<String> =
+            vec!["serve".into(), path.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
+        args.extend(["--model".into(), MODEL.into(), "--status-every".into(), "0.2".into()]);
+        for (i, e) in engines.iter().enumerate() {
+            args.push("--engine".into());
+            args.push(format!("e{i}={},events={},replay={}", e.url(), e.events, e.replay));
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = Command::new(common::bin())
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start serve");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let started = Instant::now();
+        let addr = loop {
+            let line = rx.recv_timeout(Duration::from_secs(60)).expect("serve says where it serves");
+            if let Some(rest) = line.split(" on http://").nth(1) {
+                break rest.split_whitespace().next().and_then(|a| a.parse().ok()).expect("an address");
+            }
+            assert!(started.elapsed() < Duration::from_secs(60), "serve did not start");
+        };
+        let serve = Serve { child: Reaped(child), addr, stderr: rx };
+        // Its listener connects to every engine's events before the test counts on them.
+        serve.until(Duration::from_secs(30), "the engines' events connected", |s| {
+            let (_, _, health) = s.call("GET", "/health", &Value::Null);
+            let health: Value = serde_json::from_str(&health).expect("health JSON");
+            health["engines"].as_array().is_some_and(|es| es.iter().all(|e| e["events_up"] == true))
+        });
+        serve
+    }
+
+    fn call(&self, method: &str, path: &str, body: &Value) -> (u16, HashMap<String, String>, String) {
+        http(self.addr, method, path, &if body.is_null() { String::new() } else { body.to_string() })
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, HashMap<String, String>, Value) {
+        let (status, headers, text) = self.call("POST", path, body);
+        (status, headers, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    fn until(&self, within: Duration, what: &str, mut ok: impl FnMut(&Serve) -> bool) {
+        let started = Instant::now();
+        while !ok(self) {
+            assert!(started.elapsed() < within, "not within {within:?}: {what}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGTERM; its exit status, stdout and stderr.
+    fn stop(mut self) -> (std::process::ExitStatus, String, String) {
+        let pid = self.child.0.id().to_string();
+        assert!(Command::new("kill").args(["-TERM", &pid]).status().expect("kill").success());
+        let (status, _) = self.child.ends_within(Duration::from_secs(60), "SIGTERM");
+        let mut out = String::new();
+        if let Some(mut o) = self.child.0.stdout.take() {
+            o.read_to_string(&mut out).expect("stdout");
+        }
+        let err: Vec<String> = self.stderr.try_iter().collect();
+        (status, out, err.join("\n"))
+    }
+}
+
+/// One HTTP/1.1 request on its own connection: status, headers (lower-case names), body (a
+/// chunked body decoded).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, HashMap<String, String>, String) {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).expect("read to the close");
+    let text = String::from_utf8(raw).expect("UTF-8");
+    let (head, rest) = text.split_once("\r\n\r\n").expect("a response");
+    let mut lines = head.lines();
+    let status = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|s| s.parse().ok()).expect("status");
+    let headers: HashMap<String, String> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    let body = if headers.get("transfer-encoding").is_some_and(|t| t == "chunked") {
+        let (mut out, mut rest) = (String::new(), rest);
+        while let Some((size, after)) = rest.split_once("\r\n") {
+            let size = usize::from_str_radix(size.trim(), 16).expect("a chunk size");
+            if size == 0 {
+                break;
+            }
+            out.push_str(after.get(..size).expect("a whole chunk"));
+            rest = after.get(size + 2..).unwrap_or_default();
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, headers, body)
+}
+
+fn engine(tokenizer: bool) -> OpenAiEngine {
+    OpenAiEngine::start(EngineConfig::instant(MODEL, tokenizer.then(chatml), 65_536)).expect("engine")
+}
+
+fn cached(answer: &Value) -> u64 {
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().expect("cached_tokens")
+}
+
+/// A user message of `words` words, distinct per `seed`.
+fn message(seed: usize, words: usize) -> String {
+    (0..words).map(|w| format!("c{seed}w{w}")).collect::<Vec<_>>().join(" ")
+}
+
+fn stats_json(path: &Path) -> Value {
+    common::cli_json(&["stats", &path.display().to_string(), "--json"]).get(0).cloned().expect("stats")
+}
+
+#[test]
+fn conversations_land_where_their_prefix_is_and_the_prediction_is_what_the_engine_delivers() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(true), engine(true)];
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--tokenizer", &chatml().display().to_string()]);
+    let mut placed: HashMap<usize, String> = HashMap::new();
+    let mut histories: Vec<Vec<Value>> = vec![Vec::new(); 6];
+    let (mut answers, mut warm_answers) = (0, 0);
+    for turn in 0..3 {
+        for (c, history) in histories.iter_mut().enumerate() {
+            history.push(json!({"role": "user", "content": message(c * 10 + turn, 120)}));
+            let (status, headers, answer) =
+                serve.post("/v1/chat/completions", &json!({"model": MODEL, "messages": history, "max_tokens": 8}));
+            assert_eq!(status, 200, "{answer}");
+            let chosen = headers.get("x-superfluid-warm-engine").cloned().expect("the engine is named");
+            let predicted: u64 = headers["x-superfluid-warm-predicted"].parse().expect("a number");
+            let delivered = cached(&answer);
+            answers += 1;
+            if turn == 0 {
+                placed.insert(c, chosen);
+                assert_eq!(predicted, 0, "a new conversation is cold");
+            } else {
+                assert_eq!(placed.get(&c), Some(&chosen), "conversation {c} turn {turn} stays where its prefix is");
+                assert!(predicted >= 256, "turn {turn} of {c} predicted {predicted}");
+                warm_answers += 1;
+            }
+            assert!(predicted.abs_diff(delivered) <= 64, "predicted {predicted}, delivered {delivered}");
+            let content = answer["choices"][0]["message"]["content"].clone();
+            history.push(json!({"role": "assistant", "content": content}));
+        }
+    }
+    // Six new conversations on two idle engines: spread, not piled on one.
+    let on_first = placed.values().filter(|e| *e == "e0").count();
+    assert!((1..=5).contains(&on_first), "{placed:?}");
+    assert_eq!((answers, warm_answers), (18, 12));
+    // Its figures, as `stats` reads them from the status file while it serves.
+    serve.until(Duration::from_secs(10), "the status file has every answer", |_| {
+        let stats = stats_json(&path);
+        stats["routes"]
+            .as_array()
+            .is_some_and(|r| r.iter().map(|r| r["answered"].as_u64().unwrap_or(0)).sum::<u64>() == 18)
+    });
+    let stats = stats_json(&path);
+    for r in stats["routes"].as_array().expect("routes") {
+        assert_eq!(r["mispredicted"], 0, "{r}");
+        assert_eq!(r["failures"], 0, "{r}");
+        assert!(r["delivered_tokens"].as_u64() > Some(0), "{r}");
+    }
+    let (status, out, err) = serve.stop();
+    assert!(status.success(), "{err}");
+    assert!(out.contains("closed cleanly"), "{out}");
+    let text = Command::new(common::bin()).args(["stats", &path.display().to_string()]).output().expect("stats");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("routed (serve)") && text.contains("writer         none"), "{text}");
+}
+
+#[test]
+fn streams_pass_through_with_the_usage_the_client_asked_for() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(true)];
+    let serve = Serve::start(&path, &[&engines[0]], &["--tokenizer", &chatml().display().to_string()]);
+    let chat = |extra: Value| {
+        let mut body = json!({"model": MODEL, "messages": [{"role": "user", "content": message(1, 200)}], "max_tokens": 3, "stream": true});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let (status, headers, text) = serve.call("POST", "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{text}");
+        assert!(headers["content-type"].starts_with("text/event-stream"), "{headers:?}");
+        let events: Vec<String> = text.split("\n\n").filter(|e| !e.is_empty()).map(str::to_string).collect();
+        assert_eq!(events.last().map(String::as_str), Some("data: [DONE]"), "{text}");
+        events
+    };
+    // Not asked: no usage event, though the head asked the engine for one.
+    let first = chat(json!({}));
+    assert_eq!(first.len(), 4, "three tokens and [DONE]: {first:?}");
+    assert!(first.iter().all(|e| !e.contains("\"usage\"")), "{first:?}");
+    // Asked: the usage event, with the cached tokens of the first request's prefix.
+    let second = chat(json!({"stream_options": {"include_usage": true}}));
+    assert_eq!(second.len(), 5, "{second:?}");
+    let usage: Value = serde_json::from_str(second[3].strip_prefix("data: ").expect("data")).expect("JSON");
+    assert!(cached(&usage) >= 256, "{usage}");
+    // Both answers counted as predicted against delivered: the stream's usage was read.
+    serve.until(Duration::from_secs(10), "two answers counted", |_| stats_json(&path)["routes"][0]["answered"] == 2);
+    let routes = stats_json(&path)["routes"][0].clone();
+    assert_eq!(routes["mispredicted"], 0, "{routes}");
+    assert!(routes["predicted_tokens"].as_u64() >= Some(256), "{routes}");
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}
+
+#[test]
+fn a_failing_engine_is_skipped_then_ejected_and_taken_back_when_it_answers_again() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let survivor = engine(false);
+    let doomed = engine(false);
+    let ports = (doomed.addr.port(), 0, 0);
+    let serve = Serve::start(&path, &[&doomed, &survivor], &["--eject-after", "2"]);
+    drop(doomed);
+    // Cold prompts on two idle engines alternate; each one that goes to the dead engine is
+    // retried on the other, and the client sees no failure.
+    for i in 0..8u32 {
+        let prompt: Vec<u32> = (0..200).map(|t| i * 1000 + t).collect();
+        let (status, headers, answer) =
+            serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(headers["x-superfluid-warm-engine"], "e1");
+    }
+    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
+    let health: Value = serde_json::from_str(&health).expect("JSON");
+    assert_eq!(health["engines"][0]["up"], false, "{health}");
+    assert_eq!(health["engines"][1]["up"], true, "{health}");
+    serve.until(Duration::from_secs(10), "the failures counted", |_| {
+        let routes = stats_json(&path)["routes"].clone();
+        routes[0]["failures"] == 2 && routes[0]["ejections"] == 1
+    });
+    // Back on its port: its health check answers, and it is in the choice again.
+    let mut config = EngineConfig::instant(MODEL, None, 65_536);
+    config.ports = ports;
+    let _back = OpenAiEngine::start(config).expect("the engine again, on its port");
+    serve.until(Duration::from_secs(20), "the engine back in the choice", |s| {
+        let (_, _, health) = s.call("GET", "/health", &Value::Null);
+        serde_json::from_str::<Value>(&health).is_ok_and(|h| h["engines"][0]["up"] == true)
+    });
+    // With both gone, a request is refused with the reason.
+    drop(survivor);
+    drop(_back);
+    let (status, _, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}));
+    assert_eq!(status, 503, "{answer}");
+    let message = answer["error"]["message"].as_str().unwrap_or_default().to_string();
+    assert!(message.contains("no engine could take the request") && message.contains("refused"), "{message}");
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}
+
+#[test]
+fn without_a_tokenizer_text_is_tokenized_by_an_engine_and_ids_are_used_as_given() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(true), engine(true)];
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &[]);
+    let prompt = message(7, 300);
+    let mut chosen = Vec::new();
+    for _ in 0..3 {
+        let (status, headers, answer) =
+            serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+        assert_eq!(status, 200, "{answer}");
+        let predicted: u64 = headers["x-superfluid-warm-predicted"].parse().expect("a number");
+        chosen.push((headers["x-superfluid-warm-engine"].clone(), predicted, cached(&answer)));
+    }
+    let (first, _, _) = chosen[0].clone();
+    assert!(chosen.iter().all(|(e, _, _)| *e == first), "{chosen:?}");
+    for (_, predicted, delivered) in chosen.iter().skip(1) {
+        assert!(*predicted >= 512 && predicted.abs_diff(*delivered) <= 64, "{chosen:?}");
+    }
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}
+
+#[test]
+fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(false), engine(false)];
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &[]);
+    let prompt: Vec<u32> = (0..640).collect();
+    let (status, _, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    // The engine that ran it holds it: /v1/route names it, with 640 warm tokens, and the
+    // decision's load on it until it is done.
+    let mut longer = prompt.clone();
+    longer.extend(1000..1100);
+    let (status, _, route) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": longer}));
+    assert_eq!(status, 200, "{route}");
+    let engine = route["engine"].as_str().expect("an engine").to_string();
+    let priced = route["engines"].as_array().expect("engines").clone();
+    let mine = priced.iter().find(|e| e["engine"] == engine.as_str()).expect("priced");
+    assert_eq!(mine["warm_tokens"], 640, "{route}");
+    assert_eq!(route["prompt_tokens"], 740);
+    assert_eq!(mine["load"]["in_flight"], 1, "{route}");
+    let (status, _, done) = serve.post("/v1/route/done", &json!({"ticket": route["ticket"], "cached_tokens": 640}));
+    assert_eq!(status, 200, "{done}");
+    let (status, _, again) = serve.post("/v1/route/done", &json!({"ticket": route["ticket"]}));
+    assert_eq!(status, 404, "{again}");
+    // Refusals: each says what it is.
+    let refused = [
+        ("GET", "/v1/embeddings", Value::Null, 404, "is not served"),
+        ("GET", "/v1/completions", Value::Null, 405, "is not served"),
+        ("POST", "/v1/completions", json!({"model": "other", "prompt": "x"}), 404, "does not exist"),
+        ("POST", "/v1/completions", json!({"prompt": "x"}), 400, "names no model"),
+        ("POST", "/v1/chat/completions", json!([1]), 400, "JSON object"),
+    ];
+    for (method, path, body, code, says) in refused {
+        let (status, _, text) = serve.call(method, path, &body);
+        assert_eq!(status, code, "{method} {path}: {text}");
+        assert!(text.contains(says), "{method} {path}: {text}");
+    }
+    let (status, _, text) = http(serve.addr, "POST", "/v1/completions", "{not json");
+    assert_eq!(status, 400, "{text}");
+    let (status, _, models) = serve.call("GET", "/v1/models", &Value::Null);
+    assert_eq!(status, 200);
+    assert!(models.contains("\"id\":\"m\""), "{models}");
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}

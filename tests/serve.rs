@@ -16,6 +16,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::Reaped;
+use common::nats::NatsServer;
 use harness::openai_engine::{EngineConfig, OpenAiEngine};
 use serde_json::{Value, json};
 
@@ -33,13 +34,24 @@ struct Serve {
 }
 
 impl Serve {
+    /// `serve` in front of `engines`, following their events.
     fn start(path: &Path, engines: &[&OpenAiEngine], extra: &[&str]) -> Serve {
+        let specs: Vec<String> = engines
+            .iter()
+            .enumerate()
+            .map(|(i, e)| format!("e{i}={},events={},replay={}", e.url(), e.events, e.replay))
+            .collect();
+        Serve::start_with(path, &specs, extra)
+    }
+
+    /// `serve` with these `--engine` specs.
+    fn start_with(path: &Path, specs: &[String], extra: &[&str]) -> Serve {
         let mut args: Vec<String> =
             vec!["serve".into(), path.display().to_string(), "--listen".into(), "127.0.0.1:0".into()];
         args.extend(["--model".into(), MODEL.into(), "--status-every".into(), "0.2".into()]);
-        for (i, e) in engines.iter().enumerate() {
+        for spec in specs {
             args.push("--engine".into());
-            args.push(format!("e{i}={},events={},replay={}", e.url(), e.events, e.replay));
+            args.push(spec.clone());
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut child = Command::new(common::bin())
@@ -370,4 +382,131 @@ fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
     assert!(models.contains("\"id\":\"m\""), "{models}");
     let (status, _, err) = serve.stop();
     assert!(status.success(), "{err}");
+}
+
+/// A stream opened through the head on its own connection: the raw bytes read until `until`
+/// says enough (the connection is then closed), or to the end.
+fn stream_until(addr: SocketAddr, body: &Value, mut until: impl FnMut(&str) -> bool) -> String {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(60))).expect("timeout");
+    let body = body.to_string();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let (mut seen, mut buffer) = (String::new(), [0u8; 4096]);
+    loop {
+        let n = stream.read(&mut buffer).expect("read");
+        if n == 0 {
+            return seen;
+        }
+        seen.push_str(&String::from_utf8_lossy(buffer.get(..n).unwrap_or_default()));
+        if until(&seen) {
+            return seen;
+        }
+    }
+}
+
+fn slow_engine(decode: Duration) -> OpenAiEngine {
+    let mut config = EngineConfig::instant(MODEL, Some(chatml()), 65_536);
+    config.decode_per_token = decode;
+    OpenAiEngine::start(config).expect("engine")
+}
+
+#[test]
+fn a_client_that_goes_away_cancels_the_engines_request_and_its_load() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engine = slow_engine(Duration::from_millis(50));
+    let serve = Serve::start(&path, &[&engine], &["--tokenizer", &chatml().display().to_string()]);
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": message(3, 150)}], "max_tokens": 400, "stream": true});
+    // 400 tokens at 50 ms: 20 s of decoding; the client leaves after its first token.
+    let seen = stream_until(serve.addr, &body, |seen| seen.contains("data: {"));
+    assert!(seen.contains(" tok"), "{seen}");
+    assert_eq!(engine.running(), 1, "the engine is decoding it");
+    let in_flight = |s: &Serve| {
+        let (_, _, health) = s.call("GET", "/health", &Value::Null);
+        serde_json::from_str::<Value>(&health).ok().and_then(|h| h["engines"][0]["in_flight"].as_u64())
+    };
+    serve.until(Duration::from_secs(10), "the head takes the load off", |s| in_flight(s) == Some(0));
+    let started = Instant::now();
+    while engine.running() > 0 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the engine still runs the request of a client gone");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}
+
+#[test]
+fn sigterm_finishes_the_streams_in_flight_then_closes_the_index_cleanly() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engine = slow_engine(Duration::from_millis(20));
+    let serve = Serve::start(&path, &[&engine], &["--tokenizer", &chatml().display().to_string()]);
+    let addr = serve.addr;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": message(4, 150)}], "max_tokens": 60, "stream": true});
+    let (tx, rx) = mpsc::channel();
+    let client = std::thread::spawn(move || {
+        stream_until(addr, &body, |seen| {
+            if seen.contains("data: {") {
+                let _ = tx.send(());
+            }
+            false
+        })
+    });
+    rx.recv_timeout(Duration::from_secs(30)).expect("the first token");
+    // SIGTERM while 60 tokens at 20 ms stream: the stream ends whole, then the head exits.
+    let (status, out, err) = serve.stop();
+    let seen = client.join().expect("the client");
+    assert_eq!(seen.matches("data: {").count(), 60, "{seen}");
+    assert!(seen.contains("data: [DONE]"), "{seen}");
+    assert!(status.success(), "{err}");
+    assert!(out.contains("closed cleanly"), "{out}");
+    assert!(err.contains("1 connection(s) finished"), "{err}");
+    // Nothing listens any more.
+    assert!(TcpStream::connect(addr).is_err(), "still accepting after it stopped");
+}
+
+#[test]
+fn heads_sharing_through_nats_route_a_conversation_alike() {
+    let dir = common::tempdir();
+    let server = NatsServer::start(&dir.path().join("js"));
+    let engines = [engine(false), engine(false)];
+    // No events: each head knows where a prefix is only by the choices, its own and the other's.
+    let specs: Vec<String> = engines.iter().enumerate().map(|(i, e)| format!("e{i}={}", e.url())).collect();
+    let url = server.url();
+    let head = |name: &str| {
+        let path = dir.path().join(format!("{name}.redb"));
+        Serve::start_with(&path, &specs, &["--nats", &url, "--head", name])
+    };
+    let (a, b) = (head("a"), head("b"));
+    for c in 0..4u32 {
+        let mut prompt: Vec<u32> = (0..512).map(|t| c * 10_000 + t).collect();
+        let (status, headers, answer) =
+            a.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+        assert_eq!(status, 200, "{answer}");
+        let chosen = headers["x-superfluid-warm-engine"].clone();
+        prompt.extend(500_000..500_100);
+        // Head b applies a's choice from the stream (the stream holds each head's choices: a's
+        // c + 1 and b's c so far), and sends the next turn there.
+        b.until(Duration::from_secs(30), "head b applies head a's choice", |b| {
+            let (_, _, health) = b.call("GET", "/health", &Value::Null);
+            let health: Value = serde_json::from_str(&health).unwrap_or_default();
+            health["sharing"]["applied"].as_u64() >= Some(u64::from(2 * c + 1))
+        });
+        let (status, headers, answer) =
+            b.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+        assert_eq!(status, 200, "{answer}");
+        assert_eq!(headers["x-superfluid-warm-engine"], chosen, "conversation {c}");
+        assert_eq!(headers["x-superfluid-warm-predicted"], "512");
+        assert!(cached(&answer) >= 496, "{answer}");
+    }
+    for head in [a, b] {
+        let (status, out, err) = head.stop();
+        assert!(status.success(), "{err}");
+        assert!(out.contains("closed cleanly"), "{out}");
+    }
 }

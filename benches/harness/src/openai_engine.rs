@@ -136,6 +136,11 @@ impl OpenAiEngine {
         format!("http://{}", self.addr)
     }
 
+    /// Requests running now (holding a batch slot).
+    pub fn running(&self) -> usize {
+        self.shared.running.lock().map_or(0, |r| *r)
+    }
+
     /// Tokens of `tokens` its prefix cache holds (what a request of them would find cached).
     pub fn holds(&self, tokens: &[u32]) -> usize {
         self.shared.cache.lock().map_or(0, |c| c.holds(tokens))

@@ -313,12 +313,24 @@ fn health(head: &Head) -> Response<Out> {
         })
         .collect();
     let up = head.engines.iter().filter(|e| !e.ejected.load(Relaxed)).count();
+    // With --nats: the link to the stream the heads share.
+    let sharing = match &head.index {
+        crate::listen::Sink::Shared(shared) => {
+            let s = shared.share_stats();
+            json!({
+                "stream": s.stream, "head": s.head, "connected": s.connected, "applied": s.applied,
+                "unapplied": s.unapplied, "published": s.published, "buffered": s.buffered,
+                "error": s.error, "halted": s.halted,
+            })
+        }
+        crate::listen::Sink::Own(_) => Value::Null,
+    };
     let status = if up > 0 && !head.stopping.load(Relaxed) { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     json_response(
         status,
         &json!({
             "status": if status == StatusCode::OK { "ok" } else { "unavailable" },
-            "engines_up": up, "engines": engines,
+            "engines_up": up, "engines": engines, "sharing": sharing,
             "claims_dropped": head.claims_dropped.load(Relaxed),
         }),
     )

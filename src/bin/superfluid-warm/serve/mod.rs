@@ -25,7 +25,9 @@ use clap::Args;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use superfluid_warm::{Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, Warm};
+use superfluid_warm::{
+    Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, SharedWarm, Sharing, Warm,
+};
 
 use crate::exporter::serve_metrics;
 use crate::format::say_how_opened;
@@ -85,6 +87,17 @@ pub(crate) struct ServeArgs {
     /// The served model's attention chunk in tokens (as `listen --attention-chunk`).
     #[arg(long)]
     attention_chunk: Option<usize>,
+    /// Share the index through this NATS JetStream server (e.g. nats://127.0.0.1:4222), as
+    /// `listen --nats` does: heads behind one load balancer see each other's choices and the
+    /// engines' events, and route alike.
+    #[arg(long)]
+    nats: Option<String>,
+    /// With --nats: the stream's name.
+    #[arg(long, requires = "nats", default_value = "warm")]
+    stream: String,
+    /// With --nats: this head's name in the stream (unique among the heads).
+    #[arg(long, requires = "nats", default_value = "serve")]
+    head: String,
     /// Serve the metrics at http://ADDR/metrics in Prometheus' text format.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
@@ -172,9 +185,18 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
     if let Some(tokens) = args.attention_chunk {
         builder.attention_chunk(tokens);
     }
-    let warm = builder.open(&args.path)?;
-    say_how_opened(&args.path, &warm.stats()?);
-    let index = Sink::Own(Arc::new(warm));
+    let index = match &args.nats {
+        Some(url) => {
+            let shared = SharedWarm::open(&builder, &args.path, Sharing::nats(url, &args.stream, &args.head))?;
+            say_how_opened(&args.path, &shared.stats()?.0);
+            Sink::Shared(Arc::new(shared))
+        }
+        None => {
+            let warm = builder.open(&args.path)?;
+            say_how_opened(&args.path, &warm.stats()?);
+            Sink::Own(Arc::new(warm))
+        }
+    };
     let fatal = Arc::new(std::sync::Mutex::new(None));
     let listener = if endpoints.is_empty() {
         None

@@ -12,7 +12,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("decided", &["error", "keys"]),
     ("store", &["error", "keys", "decided"]),
     // Where a request goes: prices engines from numbers the index and the head give it.
-    ("route", &["error", "decided", "telemetry"]),
+    ("route", &["error", "keys", "decided", "telemetry"]),
     ("telemetry", &["error", "decided"]),
     ("file", &["error", "keys", "decided", "store", "telemetry", "route"]),
     ("index", &["error", "keys", "decided", "store", "file", "telemetry"]),

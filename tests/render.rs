@@ -84,3 +84,43 @@ fn text_parts_are_joined_and_what_cannot_be_rendered_is_a_typed_error() {
     let bad = config("{{ strftime_now('%Z') }}");
     assert!(matches!(bad.render_chat("[]", None, true), Err(Error::Render { .. })));
 }
+
+/// vLLM's rules before the template: a message without content (or null) has the empty string,
+/// and a `developer` message is a system message, merged with the others into one at the start,
+/// unless the template names the `developer` role.
+#[test]
+fn missing_content_and_the_developer_role_render_as_vllm_renders_them() -> Result<(), Error> {
+    let chatml = Renderer::open(Path::new(DIR).join("chatml"))?;
+    let render = |r: &Renderer, messages: &str| r.render_chat(messages, None, true);
+    assert_eq!(
+        render(&chatml, r#"[{"role":"user","content":"a"},{"role":"assistant","content":null},{"role":"assistant"}]"#)?,
+        render(
+            &chatml,
+            r#"[{"role":"user","content":"a"},{"role":"assistant","content":""},{"role":"assistant","content":""}]"#
+        )?
+    );
+    assert_eq!(
+        render(&chatml, r#"[{"role":"developer","content":"be brief","tools":[]},{"role":"user","content":"u"}]"#)?,
+        render(&chatml, r#"[{"role":"system","content":"be brief"},{"role":"user","content":"u"}]"#)?
+    );
+    assert_eq!(
+        render(
+            &chatml,
+            r#"[{"role":"system","content":"s"},{"role":"user","content":"u"},{"role":"developer","content":"d"},{"role":"system","content":""}]"#
+        )?,
+        render(&chatml, r#"[{"role":"system","content":"s\n\nd"},{"role":"user","content":"u"}]"#)?
+    );
+    // A template that names the role keeps it.
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    std::fs::copy(Path::new(DIR).join("chatml/tokenizer.json"), dir.path().join("tokenizer.json")).expect("copy");
+    let template =
+        "{% for m in messages %}{% if m.role == 'developer' %}DEV:{% endif %}{{ m.role }}={{ m.content }};{% endfor %}";
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({"chat_template": template}).to_string(),
+    )
+    .expect("write");
+    let named = Renderer::open(dir.path())?;
+    assert_eq!(render(&named, r#"[{"role":"developer","content":"d"},{"role":"user"}]"#)?, "DEV:developer=d;user=;");
+    Ok(())
+}

@@ -7,8 +7,9 @@
 //! rendered by the model's template (`messages`, `tools`, `add_generation_prompt`, and the
 //! tokenizer's special tokens as variables) and the text encoded without them (the template
 //! writes its own: `renderers/hf.py`, as `transformers`' `apply_chat_template`); a message
-//! whose content is a list of text parts is their texts joined by newlines
-//! (`renderers/chat_utils/chat_message.py`). The template runs as `transformers` runs it:
+//! whose content is a list of text parts is their texts joined by newlines, and one without
+//! content has the empty string (`renderers/chat_utils/chat_message.py`); a `developer` message
+//! is a system message unless the template names that role (`renderers/hf.py`). The template runs as `transformers` runs it:
 //! blocks trimmed, `raise_exception`, `strftime_now`, a `tojson` that writes as Python's
 //! `json.dumps`, and Python's string and dict methods ([`template`]).
 
@@ -27,6 +28,9 @@ pub struct Renderer {
     tokenizer: tokenizers::Tokenizer,
     /// The chat template, compiled (`None`: the model has none).
     template: Option<template::ChatTemplate>,
+    /// Whether the template names the `developer` role (vLLM's test: the word in quotes);
+    /// otherwise developer messages are rendered as system messages.
+    developer_role: bool,
 }
 
 impl std::fmt::Debug for Renderer {
@@ -68,11 +72,13 @@ impl Renderer {
                 Err(e) => return Err(invalid(format!("chat_template.jinja: {e}"))),
             },
         };
+        let developer_role =
+            source.as_deref().is_some_and(|t| t.contains("\"developer\"") || t.contains("'developer'"));
         let template = source
             .map(|source| template::ChatTemplate::new(source, special_tokens(&config)))
             .transpose()
             .map_err(|e| invalid(format!("the chat template does not compile ({e})")))?;
-        Ok(Renderer { tokenizer, template })
+        Ok(Renderer { tokenizer, template, developer_role })
     }
 
     /// A completion's prompt text as the engine tokenizes it (`add_special_tokens`: vLLM's
@@ -104,7 +110,10 @@ impl Renderer {
         let template = self.template.as_ref().ok_or_else(|| render("the model has no chat template"))?;
         let messages: Value =
             serde_json::from_str(messages).map_err(|e| render(&format!("the messages are not JSON ({e})")))?;
-        let messages = text_contents(messages)?;
+        let mut messages = text_contents(messages)?;
+        if !self.developer_role {
+            messages = developer_as_system(messages);
+        }
         let tools: Option<Value> = tools
             .map(serde_json::from_str)
             .transpose()
@@ -141,8 +150,9 @@ fn special_tokens(config: &serde_json::Value) -> Vec<(String, String)> {
         .collect()
 }
 
-/// The messages with each content that is a list of parts made one string, their texts joined
-/// by newlines (vLLM's rule); a part that is not text cannot be rendered here.
+/// The messages with each content made one string, as vLLM makes it: a list of parts their
+/// texts joined by newlines, no content (or null) the empty string; a part that is not text
+/// cannot be rendered here.
 fn text_contents(messages: Value) -> Result<Value> {
     if messages.kind() != ValueKind::Seq {
         return Err(render("the messages are not an array"));
@@ -154,27 +164,86 @@ fn text_contents(messages: Value) -> Result<Value> {
             return Err(render("a message is not an object"));
         }
         let content = message.get_attr("content").unwrap_or_default();
-        if content.kind() != ValueKind::Seq {
-            out.push(message);
-            continue;
-        }
-        let mut texts = Vec::new();
-        for part in content.try_iter().map_err(|_| render("a message's content parts"))? {
-            let kind = part.get_attr("type").ok().and_then(|t| t.as_str().map(str::to_string));
-            match (kind.as_deref(), part.get_attr("text").ok().and_then(|t| t.as_str().map(str::to_string))) {
-                (Some("text"), Some(text)) => texts.push(text),
-                (kind, _) => return Err(render(&format!("a content part of type {kind:?} (only text is rendered)"))),
+        let text = match content.kind() {
+            ValueKind::String => {
+                out.push(message);
+                continue;
             }
-        }
-        let mut fields: Vec<(Value, Value)> = Vec::new();
-        for key in message.try_iter().map_err(|_| render("a message is not an object"))? {
-            let value = match key.as_str() {
-                Some("content") => Value::from(texts.join("\n")),
-                _ => message.get_item(&key).unwrap_or_default(),
-            };
-            fields.push((key, value));
-        }
-        out.push(Value::from_iter(fields));
+            ValueKind::Undefined | ValueKind::None => String::new(),
+            ValueKind::Seq => {
+                let mut texts = Vec::new();
+                for part in content.try_iter().map_err(|_| render("a message's content parts"))? {
+                    let kind = part.get_attr("type").ok().and_then(|t| t.as_str().map(str::to_string));
+                    match (kind.as_deref(), part.get_attr("text").ok().and_then(|t| t.as_str().map(str::to_string))) {
+                        (Some("text"), Some(text)) => texts.push(text),
+                        (kind, _) => {
+                            return Err(render(&format!("a content part of type {kind:?} (only text is rendered)")));
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+            kind => return Err(render(&format!("a message's content of kind {kind}"))),
+        };
+        out.push(with_field(&message, "content", Some(Value::from(text)))?);
     }
     Ok(Value::from(out))
+}
+
+/// `message` with `key` set to `value` (added last if new), or removed (`None`).
+fn with_field(message: &Value, key: &str, value: Option<Value>) -> Result<Value> {
+    let mut fields: Vec<(Value, Value)> = Vec::new();
+    let mut value = value;
+    for k in message.try_iter().map_err(|_| render("a message is not an object"))? {
+        if k.as_str() == Some(key) {
+            if let Some(v) = value.take() {
+                fields.push((k, v));
+            }
+        } else {
+            let v = message.get_item(&k).unwrap_or_default();
+            fields.push((k, v));
+        }
+    }
+    if let Some(v) = value {
+        fields.push((Value::from(key), v));
+    }
+    Ok(Value::from_iter(fields))
+}
+
+/// vLLM's rule for a template that does not name the `developer` role: each developer message
+/// becomes a system message (its `tools` dropped); then, if a system message is not first or
+/// there are several, their non-empty contents are joined by blank lines into one system
+/// message at the start (`renderers/hf.py`).
+fn developer_as_system(messages: Value) -> Value {
+    let Ok(list) = messages.try_iter() else { return messages };
+    let list: Vec<Value> = list.collect();
+    let role = |m: &Value| m.get_attr("role").ok().and_then(|r| r.as_str().map(str::to_string));
+    if !list.iter().any(|m| role(m).as_deref() == Some("developer")) {
+        return messages;
+    }
+    let converted: Vec<Value> = list
+        .iter()
+        .map(|m| {
+            if role(m).as_deref() != Some("developer") {
+                return m.clone();
+            }
+            with_field(m, "role", Some(Value::from("system")))
+                .and_then(|m| with_field(&m, "tools", None))
+                .unwrap_or_else(|_| m.clone())
+        })
+        .collect();
+    let systems: Vec<usize> =
+        converted.iter().enumerate().filter(|(_, m)| role(m).as_deref() == Some("system")).map(|(i, _)| i).collect();
+    let needs = systems.len() > 1 || systems.first().is_some_and(|&i| i > 0);
+    if !needs {
+        return Value::from(converted);
+    }
+    let contents: Vec<String> = systems
+        .iter()
+        .filter_map(|&i| converted.get(i)?.get_attr("content").ok()?.as_str().map(str::to_string))
+        .filter(|c| !c.is_empty())
+        .collect();
+    let merged = Value::from_iter([("role", Value::from("system")), ("content", Value::from(contents.join("\n\n")))]);
+    let rest = converted.into_iter().filter(|m| role(m).as_deref() != Some("system"));
+    Value::from(std::iter::once(merged).chain(rest).collect::<Vec<_>>())
 }

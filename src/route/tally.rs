@@ -6,12 +6,17 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS};
 use crate::telemetry;
 
 /// Tokens a prediction may be off by before it counts as a miss, and is logged: one of the
 /// index's blocks (the engine counts in its own, smaller blocks, and never its prompt's last
-/// token).
+/// token). A delivery shorter than the index's shortest answer (two blocks, 128 tokens) with
+/// nothing predicted is no miss: the index does not answer prefixes that short.
 pub const PREDICTION_SLACK: u64 = 64;
+
+/// The shortest prefix the index answers, in tokens.
+const SHORTEST: u64 = (MIN_BLOCKS * BLOCK_TOKENS) as u64;
 
 /// One engine's figures, as a routing head counted them.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,7 +120,7 @@ impl RouteTally {
             c.answered.fetch_add(1, Relaxed);
             c.predicted.fetch_add(predicted, Relaxed);
             c.delivered.fetch_add(delivered, Relaxed);
-            let off = predicted.abs_diff(delivered) > PREDICTION_SLACK;
+            let off = predicted.abs_diff(delivered) > PREDICTION_SLACK && !(predicted == 0 && delivered < SHORTEST);
             if off {
                 c.mispredicted.fetch_add(1, Relaxed);
                 if predicted > delivered {
@@ -171,14 +176,16 @@ mod tests {
         tally.delivered(0, 640, 592, 700);
         tally.delivered(0, 640, 512, 700);
         tally.delivered(0, 0, 128, 700);
+        // Under the index's shortest answer: nothing to predict.
+        tally.delivered(0, 0, 96, 700);
         tally.failed(1, "refused");
         tally.ejected(1, false);
         tally.ejected(1, true);
         tally.sent(7, true);
         let stats = tally.stats();
         let a = stats.first().expect("a");
-        assert_eq!((a.requests, a.unrendered, a.answered), (2, 1, 4));
-        assert_eq!((a.predicted_tokens, a.delivered_tokens), (1920, 1872));
+        assert_eq!((a.requests, a.unrendered, a.answered), (2, 1, 5));
+        assert_eq!((a.predicted_tokens, a.delivered_tokens), (1920, 1968));
         assert_eq!((a.mispredicted, a.over_predicted), (2, 1));
         let b = stats.get(1).expect("b");
         assert_eq!((b.requests, b.failures, b.ejections), (0, 1, 1));

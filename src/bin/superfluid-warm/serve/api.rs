@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use super::Head;
 use super::engines::Flight;
-use super::prompt::{Kind, Tokens, tokens};
+use super::prompt::{Kind, OpenAiRequest, Tokens, tokens};
 use super::proxy::{Failed, Out, Warmth, forward, full, pick, warmth};
 
 /// Largest request body taken.
@@ -37,6 +37,19 @@ pub(crate) struct Tickets {
 }
 
 impl Tickets {
+    /// Ends the decisions older than [`TICKET_TTL`] (their load off the engines).
+    pub(crate) fn sweep(&self) {
+        let expired: Vec<(Flight, Instant)> = match self.open.lock() {
+            Ok(mut open) => {
+                let old: Vec<u64> =
+                    open.iter().filter(|(_, (_, at))| at.elapsed() >= TICKET_TTL).map(|(t, _)| *t).collect();
+                old.iter().filter_map(|t| open.remove(t)).collect()
+            }
+            Err(_) => Vec::new(),
+        };
+        drop(expired);
+    }
+
     /// Ends every open decision.
     pub(crate) fn clear(&self) {
         let open = self.open.lock().map(|mut open| std::mem::take(&mut *open)).unwrap_or_default();
@@ -111,28 +124,68 @@ async fn read_body(body: Incoming) -> Result<Bytes, Box<Response<Out>>> {
     }
 }
 
-/// The body as a JSON object naming the head's model.
-fn parse_request(head: &Head, bytes: &[u8]) -> Result<Value, Box<Response<Out>>> {
-    let body: Value = serde_json::from_slice(bytes)
-        .map_err(|e| Box::new(error(StatusCode::BAD_REQUEST, &format!("the body is not JSON: {e}"))))?;
-    if !body.is_object() {
-        return Err(Box::new(error(StatusCode::BAD_REQUEST, "the body must be a JSON object")));
+/// The body as an OpenAI request naming the head's model.
+fn parse_request<'a>(head: &Head, bytes: &'a [u8]) -> Result<OpenAiRequest<'a>, Box<Response<Out>>> {
+    let refuse = |why: String| Box::new(error(StatusCode::BAD_REQUEST, &why));
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()).is_none_or(|b| *b != b'{') {
+        return Err(refuse(match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+            Ok(_) => "the body must be a JSON object".into(),
+            Err(e) => format!("the body is not JSON: {e}"),
+        }));
     }
-    match body.get("model").and_then(Value::as_str) {
-        Some(m) if m == head.model => Ok(body),
+    let request: OpenAiRequest<'a> =
+        serde_json::from_slice(bytes).map_err(|e| refuse(format!("the body is not an OpenAI request: {e}")))?;
+    match request.model.as_deref() {
+        Some(m) if m == head.model => Ok(request),
         Some(m) => Err(Box::new(error(
             StatusCode::NOT_FOUND,
             &format!("The model `{m}` does not exist; this head serves `{}`", head.model),
         ))),
-        None => Err(Box::new(error(StatusCode::BAD_REQUEST, "the body names no model"))),
+        None => Err(refuse("the body names no model".into())),
     }
 }
 
 /// The prompt's tokens and the index's answer for them.
-async fn decide_warmth(head: &Arc<Head>, kind: Kind, body: &Value) -> (Warmth, Option<String>) {
-    match tokens(head, kind, body).await {
+async fn decide_warmth(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> (Warmth, Option<String>) {
+    match tokens(head, kind, request).await {
         Tokens::Ids(ids, took) => (warmth(head, Some(ids), took).await, None),
         Tokens::Unrendered(why) => (warmth(head, None, None).await, Some(why)),
+    }
+}
+
+/// The body asking for a stream's usage: `stream_options.include_usage` set, the rest as the
+/// client wrote it.
+fn with_usage(bytes: &Bytes, request: &OpenAiRequest<'_>) -> Bytes {
+    // `"stream_options": null` reads as none, but is a member all the same.
+    let named = bytes.windows(16).any(|w| w == b"\"stream_options\"");
+    match request.stream_options {
+        // No options: one more member at the object's start.
+        None if !named => {
+            let open = bytes.iter().position(|b| *b == b'{').map_or(0, |i| i + 1);
+            let mut out = Vec::with_capacity(bytes.len() + 40);
+            out.extend_from_slice(bytes.get(..open).unwrap_or_default());
+            out.extend_from_slice(br#""stream_options":{"include_usage":true},"#);
+            out.extend_from_slice(bytes.get(open..).unwrap_or_default());
+            // `{}` would have become `{...,}`: an empty object has no member to follow.
+            if serde_json::from_slice::<serde::de::IgnoredAny>(&out).is_ok() {
+                return Bytes::from(out);
+            }
+            Bytes::from(bytes.to_vec())
+        }
+        // Options of its own: merged.
+        _ => {
+            let Ok(mut body) = serde_json::from_slice::<Value>(bytes) else { return bytes.clone() };
+            if let Some(map) = body.as_object_mut() {
+                let options = map.entry("stream_options").or_insert_with(|| json!({}));
+                if !options.is_object() {
+                    *options = json!({});
+                }
+                if let Some(options) = options.as_object_mut() {
+                    options.insert("include_usage".into(), Value::Bool(true));
+                }
+            }
+            Bytes::from(body.to_string())
+        }
     }
 }
 
@@ -149,30 +202,23 @@ async fn proxy(
     if head.stopping.load(Relaxed) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the head is stopping");
     }
-    let mut body = match parse_request(head, &bytes) {
-        Ok(b) => b,
+    let request = match parse_request(head, &bytes) {
+        Ok(r) => r,
         Err(response) => return *response,
     };
-    let (warmth, unrendered) = decide_warmth(head, kind, &body).await;
+    let (warmth, unrendered) = decide_warmth(head, kind, &request).await;
     if let Some(why) = &unrendered {
         tracing::debug!(why = %why, "a prompt not rendered into tokens: routed on load");
     }
     // A stream is asked for its usage (to read `cached_tokens`); the usage event goes to the
     // client only if it asked for it.
-    let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let client_usage = body.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
-    let strip_usage = streamed && !client_usage;
-    let bytes = if strip_usage {
-        if let Some(map) = body.as_object_mut() {
-            let options = map.entry("stream_options").or_insert_with(|| json!({}));
-            if let Some(options) = options.as_object_mut() {
-                options.insert("include_usage".into(), Value::Bool(true));
-            }
-        }
-        Bytes::from(body.to_string())
-    } else {
-        bytes
-    };
+    let client_usage = request
+        .stream_options
+        .and_then(|o| serde_json::from_str::<Value>(o.get()).ok())
+        .and_then(|o| o.get("include_usage").and_then(Value::as_bool))
+        == Some(true);
+    let strip_usage = request.stream == Some(true) && !client_usage;
+    let body = if strip_usage { with_usage(&bytes, &request) } else { bytes.clone() };
     let mut tried = Vec::new();
     let mut failures: Vec<String> = Vec::new();
     let mut last_answer: Option<Failed> = None;
@@ -186,7 +232,7 @@ async fn proxy(
         }
         head.tally.sent(engine, unrendered.is_none());
         let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
-        match forward(flight, method.clone(), path, headers, bytes.clone(), strip_usage).await {
+        match forward(flight, method.clone(), path, headers, body.clone(), strip_usage).await {
             Ok(response) => return response,
             Err((flight, failed)) => {
                 let name = head.engines.get(engine).map_or("?", |e| e.name.as_str());
@@ -216,12 +262,12 @@ async fn proxy(
 /// (or `{"model": M, "prompt": [ids]}`); the answer names the engine, and prices every engine.
 /// The decision keeps its load on the engine until `/v1/route/done` (or 10 minutes).
 async fn route(head: &Arc<Head>, bytes: &[u8]) -> Response<Out> {
-    let body = match parse_request(head, bytes) {
-        Ok(b) => b,
+    let request = match parse_request(head, bytes) {
+        Ok(r) => r,
         Err(response) => return *response,
     };
-    let kind = if body.get("messages").is_some() { Kind::Chat } else { Kind::Completion };
-    let (warmth, unrendered) = decide_warmth(head, kind, &body).await;
+    let kind = if request.messages.is_some() { Kind::Chat } else { Kind::Completion };
+    let (warmth, unrendered) = decide_warmth(head, kind, &request).await;
     let Some((engine, priced)) = pick(head, &warmth, &[]) else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "no engine to route to");
     };
@@ -232,8 +278,8 @@ async fn route(head: &Arc<Head>, bytes: &[u8]) -> Response<Out> {
     let predicted = priced.iter().find(|(i, _)| *i == engine).map_or(0, |(_, p)| p.warm_tokens as u64);
     let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
     let ticket = head.tickets.next.fetch_add(1, Relaxed) + 1;
+    head.tickets.sweep();
     if let Ok(mut open) = head.tickets.open.lock() {
-        open.retain(|_, (_, at)| at.elapsed() < TICKET_TTL);
         open.insert(ticket, (flight, Instant::now()));
     }
     let engines: Vec<Value> = priced
@@ -261,6 +307,10 @@ async fn route(head: &Arc<Head>, bytes: &[u8]) -> Response<Out> {
             "prompt_tokens": warmth.tokens,
             "predicted_tokens": predicted,
             "unrendered": unrendered,
+            "took_us": {
+                "tokenize": warmth.tokenize.map(|t| t.as_secs_f64() * 1e6),
+                "lookup": warmth.lookup.as_secs_f64() * 1e6,
+            },
             "engines": engines,
         }),
     )
@@ -334,4 +384,26 @@ fn health(head: &Head) -> Response<Out> {
             "claims_dropped": head.claims_dropped.load(Relaxed),
         }),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn usage_of(body: &str) -> Value {
+        let bytes = Bytes::from(body.to_string());
+        let request: OpenAiRequest<'_> = serde_json::from_slice(&bytes).expect("a request");
+        serde_json::from_slice(&with_usage(&bytes, &request)).expect("still JSON")
+    }
+
+    #[test]
+    fn a_stream_is_asked_for_its_usage_and_keeps_the_rest_of_its_body() {
+        let body = usage_of(r#" {"model":"m","stream":true,"messages":[{"role":"user","content":"{x}"}]}"#);
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+        assert_eq!(body["messages"][0]["content"], "{x}");
+        let body = usage_of(r#"{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":true}}"#);
+        assert_eq!(body["stream_options"], json!({"continuous_usage_stats": true, "include_usage": true}));
+        let body = usage_of(r#"{"model":"m","stream":true,"stream_options":null}"#);
+        assert_eq!(body["stream_options"], json!({"include_usage": true}));
+    }
 }

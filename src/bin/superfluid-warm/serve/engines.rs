@@ -220,6 +220,9 @@ pub(crate) fn watch(
                     }
                 }
             }
+            if ticks.is_multiple_of(probe_every) {
+                head.tickets.sweep();
+            }
             if ticks.is_multiple_of(status_ticks) {
                 let mut status = ListenStatus::now(true, status_every);
                 status.engines = stats.iter().map(EngineStatus::from).collect();

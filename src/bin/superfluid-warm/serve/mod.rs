@@ -22,9 +22,13 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::Duration;
 
 use clap::Args;
+use http_body_util::Full;
+use hyper::body::Bytes;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use superfluid_warm::{
     Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, SharedWarm, Sharing, Warm,
 };
@@ -121,6 +125,8 @@ pub(crate) struct Head {
     claims: SyncSender<(Prefix, usize)>,
     /// Claims dropped because the claim thread was behind.
     pub(crate) claims_dropped: AtomicU64,
+    /// The engines' HTTP connections, kept open between requests.
+    pub(crate) client: Client<HttpConnector, Full<Bytes>>,
     /// `/v1/route`'s open decisions.
     pub(crate) tickets: api::Tickets,
     /// Set once the head stops taking requests.
@@ -223,6 +229,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         claims,
         claims_dropped: AtomicU64::new(0),
         tickets: api::Tickets::default(),
+        client: Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build_http(),
         stopping: AtomicBool::new(false),
     });
     let claimer = {

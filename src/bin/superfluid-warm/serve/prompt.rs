@@ -1,11 +1,16 @@
 //! A request's prompt in the engine's tokens: token ids as given; text and chats rendered and
 //! tokenized as vLLM does (the model's folder through `Renderer`, or else an engine's
 //! `/tokenize`). What cannot be rendered the same way is said, and routed on load alone.
+//!
+//! The body is read once, borrowed: the fields the head needs, the prompt and the messages left
+//! as the client's own JSON text (the renderer takes the messages as JSON).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::Head;
@@ -18,6 +23,39 @@ pub(crate) enum Kind {
     Chat,
 }
 
+/// What the head reads of an OpenAI request (the rest passes through untouched).
+#[derive(Deserialize, Default)]
+pub(crate) struct OpenAiRequest<'a> {
+    #[serde(borrow)]
+    pub(crate) model: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    pub(crate) messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    pub(crate) stream: Option<bool>,
+    #[serde(borrow)]
+    pub(crate) stream_options: Option<&'a RawValue>,
+    add_special_tokens: Option<bool>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<bool>,
+    /// Fields that change the tokens in ways the head does not follow: present and not null,
+    /// the prompt is routed on load alone.
+    #[serde(borrow)]
+    prompt_embeds: Option<&'a RawValue>,
+    #[serde(borrow)]
+    truncate_prompt_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    documents: Option<&'a RawValue>,
+    #[serde(borrow)]
+    mm_processor_kwargs: Option<&'a RawValue>,
+}
+
 /// A prompt's tokens, or why there are none.
 pub(crate) enum Tokens {
     /// The engine's tokens, and how long making them took (`None`: given as ids).
@@ -26,30 +64,33 @@ pub(crate) enum Tokens {
     Unrendered(String),
 }
 
-/// What to render: a completion's text, or a chat.
+/// What to render: a completion's text, or a chat (`engine_only`: with fields of vLLM's that
+/// the head's renderer does not follow, which an engine's `/tokenize` does: the chat template's
+/// own arguments, a final message to continue, a template of the request's own).
 enum Source {
     Text { prompt: String, add_special_tokens: bool },
-    Chat { messages: String, tools: Option<String>, add_generation_prompt: bool },
+    Chat { messages: String, tools: Option<String>, add_generation_prompt: bool, engine_only: Option<Value> },
 }
 
 /// How long an engine's `/tokenize` may take.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The request's prompt in the engine's tokens.
-pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, body: &Value) -> Tokens {
-    let source = match source(kind, body) {
+pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> Tokens {
+    let source = match source(kind, request) {
         Ok(Ok(ids)) => return Tokens::Ids(ids, None),
         Ok(Err(source)) => source,
         Err(why) => return Tokens::Unrendered(why),
     };
     let started = Instant::now();
-    let rendered = if head.renderer.is_some() {
+    let engine_only = matches!(&source, Source::Chat { engine_only: Some(_), .. });
+    let rendered = if head.renderer.is_some() && !engine_only {
         let head = Arc::clone(head);
         tokio::task::spawn_blocking(move || {
             let Some(r) = head.renderer.as_ref() else { return Err("no tokenizer".to_string()) };
             match &source {
                 Source::Text { prompt, add_special_tokens } => r.completion(prompt, *add_special_tokens),
-                Source::Chat { messages, tools, add_generation_prompt } => {
+                Source::Chat { messages, tools, add_generation_prompt, .. } => {
                     r.chat(messages, tools.as_deref(), *add_generation_prompt)
                 }
             }
@@ -66,51 +107,64 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, body: &Value) -> Tokens
     }
 }
 
+/// Whether a field is there and not null.
+fn set(field: Option<&RawValue>) -> bool {
+    field.is_some_and(|v| v.get() != "null")
+}
+
 /// The prompt as token ids (`Ok(Ok)`), as what to render (`Ok(Err)`), or why it cannot be
 /// rendered as the engine will (`Err`).
-fn source(kind: Kind, body: &Value) -> Result<Result<Vec<u32>, Source>, String> {
-    let set = |key: &str| body.get(key).is_some_and(|v| !v.is_null());
+fn source(kind: Kind, r: &OpenAiRequest<'_>) -> Result<Result<Vec<u32>, Source>, String> {
     match kind {
         Kind::Completion => {
-            if set("prompt_embeds") {
+            if set(r.prompt_embeds) {
                 return Err("prompt_embeds".into());
             }
-            if set("truncate_prompt_tokens") {
+            if set(r.truncate_prompt_tokens) {
                 return Err("truncate_prompt_tokens".into());
             }
-            let add_special_tokens = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
-            let prompt = match body.get("prompt") {
-                Some(Value::Array(items)) if items.len() == 1 => items.first(),
-                other => other,
-            };
-            match prompt {
-                Some(Value::String(text)) => Ok(Err(Source::Text { prompt: text.clone(), add_special_tokens })),
-                Some(Value::Array(ids)) => ids
-                    .iter()
-                    .map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok()))
-                    .collect::<Option<Vec<u32>>>()
-                    .map(Ok)
-                    .ok_or_else(|| "a batch of prompts".to_string()),
-                _ => Err("no prompt".into()),
+            let prompt = r.prompt.map(RawValue::get).ok_or("no prompt")?;
+            // Token ids, one prompt of them, a text, or one text (a batch is not followed).
+            if let Ok(ids) = serde_json::from_str::<Vec<u32>>(prompt) {
+                return Ok(Ok(ids));
             }
+            if let Ok([ids]) = serde_json::from_str::<[Vec<u32>; 1]>(prompt) {
+                return Ok(Ok(ids));
+            }
+            let text = serde_json::from_str::<String>(prompt)
+                .or_else(|_| serde_json::from_str::<[String; 1]>(prompt).map(|[t]| t))
+                .map_err(|_| "a batch of prompts, or not a prompt".to_string())?;
+            Ok(Err(Source::Text { prompt: text, add_special_tokens: r.add_special_tokens.unwrap_or(true) }))
         }
         Kind::Chat => {
-            for key in ["chat_template", "chat_template_kwargs", "documents", "mm_processor_kwargs"] {
-                if set(key) {
-                    return Err(key.into());
+            if set(r.mm_processor_kwargs) {
+                return Err("mm_processor_kwargs".into());
+            }
+            let messages = r.messages.map(RawValue::get).filter(|m| m.trim_start().starts_with('['));
+            let messages = messages.ok_or("no messages")?;
+            // What only the engine's own rendering follows, passed to its `/tokenize` as sent.
+            let mut engine_only = serde_json::Map::new();
+            let raw = [
+                ("chat_template", r.chat_template),
+                ("chat_template_kwargs", r.chat_template_kwargs),
+                ("documents", r.documents),
+            ];
+            for (name, value) in raw {
+                if let Some(v) = value.filter(|v| set(Some(v))) {
+                    engine_only.insert(name.into(), serde_json::from_str(v.get()).unwrap_or(Value::Null));
                 }
             }
-            if body.get("continue_final_message").and_then(Value::as_bool) == Some(true) {
-                return Err("continue_final_message".into());
+            if r.continue_final_message == Some(true) {
+                engine_only.insert("continue_final_message".into(), Value::Bool(true));
             }
-            if body.get("add_special_tokens").and_then(Value::as_bool) == Some(true) {
-                return Err("add_special_tokens".into());
+            if r.add_special_tokens == Some(true) {
+                engine_only.insert("add_special_tokens".into(), Value::Bool(true));
             }
-            let Some(messages @ Value::Array(_)) = body.get("messages") else { return Err("no messages".into()) };
             Ok(Err(Source::Chat {
                 messages: messages.to_string(),
-                tools: body.get("tools").filter(|t| !t.is_null()).map(Value::to_string),
-                add_generation_prompt: body.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true),
+                tools: r.tools.filter(|t| set(Some(t))).map(|t| t.get().to_string()),
+                add_generation_prompt: r.add_generation_prompt.unwrap_or(true),
+                engine_only: (!engine_only.is_empty()).then_some(Value::Object(engine_only)),
             }))
         }
     }
@@ -123,11 +177,16 @@ async fn engine_tokenize(head: &Arc<Head>, source: &Source) -> Result<Vec<u32>, 
         Source::Text { prompt, add_special_tokens } => {
             json!({"model": head.model, "prompt": prompt, "add_special_tokens": add_special_tokens})
         }
-        Source::Chat { messages, tools, add_generation_prompt } => {
+        Source::Chat { messages, tools, add_generation_prompt, engine_only } => {
             let parse = |s: &str| serde_json::from_str::<Value>(s).unwrap_or(Value::Null);
             let mut r = json!({"model": head.model, "messages": parse(messages), "add_generation_prompt": add_generation_prompt});
-            if let (Some(tools), Some(map)) = (tools, r.as_object_mut()) {
-                map.insert("tools".into(), parse(tools));
+            if let Some(map) = r.as_object_mut() {
+                if let Some(tools) = tools {
+                    map.insert("tools".into(), parse(tools));
+                }
+                if let Some(Value::Object(fields)) = engine_only {
+                    map.extend(fields.clone());
+                }
             }
             r
         }
@@ -143,4 +202,56 @@ async fn engine_tokenize(head: &Arc<Head>, source: &Source) -> Result<Vec<u32>, 
         .and_then(Value::as_array)
         .and_then(|ids| ids.iter().map(|id| id.as_u64().and_then(|id| u32::try_from(id).ok())).collect())
         .ok_or_else(|| format!("{}'s /tokenize gave no tokens", engine.name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn of(kind: Kind, body: &str) -> Result<Result<Vec<u32>, String>, String> {
+        let request: OpenAiRequest<'_> = serde_json::from_str(body).expect("a request");
+        source(kind, &request).map(|s| {
+            s.map_err(|s| match s {
+                Source::Text { prompt, add_special_tokens } => format!("text {add_special_tokens} {prompt}"),
+                Source::Chat { messages, tools, add_generation_prompt, engine_only: None } => {
+                    format!("chat {add_generation_prompt} {messages} {tools:?}")
+                }
+                Source::Chat { engine_only: Some(fields), .. } => format!("engine {fields}"),
+            })
+        })
+    }
+
+    #[test]
+    fn prompts_are_read_as_vllm_reads_them_and_what_is_not_followed_is_named() {
+        use Kind::{Chat, Completion};
+        assert_eq!(of(Completion, r#"{"prompt":[1,2,3]}"#), Ok(Ok(vec![1, 2, 3])));
+        assert_eq!(of(Completion, r#"{"prompt":[[4,5]]}"#), Ok(Ok(vec![4, 5])));
+        assert_eq!(of(Completion, r#"{"prompt":"hi"}"#), Ok(Err("text true hi".into())));
+        assert_eq!(of(Completion, r#"{"prompt":["hi"],"add_special_tokens":false}"#), Ok(Err("text false hi".into())));
+        assert!(of(Completion, r#"{"prompt":["a","b"]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":[1],"prompt_embeds":"x"}"#).is_err_and(|e| e == "prompt_embeds"));
+        assert_eq!(of(Completion, r#"{"prompt":[1],"prompt_embeds":null}"#), Ok(Ok(vec![1])));
+        assert!(of(Completion, r#"{}"#).is_err_and(|e| e == "no prompt"));
+        let chat = r#"{"messages":[{"role":"user","content":"x"}],"tools":[{"type":"function"}]}"#;
+        assert_eq!(
+            of(Chat, chat),
+            Ok(Err(r#"chat true [{"role":"user","content":"x"}] Some("[{\"type\":\"function\"}]")"#.into()))
+        );
+        let no_prompt = r#"{"messages":[],"add_generation_prompt":false,"tools":null}"#;
+        assert_eq!(of(Chat, no_prompt), Ok(Err("chat false [] None".into())));
+        // What only the engine's rendering follows goes to its /tokenize, as sent.
+        for (fields, body) in [
+            (r#"{"chat_template":"{{x}}"}"#, r#"{"messages":[],"chat_template":"{{x}}"}"#),
+            (r#"{"continue_final_message":true}"#, r#"{"messages":[],"continue_final_message":true}"#),
+            (r#"{"add_special_tokens":true}"#, r#"{"messages":[],"add_special_tokens":true}"#),
+            (
+                r#"{"chat_template_kwargs":{"enable_thinking":false}}"#,
+                r#"{"messages":[],"chat_template_kwargs":{"enable_thinking":false}}"#,
+            ),
+        ] {
+            assert_eq!(of(Chat, body), Ok(Err(format!("engine {fields}"))), "{body}");
+        }
+        assert_eq!(of(Chat, r#"{"messages":"hi"}"#), Err("no messages".into()));
+        assert_eq!(of(Chat, r#"{"messages":[],"mm_processor_kwargs":{}}"#), Err("mm_processor_kwargs".into()));
+    }
 }

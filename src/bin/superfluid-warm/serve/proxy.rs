@@ -34,6 +34,10 @@ pub(crate) struct Warmth {
     pub(crate) prefix: Option<Prefix>,
     pub(crate) hits: Vec<Hit>,
     pub(crate) tokens: usize,
+    /// How long rendering the prompt into tokens took (`None`: given as ids, or not rendered).
+    pub(crate) tokenize: Option<Duration>,
+    /// How long hashing it and the index's answer took.
+    pub(crate) lookup: Duration,
 }
 
 /// The index's answer for `tokens` (hashed and looked up on the blocking pool), within the
@@ -41,7 +45,7 @@ pub(crate) struct Warmth {
 pub(crate) async fn warmth(head: &Arc<Head>, tokens: Option<Vec<u32>>, tokenize: Option<Duration>) -> Warmth {
     let Some(tokens) = tokens else {
         record_load_only("unrendered");
-        return Warmth { prefix: None, hits: Vec::new(), tokens: 0 };
+        return Warmth { prefix: None, hits: Vec::new(), tokens: 0, tokenize: None, lookup: Duration::ZERO };
     };
     let started = Instant::now();
     let n = tokens.len();
@@ -52,20 +56,21 @@ pub(crate) async fn warmth(head: &Arc<Head>, tokens: Option<Vec<u32>>, tokenize:
         let hits = index.warm_nodes_prefix(&prefix);
         (prefix, hits)
     });
-    let warmth = match tokio::time::timeout(head.deadline, lookup).await {
-        Ok(Ok((prefix, Ok(hits)))) => Warmth { prefix: Some(prefix), hits, tokens: n },
+    let (prefix, hits) = match tokio::time::timeout(head.deadline, lookup).await {
+        Ok(Ok((prefix, Ok(hits)))) => (Some(prefix), hits),
         Ok(Ok((prefix, Err(e)))) => {
             tracing::warn!(error = %e, "the index did not answer: routed on load");
             record_load_only("error");
-            Warmth { prefix: Some(prefix), hits: Vec::new(), tokens: n }
+            (Some(prefix), Vec::new())
         }
         Ok(Err(_)) | Err(_) => {
             record_load_only("late");
-            Warmth { prefix: None, hits: Vec::new(), tokens: n }
+            (None, Vec::new())
         }
     };
-    record_decision(tokenize, started.elapsed());
-    warmth
+    let lookup = started.elapsed();
+    record_decision(tokenize, lookup);
+    Warmth { prefix, hits, tokens: n, tokenize, lookup }
 }
 
 /// The cheapest engine for the prompt, of those not in `tried`: engines in the choice, or, when
@@ -127,31 +132,20 @@ pub(crate) async fn forward(
     };
     let (name, authority) = (engine.name.clone(), engine.authority.clone());
     let fail = |reason, detail: String| Failed { reason, detail, answer: None };
-    let stream = match tokio::net::TcpStream::connect(&authority).await {
-        Ok(s) => s,
-        Err(e) => return Err((flight, fail("connect", format!("{name}: {e}")))),
-    };
-    let _ = stream.set_nodelay(true);
-    let (mut sender, connection) = match hyper::client::conn::http1::handshake(TokioIo::new(stream)).await {
-        Ok(pair) => pair,
-        Err(e) => return Err((flight, fail("connect", format!("{name}: {e}")))),
-    };
-    let connection = Abort(tokio::spawn(async move {
-        let _ = connection.await;
-    }));
-    let mut request = Request::builder().method(method).uri(path);
+    let mut request = Request::builder().method(method).uri(format!("http://{authority}{path}"));
     for (k, v) in headers {
         if !hop_by_hop(k.as_str()) && k != HOST && k != CONTENT_LENGTH {
             request = request.header(k, v);
         }
     }
-    let request = match request.header(HOST, authority.as_str()).body(Full::new(body)) {
+    let request = match request.body(Full::new(body)) {
         Ok(r) => r,
         Err(e) => return Err((flight, fail("request", e.to_string()))),
     };
-    let response = match sender.send_request(request).await {
+    let response = match flight.head.client.request(request).await {
         Ok(r) => r,
-        Err(e) => return Err((flight, fail("reset", format!("{name}: {e}")))),
+        Err(e) if e.is_connect() => return Err((flight, fail("connect", format!("{name}: {}", cause(&e))))),
+        Err(e) => return Err((flight, fail("reset", format!("{name}: {}", cause(&e))))),
     };
     let (parts, incoming) = response.into_parts();
     if parts.status.is_server_error() {
@@ -179,13 +173,7 @@ pub(crate) async fn forward(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.starts_with("text/event-stream"));
     let body = if is_stream {
-        Relay {
-            inner: incoming,
-            scan: Scan { pending: Vec::new(), strip_usage },
-            flight: Some(flight),
-            _connection: connection,
-        }
-        .boxed()
+        Relay { inner: incoming, scan: Scan { pending: Vec::new(), strip_usage }, flight: Some(flight) }.boxed()
     } else {
         let bytes = match incoming.collect().await {
             Ok(b) => b.to_bytes(),
@@ -227,8 +215,7 @@ fn hop_by_hop(name: &str) -> bool {
     )
 }
 
-/// Aborts the upstream connection's task when dropped: a client that goes away closes the
-/// engine's connection, and vLLM cancels the request.
+/// Aborts a connection's task when dropped.
 struct Abort(tokio::task::JoinHandle<()>);
 
 impl Drop for Abort {
@@ -237,12 +224,24 @@ impl Drop for Abort {
     }
 }
 
-/// A stream relayed to the client event by event.
+/// A stream relayed to the client event by event. Dropped before its end (the client went
+/// away), it drops the engine's response, whose connection is then closed rather than pooled:
+/// vLLM cancels the request.
 struct Relay {
     inner: Incoming,
     scan: Scan,
     flight: Option<Flight>,
-    _connection: Abort,
+}
+
+/// What an error of the client says, down to its root (a refused connection, a reset).
+fn cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut said = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        said = format!("{said}: {s}");
+        source = s.source();
+    }
+    said
 }
 
 /// Reads a server-sent-events stream: the first event is the first token, a usage event tells

@@ -1,0 +1,346 @@
+//! `serve-bench`: what `superfluid-warm serve` adds to a request, and how many it proxies, beside
+//! `vllm-router --policy round_robin` in the same run.
+//!
+//! - **Overhead**: from the client's last byte to the engine's first, one request at a time,
+//!   for chats of about 1k and 8k tokens (the Llama 3 template and a real BPE tokenizer), and for
+//!   the same lengths as token ids (no tokenizing: the index's answer, the choice and the proxy).
+//!   The head's own tokenizing time (`/v1/route`'s `took_us`) is set beside `Renderer::chat` in
+//!   this process, which is the `tokenizers` crate behind the template.
+//! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
+//!   few seconds through each router to two engines that answer at once.
+//!
+//! Every figure is a median over `--runs` runs, with the range. The engines and the clients run
+//! in this process; the routers are processes of their own.
+
+mod client;
+mod engine;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use client::Client;
+use engine::InstantEngine;
+use serde_json::{Value, json};
+use superfluid_warm::Renderer;
+
+#[derive(Parser)]
+#[command(name = "serve-bench", about = "serve's overhead and throughput, beside vllm-router")]
+struct Args {
+    /// Runs (figures are medians over them, with their range).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Requests a size for the overhead.
+    #[arg(long, default_value_t = 200)]
+    requests: usize,
+    /// Seconds of load for the throughput.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Concurrent clients for the throughput.
+    #[arg(long, default_value_t = 32)]
+    clients: usize,
+    /// `vllm-router` (PyPI's vllm-router==0.1.17); without it, serve alone is measured.
+    #[arg(long, default_value = "vllm-router")]
+    vllm_router: String,
+    /// One JSON object at the end.
+    #[arg(long)]
+    json: bool,
+}
+
+fn tokenizer_dir() -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/fixtures/render/llama3"))
+}
+
+/// A router process, killed when dropped.
+struct Router(Child);
+
+impl Drop for Router {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// `superfluid-warm serve` (built beside this binary) in front of `engines`.
+fn start_serve(dir: &std::path::Path, engines: &[&InstantEngine]) -> (Router, SocketAddr) {
+    let exe = std::env::current_exe().expect("this binary").with_file_name("superfluid-warm");
+    let mut command = Command::new(&exe);
+    command
+        .args(["serve", &dir.join("bench.redb").display().to_string(), "--listen", "127.0.0.1:0", "--model", "m"])
+        .args(["--tokenizer", &tokenizer_dir().display().to_string()]);
+    for (i, e) in engines.iter().enumerate() {
+        command.args(["--engine", &format!("e{i}={}", e.url())]);
+    }
+    let mut child =
+        command.stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap_or_else(|e| {
+            panic!("{} does not start ({e}): build it with `cargo build --release`", exe.display())
+        });
+    let stderr = child.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(stderr).lines();
+    let addr = loop {
+        let line = lines.next().and_then(Result::ok).expect("serve says where it serves");
+        if let Some(rest) = line.split(" on http://").nth(1) {
+            break rest.split_whitespace().next().and_then(|a| a.parse().ok()).expect("an address");
+        }
+    };
+    // Its log goes on; nobody reads it.
+    std::thread::spawn(move || for _ in lines {});
+    (Router(child), addr)
+}
+
+/// `vllm-router --policy round_robin` in front of `engines`, once it answers.
+fn start_vllm_router(program: &str, engines: &[&InstantEngine]) -> Option<(Router, SocketAddr)> {
+    let free = || Some(std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port());
+    let (port, metrics) = (free()?, free()?);
+    let mut command = Command::new(program);
+    command.args(["--host", "127.0.0.1", "--port", &port.to_string(), "--policy", "round_robin", "--worker-urls"]);
+    command.args(engines.iter().map(|e| e.url()));
+    command.args(["--log-level", "warning", "--prometheus-port", &metrics.to_string()]);
+    command.args(["--worker-startup-check-interval", "1"]);
+    let child = command.stdout(Stdio::null()).stderr(Stdio::null()).spawn().ok()?;
+    let router = Router(child);
+    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    let started = Instant::now();
+    let body = json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}).to_string();
+    while started.elapsed() < Duration::from_secs(60) {
+        if Client::new(addr).post("/v1/completions", &body, "").is_ok_and(|(s, _, _)| s == 200) {
+            return Some((router, addr));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    None
+}
+
+/// A deterministic stream of words.
+struct Words(u64);
+
+impl Words {
+    fn next(&mut self) -> String {
+        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        let syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "pe", "do", "ga", "fu"];
+        let n = 1 + (self.0 >> 60) as usize % 3;
+        (0..n).map(|i| syllables[((self.0 >> (8 * i + 8)) % 12) as usize]).collect()
+    }
+}
+
+/// A chat of about `tokens` tokens (by the renderer), distinct per `seed`.
+fn chat_of(renderer: &Renderer, tokens: usize, seed: u64) -> (Value, usize) {
+    let mut words = Words(seed);
+    let mut text = String::new();
+    loop {
+        for _ in 0..64 {
+            text.push_str(&words.next());
+            text.push(' ');
+        }
+        let messages = json!([{"role": "user", "content": text}]);
+        let n = renderer.chat(&messages.to_string(), None, true).map_or(0, |t| t.len());
+        if n >= tokens {
+            return (messages, n);
+        }
+    }
+}
+
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted.get(i).copied().unwrap_or(f64::NAN)
+}
+
+fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// One run's overhead figures for one prompt size, in µs: (chat p50, chat p99, ids p50, ids
+/// p99, head tokenizing p50, in-process render p50).
+fn overhead(
+    addr: SocketAddr,
+    engines: &[&InstantEngine],
+    renderer: &Renderer,
+    size: usize,
+    n: usize,
+    run: u64,
+) -> [f64; 6] {
+    let mut client = Client::new(addr);
+    let (mut chat, mut ids, mut head_tok, mut local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..n as u64 {
+        let id = run * 1_000_000 + size as u64 * 1000 + i;
+        let (messages, _) = chat_of(renderer, size, id);
+        let started = Instant::now();
+        let tokens = renderer.chat(&messages.to_string(), None, true).expect("render");
+        local.push(started.elapsed().as_secs_f64() * 1e6);
+        let arrived = |id: u64| engines.iter().find_map(|e| e.arrivals.lock().ok()?.remove(&id));
+        let body = json!({"model": "m", "messages": messages, "max_tokens": 1}).to_string();
+        let (status, _, sent) =
+            client.post("/v1/chat/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("chat");
+        assert_eq!(status, 200);
+        if let Some(came) = arrived(id) {
+            chat.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
+        }
+        // The same tokens as ids: no tokenizing.
+        let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
+        let id = id + 500;
+        let (status, _, sent) = client.post("/v1/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("ids");
+        assert_eq!(status, 200);
+        if let Some(came) = arrived(id) {
+            ids.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
+        }
+        // The head's own tokenizing time for this chat.
+        let body = json!({"model": "m", "messages": messages}).to_string();
+        let (status, answer, _) = client.post("/v1/route", &body, "").expect("route");
+        assert_eq!(status, 200, "{answer}");
+        let answer: Value = serde_json::from_str(&answer).expect("JSON");
+        if let Some(t) = answer["took_us"]["tokenize"].as_f64() {
+            head_tok.push(t);
+        }
+        let _ = client.post("/v1/route/done", &json!({"ticket": answer["ticket"]}).to_string(), "");
+    }
+    let (chat, ids, head_tok, local) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local));
+    [
+        quantile(&chat, 0.5),
+        quantile(&chat, 0.99),
+        quantile(&ids, 0.5),
+        quantile(&ids, 0.99),
+        quantile(&head_tok, 0.5),
+        quantile(&local, 0.5),
+    ]
+}
+
+/// Requests a second through the router at `addr` from `clients` kept-alive clients.
+fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> f64 {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let failed = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = (0..clients as u32)
+        .map(|c| {
+            let (stop, done, failed) = (Arc::clone(&stop), Arc::clone(&done), Arc::clone(&failed));
+            std::thread::spawn(move || {
+                let mut client = Client::new(addr);
+                let mut i = 0u32;
+                while !stop.load(Ordering::Relaxed) {
+                    let prompt: Vec<u32> = (0..256).map(|t| c * 1_000_000 + i * 300 + t).collect();
+                    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 1}).to_string();
+                    match client.post("/v1/completions", &body, "") {
+                        Ok((200, _, _)) => done.fetch_add(1, Ordering::Relaxed),
+                        _ => failed.fetch_add(1, Ordering::Relaxed),
+                    };
+                    i += 1;
+                }
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    std::thread::sleep(Duration::from_secs_f64(seconds));
+    let counted = done.load(Ordering::Relaxed);
+    let took = started.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        let _ = t.join();
+    }
+    if failed.load(Ordering::Relaxed) > 0 {
+        eprintln!("serve-bench: {} requests failed", failed.load(Ordering::Relaxed));
+    }
+    counted as f64 / took
+}
+
+/// Median and range of a figure over runs.
+fn spread(v: &[f64]) -> (f64, f64, f64) {
+    let s = sorted(v.to_vec());
+    (quantile(&s, 0.5), s.first().copied().unwrap_or(f64::NAN), s.last().copied().unwrap_or(f64::NAN))
+}
+
+fn main() {
+    let args = Args::parse();
+    let renderer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
+    let sizes = [1024usize, 8192];
+    let mut over: Vec<Vec<[f64; 6]>> = vec![Vec::new(); sizes.len()];
+    let (mut serve_rps, mut peer_rps) = (Vec::new(), Vec::new());
+    let mut peer_missing = None;
+    for run in 0..args.runs {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let engines = [InstantEngine::start().expect("engine"), InstantEngine::start().expect("engine")];
+        let refs: Vec<&InstantEngine> = engines.iter().collect();
+        {
+            let (_serve, addr) = start_serve(dir.path(), &refs);
+            for (i, &size) in sizes.iter().enumerate() {
+                let n = if size > 4096 { args.requests / 4 } else { args.requests }.max(10);
+                over[i].push(overhead(addr, &refs, &renderer, size, n, run as u64));
+            }
+            serve_rps.push(throughput(addr, args.clients, args.seconds));
+        }
+        match start_vllm_router(&args.vllm_router, &refs) {
+            Some((_router, addr)) => peer_rps.push(throughput(addr, args.clients, args.seconds)),
+            None => {
+                peer_missing = Some(format!(
+                    "{} did not start (pip install vllm-router==0.1.17, or give --vllm-router PATH)",
+                    args.vllm_router
+                ))
+            }
+        }
+        eprintln!("serve-bench: run {} of {} done", run + 1, args.runs);
+    }
+    let mut report = json!({"runs": args.runs});
+    println!("serve-bench: medians over {} runs [min - max]", args.runs);
+    for (i, size) in sizes.iter().enumerate() {
+        let col = |k: usize| spread(&over[i].iter().map(|r| r[k]).collect::<Vec<_>>());
+        let (names, mut figures) = (
+            ["chat_p50_us", "chat_p99_us", "ids_p50_us", "ids_p99_us", "head_tokenize_p50_us", "render_p50_us"],
+            json!({}),
+        );
+        for (k, name) in names.iter().enumerate() {
+            let (m, lo, hi) = col(k);
+            figures[*name] = json!({"median": m, "min": lo, "max": hi});
+        }
+        let ratio = spread(&over[i].iter().map(|r| r[4] / r[5]).collect::<Vec<_>>());
+        figures["tokenize_ratio"] = json!({"median": ratio.0, "min": ratio.1, "max": ratio.2});
+        let f = |k: usize| {
+            let (m, lo, hi) = col(k);
+            format!("{m:.0} µs [{lo:.0} - {hi:.0}]")
+        };
+        println!(
+            "  {size}-token chat: last byte in to first byte out p50 {}, p99 {}; as token ids (no tokenizing) p50 {}, p99 {}",
+            f(0),
+            f(1),
+            f(2),
+            f(3)
+        );
+        println!(
+            "    tokenizing in the head p50 {} against Renderer::chat in-process {}: {:.2}x [{:.2} - {:.2}]",
+            f(4),
+            f(5),
+            ratio.0,
+            ratio.1,
+            ratio.2
+        );
+        report[format!("chat_{size}")] = figures;
+    }
+    let (s, slo, shi) = spread(&serve_rps);
+    println!(
+        "  throughput ({} clients, 256-token id prompts): serve {s:.0} requests/s [{slo:.0} - {shi:.0}]",
+        args.clients
+    );
+    report["serve_rps"] = json!({"median": s, "min": slo, "max": shi});
+    match peer_missing {
+        Some(why) => {
+            println!("  vllm-router: {why}");
+            report["vllm_router"] = json!(why);
+        }
+        None => {
+            let (p, plo, phi) = spread(&peer_rps);
+            let ratios: Vec<f64> = serve_rps.iter().zip(&peer_rps).map(|(s, p)| s / p).collect();
+            let (r, rlo, rhi) = spread(&ratios);
+            println!(
+                "  vllm-router --policy round_robin {p:.0} requests/s [{plo:.0} - {phi:.0}]; serve / vllm-router {r:.2}x [{rlo:.2} - {rhi:.2}]"
+            );
+            report["vllm_router_rps"] = json!({"median": p, "min": plo, "max": phi});
+            report["ratio"] = json!({"median": r, "min": rlo, "max": rhi});
+        }
+    }
+    if args.json {
+        println!("{report}");
+    }
+}

@@ -56,6 +56,156 @@ pub(crate) struct OpenAiRequest<'a> {
     mm_processor_kwargs: Option<&'a RawValue>,
 }
 
+/// A completion's `prompt`, read in one pass: token ids, a text, or what the head does not follow
+/// (a batch of several prompts, or not a prompt at all).
+#[derive(Debug, PartialEq)]
+enum Prompt {
+    Ids(Vec<u32>),
+    Text(String),
+    Other,
+}
+
+/// A flat list of token ids, read straight from its JSON text (a long prompt's ids are most of
+/// a request's parsing); `None` for anything else, which serde reads.
+fn ids(raw: &str) -> Option<Vec<u32>> {
+    let inner = raw.trim().strip_prefix('[')?.strip_suffix(']')?;
+    let mut out = Vec::with_capacity(inner.len() / 5 + 1);
+    let bytes = inner.as_bytes();
+    let (mut i, mut value, mut digits) = (0, 0u64, 0);
+    loop {
+        let b = bytes.get(i).copied();
+        match b {
+            Some(d @ b'0'..=b'9') => {
+                value = value * 10 + u64::from(d - b'0');
+                digits += 1;
+                if digits > 10 {
+                    return None;
+                }
+            }
+            Some(b' ' | b'\n' | b'\r' | b'\t') => {}
+            Some(b',') | None => {
+                if digits == 0 {
+                    // `[]` is an empty prompt; `[,` or `1,,2` is not a list of ids.
+                    return (b.is_none() && out.is_empty()).then_some(out);
+                }
+                out.push(u32::try_from(value).ok()?);
+                (value, digits) = (0, 0);
+                if b.is_none() {
+                    return Some(out);
+                }
+            }
+            Some(_) => return None,
+        }
+        i += 1;
+    }
+}
+
+/// One element of a prompt list.
+enum Element {
+    Id(u32),
+    Text(String),
+    Ids(Vec<u32>),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Prompt, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Prompt;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a prompt")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Prompt, E> {
+                Ok(Prompt::Text(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+                let (mut ids, mut whole, mut count, mut other) = (Vec::new(), None, 0usize, false);
+                while let Some(element) = seq.next_element::<Element>()? {
+                    count += 1;
+                    match element {
+                        Element::Id(id) => ids.push(id),
+                        Element::Text(t) => whole = Some(Prompt::Text(t)),
+                        Element::Ids(i) => whole = Some(Prompt::Ids(i)),
+                        Element::Other => other = true,
+                    }
+                }
+                Ok(match (whole, count, other) {
+                    (_, _, true) => Prompt::Other,
+                    (None, _, false) => Prompt::Ids(ids),
+                    (Some(one), 1, false) => one,
+                    (Some(_), _, false) => Prompt::Other,
+                })
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Prompt, E> {
+                Ok(Prompt::Other)
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Prompt, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(Prompt::Other)
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Prompt, E> {
+                Ok(Prompt::Other)
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Prompt, E> {
+                Ok(Prompt::Other)
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Prompt, E> {
+                Ok(Prompt::Other)
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Prompt, E> {
+                Ok(Prompt::Other)
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
+impl<'de> Deserialize<'de> for Element {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Element, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Element;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a token id, a text or a list of token ids")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Element, E> {
+                Ok(u32::try_from(v).map_or(Element::Other, Element::Id))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Element, E> {
+                Ok(u32::try_from(v).map_or(Element::Other, Element::Id))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Element, E> {
+                Ok(Element::Other)
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Element, E> {
+                Ok(Element::Other)
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Element, E> {
+                Ok(Element::Other)
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Element, E> {
+                Ok(Element::Text(v.to_string()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Element, A::Error> {
+                let (mut ids, mut other) = (Vec::new(), false);
+                while let Some(element) = seq.next_element::<Element>()? {
+                    match element {
+                        Element::Id(id) => ids.push(id),
+                        _ => other = true,
+                    }
+                }
+                Ok(if other { Element::Other } else { Element::Ids(ids) })
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Element, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(Element::Other)
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
 /// A prompt's tokens, or why there are none.
 pub(crate) enum Tokens {
     /// The engine's tokens, and how long making them took (`None`: given as ids).
@@ -123,18 +273,20 @@ fn source(kind: Kind, r: &OpenAiRequest<'_>) -> Result<Result<Vec<u32>, Source>,
             if set(r.truncate_prompt_tokens) {
                 return Err("truncate_prompt_tokens".into());
             }
-            let prompt = r.prompt.map(RawValue::get).ok_or("no prompt")?;
-            // Token ids, one prompt of them, a text, or one text (a batch is not followed).
-            if let Ok(ids) = serde_json::from_str::<Vec<u32>>(prompt) {
-                return Ok(Ok(ids));
+            let prompt = match r.prompt.map(RawValue::get) {
+                None | Some("null") => None,
+                Some(raw) => {
+                    Some(ids(raw).map_or_else(|| serde_json::from_str(raw).unwrap_or(Prompt::Other), Prompt::Ids))
+                }
+            };
+            match prompt {
+                None => Err("no prompt".into()),
+                Some(Prompt::Ids(ids)) => Ok(Ok(ids)),
+                Some(Prompt::Text(text)) => {
+                    Ok(Err(Source::Text { prompt: text, add_special_tokens: r.add_special_tokens.unwrap_or(true) }))
+                }
+                Some(Prompt::Other) => Err("a batch of prompts, or not a prompt".into()),
             }
-            if let Ok([ids]) = serde_json::from_str::<[Vec<u32>; 1]>(prompt) {
-                return Ok(Ok(ids));
-            }
-            let text = serde_json::from_str::<String>(prompt)
-                .or_else(|_| serde_json::from_str::<[String; 1]>(prompt).map(|[t]| t))
-                .map_err(|_| "a batch of prompts, or not a prompt".to_string())?;
-            Ok(Err(Source::Text { prompt: text, add_special_tokens: r.add_special_tokens.unwrap_or(true) }))
         }
         Kind::Chat => {
             if set(r.mm_processor_kwargs) {
@@ -229,6 +381,22 @@ mod tests {
         assert_eq!(of(Completion, r#"{"prompt":"hi"}"#), Ok(Err("text true hi".into())));
         assert_eq!(of(Completion, r#"{"prompt":["hi"],"add_special_tokens":false}"#), Ok(Err("text false hi".into())));
         assert!(of(Completion, r#"{"prompt":["a","b"]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":[[1],[2]]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":[1,-2]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":[1,"a"]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":{"a":[1]}}"#).is_err_and(|e| e.contains("batch")));
+        assert_eq!(of(Completion, r#"{"prompt":[]}"#), Ok(Ok(vec![])));
+        assert_eq!(
+            of(
+                Completion,
+                r#"{"prompt": [ 7 ,8,
+ 4294967295 ] }"#
+            ),
+            Ok(Ok(vec![7, 8, u32::MAX]))
+        );
+        assert!(of(Completion, r#"{"prompt":[4294967296]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":[1.5]}"#).is_err_and(|e| e.contains("batch")));
+        assert!(of(Completion, r#"{"prompt":null}"#).is_err_and(|e| e == "no prompt"));
         assert!(of(Completion, r#"{"prompt":[1],"prompt_embeds":"x"}"#).is_err_and(|e| e == "prompt_embeds"));
         assert_eq!(of(Completion, r#"{"prompt":[1],"prompt_embeds":null}"#), Ok(Ok(vec![1])));
         assert!(of(Completion, r#"{}"#).is_err_and(|e| e == "no prompt"));

@@ -167,12 +167,24 @@ fn overhead(
 ) -> [f64; 6] {
     let mut client = Client::new(addr);
     let (mut chat, mut ids, mut head_tok, mut local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for i in 0..n as u64 {
-        let id = run * 1_000_000 + size as u64 * 1000 + i;
-        let (messages, _) = chat_of(renderer, size, id);
-        let started = Instant::now();
-        let tokens = renderer.chat(&messages.to_string(), None, true).expect("render");
-        local.push(started.elapsed().as_secs_f64() * 1e6);
+    // The prompts first, then `Renderer::chat` on each once, as the head will see them: none
+    // just rendered (the growing prompt above renders the same text many times).
+    let prompts: Vec<(u64, Value)> = (0..n as u64)
+        .map(|i| {
+            let id = run * 1_000_000 + size as u64 * 1000 + i;
+            (id, chat_of(renderer, size, id).0)
+        })
+        .collect();
+    let rendered: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|(_, messages)| {
+            let started = Instant::now();
+            let tokens = renderer.chat(&messages.to_string(), None, true).expect("render");
+            local.push(started.elapsed().as_secs_f64() * 1e6);
+            tokens
+        })
+        .collect();
+    for ((id, messages), tokens) in prompts.into_iter().zip(rendered) {
         let arrived = |id: u64| engines.iter().find_map(|e| e.arrivals.lock().ok()?.remove(&id));
         let body = json!({"model": "m", "messages": messages, "max_tokens": 1}).to_string();
         let (status, _, sent) =

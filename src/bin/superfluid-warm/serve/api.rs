@@ -148,7 +148,7 @@ fn parse_request<'a>(head: &Head, bytes: &'a [u8]) -> Result<OpenAiRequest<'a>, 
 /// The prompt's tokens and the index's answer for them.
 async fn decide_warmth(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> (Warmth, Option<String>) {
     match tokens(head, kind, request).await {
-        Tokens::Ids(ids, took) => (warmth(head, Some(ids), took).await, None),
+        Tokens::Ids { count, took, lookup } => (warmth(head, Some((count, lookup)), took).await, None),
         Tokens::Unrendered(why) => (warmth(head, None, None).await, Some(why)),
     }
 }
@@ -219,6 +219,12 @@ async fn proxy(
         == Some(true);
     let strip_usage = request.stream == Some(true) && !client_usage;
     let body = if strip_usage { with_usage(&bytes, &request) } else { bytes.clone() };
+    // What the decision took, for the client and an operator (`server-timing`, milliseconds).
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let timing = match warmth.tokenize {
+        Some(t) => format!("tokenize;dur={:.3}, index;dur={:.3}", ms(t), ms(warmth.lookup)),
+        None => format!("index;dur={:.3}", ms(warmth.lookup)),
+    };
     let mut tried = Vec::new();
     let mut failures: Vec<String> = Vec::new();
     let mut last_answer: Option<Failed> = None;
@@ -232,7 +238,7 @@ async fn proxy(
         }
         head.tally.sent(engine, unrendered.is_none());
         let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
-        match forward(flight, method.clone(), path, headers, body.clone(), strip_usage).await {
+        match forward(flight, method.clone(), path, headers, body.clone(), strip_usage, &timing).await {
             Ok(response) => return response,
             Err((flight, failed)) => {
                 let name = head.engines.get(engine).map_or("?", |e| e.name.as_str());

@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::Head;
-use super::proxy::post_json;
+use super::proxy::{Lookup, lookup_now, post_json};
 
 /// Which API a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,8 +208,9 @@ impl<'de> Deserialize<'de> for Element {
 
 /// A prompt's tokens, or why there are none.
 pub(crate) enum Tokens {
-    /// The engine's tokens, and how long making them took (`None`: given as ids).
-    Ids(Vec<u32>, Option<Duration>),
+    /// The engine's tokens: how many, how long making them took (`None`: given as ids), and
+    /// the index's answer for them, asked for or to ask.
+    Ids { count: usize, took: Option<Duration>, lookup: Lookup },
     /// Not rendered: why.
     Unrendered(String),
 }
@@ -225,35 +226,46 @@ enum Source {
 /// How long an engine's `/tokenize` may take.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The request's prompt in the engine's tokens.
+/// The request's prompt in the engine's tokens. Rendered here, the same blocking task goes on to
+/// ask the index (one hand-over between threads, not two).
 pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> Tokens {
     let source = match source(kind, request) {
-        Ok(Ok(ids)) => return Tokens::Ids(ids, None),
+        Ok(Ok(ids)) => return Tokens::Ids { count: ids.len(), took: None, lookup: Lookup::Ids(ids) },
         Ok(Err(source)) => source,
         Err(why) => return Tokens::Unrendered(why),
     };
-    let started = Instant::now();
     let engine_only = matches!(&source, Source::Chat { engine_only: Some(_), .. });
-    let rendered = if head.renderer.is_some() && !engine_only {
-        let head = Arc::clone(head);
-        tokio::task::spawn_blocking(move || {
-            let Some(r) = head.renderer.as_ref() else { return Err("no tokenizer".to_string()) };
-            match &source {
-                Source::Text { prompt, add_special_tokens } => r.completion(prompt, *add_special_tokens),
-                Source::Chat { messages, tools, add_generation_prompt, .. } => {
-                    r.chat(messages, tools.as_deref(), *add_generation_prompt)
-                }
+    if head.renderer.is_none() || engine_only {
+        let started = Instant::now();
+        return match engine_tokenize(head, &source).await {
+            Ok(ids) => Tokens::Ids { count: ids.len(), took: Some(started.elapsed()), lookup: Lookup::Ids(ids) },
+            Err(why) => Tokens::Unrendered(why),
+        };
+    }
+    let (rendered, tokens) = tokio::sync::oneshot::channel();
+    let (answered, answer) = tokio::sync::oneshot::channel();
+    let h = Arc::clone(head);
+    drop(tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let Some(r) = h.renderer.as_ref() else { return };
+        let ids = match &source {
+            Source::Text { prompt, add_special_tokens } => r.completion(prompt, *add_special_tokens),
+            Source::Chat { messages, tools, add_generation_prompt, .. } => {
+                r.chat(messages, tools.as_deref(), *add_generation_prompt)
             }
-            .map_err(|e| format!("render: {e}"))
-        })
-        .await
-        .unwrap_or_else(|e| Err(format!("render: {e}")))
-    } else {
-        engine_tokenize(head, &source).await
-    };
-    match rendered {
-        Ok(ids) => Tokens::Ids(ids, Some(started.elapsed())),
-        Err(why) => Tokens::Unrendered(why),
+        };
+        match ids {
+            Err(e) => drop(rendered.send(Err(format!("render: {e}")))),
+            Ok(ids) => {
+                let _ = rendered.send(Ok((ids.len(), started.elapsed())));
+                let _ = answered.send(lookup_now(&h, &ids));
+            }
+        }
+    }));
+    match tokens.await {
+        Ok(Ok((count, took))) => Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer) },
+        Ok(Err(why)) => Tokens::Unrendered(why),
+        Err(_) => Tokens::Unrendered("render: the task ended".into()),
     }
 }
 

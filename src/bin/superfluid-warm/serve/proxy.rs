@@ -40,23 +40,44 @@ pub(crate) struct Warmth {
     pub(crate) lookup: Duration,
 }
 
-/// The index's answer for `tokens` (hashed and looked up on the blocking pool), within the
-/// head's deadline; past it, or on an error, none (the request goes by load, counted).
-pub(crate) async fn warmth(head: &Arc<Head>, tokens: Option<Vec<u32>>, tokenize: Option<Duration>) -> Warmth {
-    let Some(tokens) = tokens else {
+/// The index's answer for a prompt: its hash, and every node's warm prefix.
+pub(crate) type Answer = (Prefix, superfluid_warm::Result<Vec<Hit>>);
+
+/// The index's answer for a prompt's tokens: to ask, or on its way from the blocking pool.
+pub(crate) enum Lookup {
+    Ids(Vec<u32>),
+    Started(tokio::sync::oneshot::Receiver<Answer>),
+}
+
+/// The index's answer for `tokens`, here and now (on a blocking thread).
+pub(crate) fn lookup_now(head: &Head, tokens: &[u32]) -> Answer {
+    let index = head.index.read();
+    let prefix = index.prefix(&head.namespace, tokens);
+    let hits = index.warm_nodes_prefix(&prefix);
+    (prefix, hits)
+}
+
+/// The index's answer for a prompt of `count` tokens (hashed and looked up on the blocking
+/// pool), within the head's deadline; past it, or on an error, none (the request goes by load,
+/// counted). `None`: the prompt was not rendered.
+pub(crate) async fn warmth(head: &Arc<Head>, lookup: Option<(usize, Lookup)>, tokenize: Option<Duration>) -> Warmth {
+    let Some((n, lookup)) = lookup else {
         record_load_only("unrendered");
         return Warmth { prefix: None, hits: Vec::new(), tokens: 0, tokenize: None, lookup: Duration::ZERO };
     };
     let started = Instant::now();
-    let n = tokens.len();
-    let h = Arc::clone(head);
-    let lookup = tokio::task::spawn_blocking(move || {
-        let index = h.index.read();
-        let prefix = index.prefix(&h.namespace, &tokens);
-        let hits = index.warm_nodes_prefix(&prefix);
-        (prefix, hits)
-    });
-    let (prefix, hits) = match tokio::time::timeout(head.deadline, lookup).await {
+    let answer = match lookup {
+        Lookup::Started(answer) => answer,
+        Lookup::Ids(tokens) => {
+            let (answered, answer) = tokio::sync::oneshot::channel();
+            let h = Arc::clone(head);
+            drop(tokio::task::spawn_blocking(move || {
+                let _ = answered.send(lookup_now(&h, &tokens));
+            }));
+            answer
+        }
+    };
+    let (prefix, hits) = match tokio::time::timeout(head.deadline, answer).await {
         Ok(Ok((prefix, Ok(hits)))) => (Some(prefix), hits),
         Ok(Ok((prefix, Err(e)))) => {
             tracing::warn!(error = %e, "the index did not answer: routed on load");
@@ -117,7 +138,9 @@ pub(crate) struct Failed {
 }
 
 /// Sends the request to the flight's engine and gives the client's answer: a stream relayed
-/// event by event (the usage event the head asked for itself left out), or a whole body.
+/// event by event (the usage event the head asked for itself left out), or a whole body. The
+/// answer names the engine, the warm tokens predicted, and the decision's parts' times
+/// (`server-timing`, `timing`).
 pub(crate) async fn forward(
     mut flight: Flight,
     method: Method,
@@ -125,6 +148,7 @@ pub(crate) async fn forward(
     headers: &HeaderMap,
     body: Bytes,
     strip_usage: bool,
+    timing: &str,
 ) -> Result<Response<Out>, (Flight, Failed)> {
     let Some(engine) = flight.head.engines.get(flight.engine) else {
         let failed = Failed { reason: "gone", detail: "no such engine".into(), answer: None };
@@ -166,7 +190,8 @@ pub(crate) async fn forward(
     }
     answer = answer
         .header("x-superfluid-warm-engine", HeaderValue::from_str(&name).unwrap_or(HeaderValue::from_static("?")))
-        .header("x-superfluid-warm-predicted", flight.predicted);
+        .header("x-superfluid-warm-predicted", flight.predicted)
+        .header("server-timing", timing);
     let is_stream = parts
         .headers
         .get(CONTENT_TYPE)

@@ -8,11 +8,13 @@ use std::time::Instant;
 pub struct Client {
     addr: SocketAddr,
     conn: Option<(TcpStream, BufReader<TcpStream>)>,
+    /// The last answer's `server-timing` header, if it had one.
+    pub server_timing: Option<String>,
 }
 
 impl Client {
     pub fn new(addr: SocketAddr) -> Client {
-        Client { addr, conn: None }
+        Client { addr, conn: None, server_timing: None }
     }
 
     /// POSTs `body` to `path`; the status, the body, and when the request was written.
@@ -55,7 +57,7 @@ impl Client {
             .nth(1)
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| std::io::Error::other(format!("no status: {line:?}")))?;
-        let (mut length, mut chunked, mut close) = (None, false, false);
+        let (mut length, mut chunked, mut close, mut timing) = (None, false, false, None);
         loop {
             line.clear();
             if reader.read_line(&mut line)? == 0 {
@@ -70,6 +72,7 @@ impl Client {
                     "content-length" => length = v.trim().parse::<usize>().ok(),
                     "transfer-encoding" => chunked = v.trim().eq_ignore_ascii_case("chunked"),
                     "connection" => close = v.trim().eq_ignore_ascii_case("close"),
+                    "server-timing" => timing = Some(v.trim().to_string()),
                     _ => {}
                 }
             }
@@ -97,6 +100,7 @@ impl Client {
         if close {
             self.conn = None;
         }
+        self.server_timing = timing;
         Ok((status, String::from_utf8_lossy(&body).into_owned(), sent))
     }
 }

@@ -4,8 +4,9 @@
 //! - **Overhead**: from the client's last byte to the engine's first, one request at a time,
 //!   for chats of about 1k and 8k tokens (the Llama 3 template and a real BPE tokenizer), and for
 //!   the same lengths as token ids (no tokenizing: the index's answer, the choice and the proxy).
-//!   The head's own tokenizing time (`/v1/route`'s `took_us`) is set beside `Renderer::chat` in
-//!   this process, which is the `tokenizers` crate behind the template.
+//!   Each chat's own tokenizing time in the head (its answer's `server-timing`) is taken off to
+//!   give the rest; the head's tokenizing (`/v1/route`'s `took_us`) is set beside
+//!   `Renderer::chat` run in this process just before each request.
 //! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
 //!   few seconds through each router to two engines that answer at once.
 //!
@@ -164,34 +165,39 @@ fn overhead(
     size: usize,
     n: usize,
     run: u64,
-) -> [f64; 6] {
+) -> [f64; 8] {
     let mut client = Client::new(addr);
-    let (mut chat, mut ids, mut head_tok, mut local) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    // The prompts first, then `Renderer::chat` on each once, as the head will see them: none
-    // just rendered (the growing prompt above renders the same text many times).
+    let (mut chat, mut ids, mut head_tok, mut local, mut rest) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // The prompts first (growing one renders the same text many times); then, request by
+    // request, `Renderer::chat` here on the chat just before the head gets it, so that both run
+    // in the same conditions (caches as cold, the same neighbours on the cores).
     let prompts: Vec<(u64, Value)> = (0..n as u64)
         .map(|i| {
             let id = run * 1_000_000 + size as u64 * 1000 + i;
             (id, chat_of(renderer, size, id).0)
         })
         .collect();
-    let rendered: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|(_, messages)| {
-            let started = Instant::now();
-            let tokens = renderer.chat(&messages.to_string(), None, true).expect("render");
-            local.push(started.elapsed().as_secs_f64() * 1e6);
-            tokens
-        })
-        .collect();
-    for ((id, messages), tokens) in prompts.into_iter().zip(rendered) {
+    for (id, messages) in prompts {
+        let started = Instant::now();
+        let tokens = renderer.chat(&messages.to_string(), None, true).expect("render");
+        local.push(started.elapsed().as_secs_f64() * 1e6);
         let arrived = |id: u64| engines.iter().find_map(|e| e.arrivals.lock().ok()?.remove(&id));
         let body = json!({"model": "m", "messages": messages, "max_tokens": 1}).to_string();
         let (status, _, sent) =
             client.post("/v1/chat/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("chat");
         assert_eq!(status, 200);
         if let Some(came) = arrived(id) {
-            chat.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
+            let total = came.saturating_duration_since(sent).as_secs_f64() * 1e6;
+            chat.push(total);
+            // The head's own tokenizing time for this request (`server-timing`, ms): the rest is
+            // what the decision and the proxy add.
+            let tokenize = client.server_timing.as_deref().and_then(|t| {
+                t.split(',').find_map(|part| part.trim().strip_prefix("tokenize;dur=")?.parse::<f64>().ok())
+            });
+            if let Some(t) = tokenize {
+                rest.push(total - t * 1e3);
+            }
         }
         // The same tokens as ids: no tokenizing.
         let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
@@ -211,7 +217,7 @@ fn overhead(
         }
         let _ = client.post("/v1/route/done", &json!({"ticket": answer["ticket"]}).to_string(), "");
     }
-    let (chat, ids, head_tok, local) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local));
+    let (chat, ids, head_tok, local, rest) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local), sorted(rest));
     [
         quantile(&chat, 0.5),
         quantile(&chat, 0.99),
@@ -219,6 +225,8 @@ fn overhead(
         quantile(&ids, 0.99),
         quantile(&head_tok, 0.5),
         quantile(&local, 0.5),
+        quantile(&rest, 0.5),
+        quantile(&rest, 0.99),
     ]
 }
 
@@ -269,7 +277,7 @@ fn main() {
     let args = Args::parse();
     let renderer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
     let sizes = [1024usize, 8192];
-    let mut over: Vec<Vec<[f64; 6]>> = vec![Vec::new(); sizes.len()];
+    let mut over: Vec<Vec<[f64; 8]>> = vec![Vec::new(); sizes.len()];
     let (mut serve_rps, mut peer_rps) = (Vec::new(), Vec::new());
     let mut peer_missing = None;
     for run in 0..args.runs {
@@ -300,7 +308,16 @@ fn main() {
     for (i, size) in sizes.iter().enumerate() {
         let col = |k: usize| spread(&over[i].iter().map(|r| r[k]).collect::<Vec<_>>());
         let (names, mut figures) = (
-            ["chat_p50_us", "chat_p99_us", "ids_p50_us", "ids_p99_us", "head_tokenize_p50_us", "render_p50_us"],
+            [
+                "chat_p50_us",
+                "chat_p99_us",
+                "ids_p50_us",
+                "ids_p99_us",
+                "head_tokenize_p50_us",
+                "render_p50_us",
+                "rest_p50_us",
+                "rest_p99_us",
+            ],
             json!({}),
         );
         for (k, name) in names.iter().enumerate() {
@@ -314,9 +331,11 @@ fn main() {
             format!("{m:.0} µs [{lo:.0} - {hi:.0}]")
         };
         println!(
-            "  {size}-token chat: last byte in to first byte out p50 {}, p99 {}; as token ids (no tokenizing) p50 {}, p99 {}",
+            "  {size}-token chat: last byte in to first byte out p50 {}, p99 {}; less its tokenizing (server-timing) p50 {}, p99 {}; the same tokens as ids p50 {}, p99 {}",
             f(0),
             f(1),
+            f(6),
+            f(7),
             f(2),
             f(3)
         );

@@ -202,6 +202,7 @@ async fn proxy(
     if head.stopping.load(Relaxed) {
         return error(StatusCode::SERVICE_UNAVAILABLE, "the head is stopping");
     }
+    let read = Instant::now();
     let request = match parse_request(head, &bytes) {
         Ok(r) => r,
         Err(response) => return *response,
@@ -225,6 +226,8 @@ async fn proxy(
         Some(t) => format!("tokenize;dur={:.3}, index;dur={:.3}", ms(t), ms(warmth.lookup)),
         None => format!("index;dur={:.3}", ms(warmth.lookup)),
     };
+    // The whole decision, from the body read to the choice (its first try).
+    let timing = format!("{timing}, decision;dur={:.3}", ms(read.elapsed()));
     let mut tried = Vec::new();
     let mut failures: Vec<String> = Vec::new();
     let mut last_answer: Option<Failed> = None;

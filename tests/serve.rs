@@ -510,3 +510,48 @@ fn heads_sharing_through_nats_route_a_conversation_alike() {
         assert!(out.contains("closed cleanly"), "{out}");
     }
 }
+
+#[test]
+fn an_engine_back_from_an_ejection_is_priced_cold_until_its_events_speak_again() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let first = engine(false);
+    let port = |endpoint: &str| endpoint.rsplit(':').next().and_then(|p| p.parse::<u16>().ok()).expect("a port");
+    let ports = (first.addr.port(), port(&first.events), port(&first.replay));
+    let serve = Serve::start(&path, &[&first], &["--eject-after", "1"]);
+    let prompt: Vec<u32> = (0..640).collect();
+    let send = |prompt: &[u32]| {
+        let (status, headers, answer) =
+            serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+        let predicted = headers.get("x-superfluid-warm-predicted").and_then(|p| p.parse::<u64>().ok());
+        (status, predicted, answer)
+    };
+    assert_eq!(send(&prompt).0, 200);
+    serve.until(Duration::from_secs(10), "the engine's events say it holds the prompt", |_| {
+        let (status, predicted, answer) = send(&prompt);
+        status == 200 && predicted == Some(640) && cached(&answer) >= 624
+    });
+    // The engine dies: the request fails, the engine is ejected; it restarts on its ports with
+    // an empty cache, and nobody tells the head.
+    drop(first);
+    assert_eq!(send(&prompt).0, 503);
+    let mut config = EngineConfig::instant(MODEL, None, 65_536);
+    config.ports = ports;
+    let _again = OpenAiEngine::start(config).expect("the engine again, on its ports");
+    serve.until(Duration::from_secs(20), "the engine back in the choice", |s| {
+        let (_, _, health) = s.call("GET", "/health", &Value::Null);
+        serde_json::from_str::<Value>(&health).is_ok_and(|h| h["engines"][0]["up"] == true)
+    });
+    // Its first request is predicted cold (the index still holds the old process's blocks),
+    // which is what it delivers.
+    let (status, predicted, answer) = send(&prompt);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!((predicted, cached(&answer)), (Some(0), 0));
+    // Its events speak again (the restart seen): the prediction follows them.
+    serve.until(Duration::from_secs(10), "the restarted engine's holdings predicted", |_| {
+        let (status, predicted, answer) = send(&prompt);
+        status == 200 && predicted == Some(640) && cached(&answer) >= 624
+    });
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}

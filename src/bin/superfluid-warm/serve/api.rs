@@ -367,6 +367,7 @@ fn health(head: &Head) -> Response<Out> {
             json!({
                 "engine": e.name, "url": format!("http://{}", e.authority),
                 "up": !e.ejected.load(Relaxed), "events": e.has_events, "events_up": e.events_up.load(Relaxed),
+                "in_doubt": e.in_doubt.load(Relaxed),
                 "in_flight": load.in_flight, "prefill_tokens": load.prefill_tokens, "decoding": load.decoding,
             })
         })

@@ -31,6 +31,12 @@ pub(crate) struct Engine {
     failures_in_row: AtomicU32,
     /// Out of the choice until its health check answers.
     pub(crate) ejected: AtomicBool,
+    /// It was ejected, and its event stream has said nothing since: it may have restarted with
+    /// an empty cache, which the index learns only from its next batch. Priced on load alone
+    /// until then.
+    pub(crate) in_doubt: AtomicBool,
+    /// Its listener's batch count when it was ejected.
+    received_at_ejection: AtomicU64,
 }
 
 /// Parses `NAME=http://HOST:PORT[,events=tcp://…][,replay=tcp://…][,topic=T]` into the engine
@@ -78,6 +84,8 @@ pub(crate) fn parse(spec: &str, model: &str) -> Result<(Engine, Option<EngineEnd
         decoding: AtomicU32::new(0),
         failures_in_row: AtomicU32::new(0),
         ejected: AtomicBool::new(false),
+        in_doubt: AtomicBool::new(false),
+        received_at_ejection: AtomicU64::new(0),
     };
     Ok((engine, endpoint))
 }
@@ -88,6 +96,9 @@ impl Engine {
         Load::new(self.in_flight.load(Relaxed), self.prefill_tokens.load(Relaxed), self.decoding.load(Relaxed))
     }
 }
+
+/// `received_at_ejection` before the background task has read the listener's count.
+const UNMARKED: u64 = u64::MAX;
 
 /// A request on an engine, from the moment it is sent until it ends (however it ends): its
 /// share of the engine's load, and what is recorded of it when it ends.
@@ -155,6 +166,10 @@ impl Flight {
             && e.failures_in_row.fetch_add(1, Relaxed) + 1 >= self.head.eject_after
             && !e.ejected.swap(true, Relaxed)
         {
+            if e.has_events {
+                e.received_at_ejection.store(UNMARKED, Relaxed);
+                e.in_doubt.store(true, Relaxed);
+            }
             self.head.tally.ejected(self.engine, false);
         }
         self.end(false);
@@ -208,8 +223,20 @@ pub(crate) fn watch(
         loop {
             let stats = listener.lock().ok().and_then(|l| l.as_ref().map(Listener::stats)).unwrap_or_default();
             for e in head.engines.iter().filter(|e| e.has_events) {
-                let up = stats.iter().find(|s| s.node == e.name).is_some_and(|s| s.connected && !s.replaying);
+                let listened = stats.iter().find(|s| s.node == e.name);
+                let up = listened.is_some_and(|s| s.connected && !s.replaying);
                 e.events_up.store(up, Relaxed);
+                // Ejected: in doubt until its stream speaks again (a restarted engine's first
+                // batch tells the index it restarted).
+                let received = listened.map_or(0, |s| s.received);
+                if e.in_doubt.load(Relaxed) {
+                    let mark = e.received_at_ejection.load(Relaxed);
+                    if mark == UNMARKED {
+                        e.received_at_ejection.store(received, Relaxed);
+                    } else if !e.ejected.load(Relaxed) && received > mark {
+                        e.in_doubt.store(false, Relaxed);
+                    }
+                }
             }
             if ticks.is_multiple_of(probe_every) {
                 for (i, e) in head.engines.iter().enumerate().filter(|(_, e)| e.ejected.load(Relaxed)) {

@@ -113,8 +113,10 @@ pub(crate) fn pick(head: &Head, warmth: &Warmth, tried: &[usize]) -> Option<(usi
         .filter_map(|&i| head.engines.get(i))
         .map(|e| {
             let c = Candidate::new(&e.name, e.load());
-            // An engine whose event stream is down is priced on load alone.
-            match warmth.hits.iter().find(|h| h.node == e.name).filter(|_| e.events_up.load(Relaxed)) {
+            // An engine whose event stream is down, or that was ejected and has published
+            // nothing since, is priced on load alone.
+            let current = e.events_up.load(Relaxed) && !e.in_doubt.load(Relaxed);
+            match warmth.hits.iter().find(|h| h.node == e.name).filter(|_| current) {
                 Some(hit) => c.holding(hit.tokens, hit.gpu_tokens, hit.tier),
                 None => c,
             }

@@ -124,7 +124,7 @@ impl Renderer {
     fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let encoding = self
             .tokenizer
-            .encode(text, add_special_tokens)
+            .encode_fast(text, add_special_tokens)
             .map_err(|e| render(&format!("the tokenizer failed ({e})")))?;
         Ok(encoding.get_ids().to_vec())
     }

@@ -23,13 +23,17 @@ pub struct Costs {
     pub storage_credit: f64,
     /// Prefill tokens that one decoding stream is worth.
     pub decode_tokens: f64,
+    /// The weight of the prefill work queued ahead (1: the time to first token as it stands; under
+    /// 1, a conversation stays with its warm engine through a longer queue, which keeps its
+    /// next turns warm too).
+    pub queue_weight: f64,
 }
 
 impl Default for Costs {
     /// vLLM's router's tier credits (host 0.8, disk 0.3), and a decoding stream worth 64 prefill
     /// tokens (a step of 64 streams costs about what a 4k-token prefill chunk does).
     fn default() -> Costs {
-        Costs { cpu_credit: 0.8, storage_credit: 0.3, decode_tokens: 64.0 }
+        Costs { cpu_credit: 0.8, storage_credit: 0.3, decode_tokens: 64.0, queue_weight: 1.0 }
     }
 }
 
@@ -105,7 +109,8 @@ fn price(prompt_tokens: usize, c: &Candidate<'_>, costs: &Costs) -> Priced {
     let (warm_tokens, slow) = (c.warm_tokens, c.warm_tokens.saturating_sub(c.gpu_tokens));
     let credited = c.gpu_tokens.min(warm_tokens) as f64 + slow as f64 * credit;
     let own = (prompt_tokens as f64 - credited).max(0.0);
-    let cost = c.load.prefill_tokens as f64 + own + costs.decode_tokens * f64::from(c.load.decoding);
+    let queued = c.load.prefill_tokens as f64 + costs.decode_tokens * f64::from(c.load.decoding);
+    let cost = costs.queue_weight * queued + own;
     Priced { warm_tokens, credited, cost }
 }
 

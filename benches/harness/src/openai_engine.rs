@@ -3,8 +3,9 @@
 //! /health` and `/v1/models`. Behind it, vLLM's prefix cache model ([`SimEngine`]: blocks of the
 //! engine's size, an LRU) publishing its KV events over ZMQ with a replay endpoint
 //! ([`Publisher`]), `usage.prompt_tokens_details.cached_tokens` as vLLM reports it, and a time
-//! model: a request waits for one of `batch` slots, then its prefill takes a constant plus a
-//! time per uncached token, then each output token a decode time. Text and chats are tokenized
+//! model: a request waits for one of `batch` slots, then for the engine's prefill (one at a
+//! time, as compute-bound prefills share an engine's steps), which takes a constant plus a time
+//! per uncached token, then each output token a decode time (decodes share the batch). Text and chats are tokenized
 //! through the model's folder with the library's [`Renderer`], as the head does.
 //!
 //! The HTTP is the least a client of vLLM needs: one request a connection (`Connection:
@@ -49,6 +50,10 @@ pub struct EngineConfig {
     pub decode_per_token: Duration,
     /// Loopback ports: HTTP, KV events, replays (0: of the system's choice).
     pub ports: (u16, u16, u16),
+    /// A word-level vocabulary of `w0` .. `w{n-1}` (the benchmarks' tokenizer): completions'
+    /// text read as those ids directly, the same ids its `tokenizer.json` gives, at a fraction
+    /// of the cost (a real engine tokenizes on its own cores, not the benchmark's).
+    pub word_level: Option<u32>,
 }
 
 impl EngineConfig {
@@ -65,6 +70,7 @@ impl EngineConfig {
             prefill_per_token: Duration::ZERO,
             decode_per_token: Duration::ZERO,
             ports: (0, 0, 0),
+            word_level: None,
         }
     }
 }
@@ -78,8 +84,12 @@ struct Shared {
     renderer: Option<Renderer>,
     /// Requests running; a slot frees with a notify.
     running: Mutex<usize>,
+    /// The engine's compute for prefills, one at a time.
+    prefill: Mutex<()>,
     slot_free: Condvar,
     stop: AtomicBool,
+    /// Completions and chats taken.
+    served: std::sync::atomic::AtomicUsize,
 }
 
 /// A running simulated engine; stopped when dropped.
@@ -120,8 +130,10 @@ impl OpenAiEngine {
             publisher: Mutex::new(publisher),
             renderer,
             running: Mutex::new(0),
+            prefill: Mutex::new(()),
             slot_free: Condvar::new(),
             stop: AtomicBool::new(false),
+            served: std::sync::atomic::AtomicUsize::new(0),
         });
         let s = Arc::clone(&shared);
         let acceptor = std::thread::Builder::new()
@@ -134,6 +146,11 @@ impl OpenAiEngine {
     /// Its base URL, `http://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Requests it has answered or is answering (completions and chats).
+    pub fn served(&self) -> usize {
+        self.shared.served.load(Ordering::Relaxed)
     }
 
     /// Requests running now (holding a batch slot).
@@ -298,9 +315,17 @@ fn tokens_of<'a>(shared: &Shared, body: &'a [u8], kind: Kind) -> std::result::Re
     let renderer = || shared.renderer.as_ref().ok_or_else(|| "this engine has no tokenizer".to_string());
     let tokens = match (kind, parsed.prompt, parsed.messages) {
         (Kind::Completion | Kind::Tokenize, Some(prompt), _) => match serde_json::from_str::<Value>(prompt.get()) {
-            Ok(Value::String(text)) => {
-                renderer()?.completion(&text, parsed.add_special_tokens.unwrap_or(true)).map_err(|e| e.to_string())?
-            }
+            Ok(Value::String(text)) => match shared.config.word_level {
+                Some(vocab) => text
+                    .split_whitespace()
+                    .map(|w| {
+                        w.strip_prefix('w').and_then(|n| n.parse::<u32>().ok()).filter(|&n| n < vocab).unwrap_or(vocab)
+                    })
+                    .collect(),
+                None => renderer()?
+                    .completion(&text, parsed.add_special_tokens.unwrap_or(true))
+                    .map_err(|e| e.to_string())?,
+            },
             Ok(Value::Array(ids)) => ids
                 .iter()
                 .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or("a token id out of range"))
@@ -324,6 +349,7 @@ fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) ->
         return error(stream, "400 Bad Request", "the prompt is empty");
     }
     let max_tokens = parsed.max_completion_tokens.or(parsed.max_tokens).unwrap_or(16).max(1);
+    shared.served.fetch_add(1, Ordering::Relaxed);
     let include_usage = parsed.stream_options.as_ref().is_some_and(|o| o.include_usage);
     let _slot = Slot::take(shared);
     let config = &shared.config;
@@ -340,7 +366,12 @@ fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) ->
         cached
     };
     let uncached = u32::try_from(tokens.len() - cached).unwrap_or(u32::MAX);
-    std::thread::sleep(config.prefill_base + config.prefill_per_token * uncached);
+    // Prefills take the engine's compute one at a time (vLLM's prefill is compute-bound: a
+    // batch's prefills share the steps), decodes share the batch.
+    {
+        let _lane = shared.prefill.lock();
+        std::thread::sleep(config.prefill_base + config.prefill_per_token * uncached);
+    }
     let usage = json!({
         "prompt_tokens": tokens.len(), "completion_tokens": max_tokens, "total_tokens": tokens.len() + max_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},

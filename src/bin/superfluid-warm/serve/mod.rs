@@ -66,6 +66,11 @@ pub(crate) struct ServeArgs {
     /// Prefill tokens that one decoding stream on an engine is worth in the cost.
     #[arg(long, default_value_t = Costs::default().decode_tokens)]
     decode_cost: f64,
+    /// The weight of the work queued on an engine against the prompt tokens it holds (1: the
+    /// time to first token as it stands; lower keeps conversations on their warm engine
+    /// through longer queues).
+    #[arg(long, default_value_t = Costs::default().queue_weight)]
+    queue_weight: f64,
     /// Engines a request is tried on before it is refused (a refused connection, a reset or a
     /// 5xx before the client had a byte move it to the next; never twice the same).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
@@ -213,6 +218,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
     let (claims, claimed) = std::sync::mpsc::sync_channel(4096);
     let mut costs = Costs::default();
     costs.decode_tokens = args.decode_cost;
+    costs.queue_weight = args.queue_weight;
     let tally = RouteTally::new(&names);
     let head = Arc::new(Head {
         model: args.model.clone(),

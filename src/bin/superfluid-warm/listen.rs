@@ -70,8 +70,38 @@ pub(crate) struct ListenArgs {
     metrics: Option<std::net::SocketAddr>,
 }
 
+/// The index a head that follows engines writes: `path` with a page cache of `cache_mb` MiB
+/// (and the model's attention chunk), shared through `nats` if given; says how it opened.
+///
+/// # Errors
+/// The file or the link cannot be opened.
+pub(crate) fn open_sink(
+    path: &Path,
+    cache_mb: u64,
+    attention_chunk: Option<usize>,
+    nats: Option<Sharing>,
+) -> Result<Sink, CliError> {
+    let mut builder = Warm::builder();
+    builder.cache_size(usize::try_from(cache_mb << 20).unwrap_or(usize::MAX));
+    if let Some(tokens) = attention_chunk {
+        builder.attention_chunk(tokens);
+    }
+    Ok(match nats {
+        Some(sharing) => {
+            let shared = SharedWarm::open(&builder, path, sharing)?;
+            say_how_opened(path, &shared.stats()?.0);
+            Sink::Shared(Arc::new(shared))
+        }
+        None => {
+            let warm = builder.open(path)?;
+            say_how_opened(path, &warm.stats()?);
+            Sink::Own(Arc::new(warm))
+        }
+    })
+}
+
 /// Seconds as a `Duration`, refusing what is not a finite, non-negative number.
-fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
+pub(crate) fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
     Duration::try_from_secs_f64(s)
         .map_err(|_| CliError::Refused(format!("--{what} must be a number of seconds, 0 or more (got {s})")))
 }
@@ -89,23 +119,8 @@ pub(crate) fn listen(out: &mut impl Write, args: &ListenArgs) -> Result<ExitCode
         (seconds("replay-timeout", args.replay_timeout)?, seconds("status-every", args.status_every)?);
     let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
     let nats_wait = seconds("nats-wait", args.nats_wait)?;
-    let mut builder = Warm::builder();
-    builder.cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX));
-    if let Some(tokens) = args.attention_chunk {
-        builder.attention_chunk(tokens);
-    }
-    let sink = match &args.nats {
-        Some(url) => {
-            let shared = SharedWarm::open(&builder, &args.path, Sharing::nats(url, &args.stream, &args.head))?;
-            say_how_opened(&args.path, &shared.stats()?.0);
-            Sink::Shared(Arc::new(shared))
-        }
-        None => {
-            let warm = builder.open(&args.path)?;
-            say_how_opened(&args.path, &warm.stats()?);
-            Sink::Own(Arc::new(warm))
-        }
-    };
+    let nats = args.nats.as_deref().map(|url| Sharing::nats(url, &args.stream, &args.head));
+    let sink = open_sink(&args.path, args.cache_mb, args.attention_chunk, nats)?;
     // The status file is refreshed every --status-every seconds, or every 10 s without lines.
     let refresh = if every.is_zero() { Duration::from_secs(10) } else { every };
     if signals.came(Duration::from_millis(10)) {

@@ -30,12 +30,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use superfluid_warm::{
-    Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, SharedWarm, Sharing, Warm,
+    Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, Sharing,
 };
 
 use crate::exporter::serve_metrics;
-use crate::format::say_how_opened;
-use crate::listen::{Sink, Watched};
+use crate::listen::{Sink, Watched, open_sink, seconds};
 use crate::{CliError, emit};
 use engines::Engine;
 
@@ -147,12 +146,6 @@ impl Head {
     }
 }
 
-/// Seconds as a `Duration`, refusing what is not a finite, non-negative number.
-fn seconds(what: &str, s: f64) -> Result<Duration, CliError> {
-    Duration::try_from_secs_f64(s)
-        .map_err(|_| CliError::Refused(format!("--{what} must be a number of seconds, 0 or more (got {s})")))
-}
-
 pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<ExitCode, CliError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -191,23 +184,8 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
     let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
     let namespace = superfluid_warm::Namespace::new(&args.model)?;
 
-    let mut builder = Warm::builder();
-    builder.cache_size(usize::try_from(args.cache_mb << 20).unwrap_or(usize::MAX));
-    if let Some(tokens) = args.attention_chunk {
-        builder.attention_chunk(tokens);
-    }
-    let index = match &args.nats {
-        Some(url) => {
-            let shared = SharedWarm::open(&builder, &args.path, Sharing::nats(url, &args.stream, &args.head))?;
-            say_how_opened(&args.path, &shared.stats()?.0);
-            Sink::Shared(Arc::new(shared))
-        }
-        None => {
-            let warm = builder.open(&args.path)?;
-            say_how_opened(&args.path, &warm.stats()?);
-            Sink::Own(Arc::new(warm))
-        }
-    };
+    let nats = args.nats.as_deref().map(|url| Sharing::nats(url, &args.stream, &args.head));
+    let index = open_sink(&args.path, args.cache_mb, args.attention_chunk, nats)?;
     let fatal = Arc::new(std::sync::Mutex::new(None));
     let listener = if endpoints.is_empty() {
         None

@@ -240,7 +240,7 @@ pub(crate) fn watch(
             }
             if ticks.is_multiple_of(probe_every) {
                 for (i, e) in head.engines.iter().enumerate().filter(|(_, e)| e.ejected.load(Relaxed)) {
-                    if let Ok((200, _)) = get(&e.authority, "/health", Duration::from_secs(1)).await {
+                    if let Ok((200, _)) = get(&head, &e.authority, "/health", Duration::from_secs(1)).await {
                         e.failures_in_row.store(0, Relaxed);
                         e.ejected.store(false, Relaxed);
                         head.tally.ejected(i, true);

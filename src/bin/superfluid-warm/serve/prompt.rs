@@ -355,7 +355,7 @@ async fn engine_tokenize(head: &Arc<Head>, source: &Source) -> Result<Vec<u32>, 
             r
         }
     };
-    let (status, answer) = post_json(&engine.authority, "/tokenize", &request, TOKENIZE_TIMEOUT)
+    let (status, answer) = post_json(head, &engine.authority, "/tokenize", &request, TOKENIZE_TIMEOUT)
         .await
         .map_err(|e| format!("{}'s /tokenize: {e}", engine.name))?;
     if status != 200 {

@@ -13,7 +13,6 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Body, Bytes, Frame, Incoming};
 use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use superfluid_warm::{Candidate, Hit, Prefix, Priced, choose, record_decision, record_load_only};
 
@@ -242,15 +241,6 @@ fn hop_by_hop(name: &str) -> bool {
     )
 }
 
-/// Aborts a connection's task when dropped.
-struct Abort(tokio::task::JoinHandle<()>);
-
-impl Drop for Abort {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// A stream relayed to the client event by event. Dropped before its end (the client went
 /// away), it drops the engine's response, whose connection is then closed rather than pooled:
 /// vLLM cancels the request.
@@ -356,12 +346,13 @@ impl Body for Relay {
     }
 }
 
-/// A GET of `path` on `authority`, its status and JSON body (`Null` if not JSON).
+/// A GET of `path` on `authority` through the head's pooled client: its status and JSON body
+/// (`Null` if not JSON).
 ///
 /// # Errors
 /// What failed (connect, send, read, timeout).
-pub(crate) async fn get(authority: &str, path: &str, timeout: Duration) -> Result<(u16, Value), String> {
-    call(authority, Method::GET, path, None, timeout).await
+pub(crate) async fn get(head: &Head, authority: &str, path: &str, timeout: Duration) -> Result<(u16, Value), String> {
+    call(head, authority, Method::GET, path, None, timeout).await
 }
 
 /// A POST of `body` as JSON.
@@ -369,15 +360,17 @@ pub(crate) async fn get(authority: &str, path: &str, timeout: Duration) -> Resul
 /// # Errors
 /// As [`get`].
 pub(crate) async fn post_json(
+    head: &Head,
     authority: &str,
     path: &str,
     body: &Value,
     timeout: Duration,
 ) -> Result<(u16, Value), String> {
-    call(authority, Method::POST, path, Some(Bytes::from(body.to_string())), timeout).await
+    call(head, authority, Method::POST, path, Some(Bytes::from(body.to_string())), timeout).await
 }
 
 async fn call(
+    head: &Head,
     authority: &str,
     method: Method,
     path: &str,
@@ -385,20 +378,13 @@ async fn call(
     timeout: Duration,
 ) -> Result<(u16, Value), String> {
     let exchange = async {
-        let stream = tokio::net::TcpStream::connect(authority).await.map_err(|e| e.to_string())?;
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| e.to_string())?;
-        let _connection = Abort(tokio::spawn(async move {
-            let _ = connection.await;
-        }));
         let request = Request::builder()
             .method(method)
-            .uri(path)
-            .header(HOST, authority)
+            .uri(format!("http://{authority}{path}"))
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(body.unwrap_or_default()))
             .map_err(|e| e.to_string())?;
-        let response = sender.send_request(request).await.map_err(|e| e.to_string())?;
+        let response = head.client.request(request).await.map_err(|e| cause(&e))?;
         let status = response.status().as_u16();
         let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
         Ok((status, serde_json::from_slice(&bytes).unwrap_or(Value::Null)))

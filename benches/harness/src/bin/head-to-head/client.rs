@@ -16,11 +16,6 @@ pub struct Streamed {
     pub usage: Option<Value>,
 }
 
-/// A POST whose answer is read whole (not looked into).
-pub fn post(addr: SocketAddr, path: &str, body: &str) -> std::io::Result<Streamed> {
-    stream(addr, path, body)
-}
-
 /// A POST whose answer is read as a stream of server-sent events.
 pub fn stream(addr: SocketAddr, path: &str, body: &str) -> std::io::Result<Streamed> {
     let mut s = TcpStream::connect(addr)?;

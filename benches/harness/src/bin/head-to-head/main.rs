@@ -153,7 +153,7 @@ fn start_router(name: &str, args: &Args, engines: &[OpenAiEngine], dir: &Path) -
     let started = Instant::now();
     let body = json!({"model": "m", "prompt": "w1 w2 w3", "max_tokens": 1}).to_string();
     while started.elapsed() < Duration::from_secs(90) {
-        if client::post(addr, "/v1/completions", &body).is_ok_and(|r| r.status == 200) {
+        if client::stream(addr, "/v1/completions", &body).is_ok_and(|r| r.status == 200) {
             return Some((router, addr));
         }
         std::thread::sleep(Duration::from_millis(250));

@@ -555,3 +555,30 @@ fn an_engine_back_from_an_ejection_is_priced_cold_until_its_events_speak_again()
     let (status, _, err) = serve.stop();
     assert!(status.success(), "{err}");
 }
+
+#[test]
+fn after_a_lookup_past_the_deadline_lookups_are_handed_over_and_a_late_answer_goes_by_load() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(false), engine(false)];
+    // A deadline no lookup meets: the first runs on its request's thread and is used all the
+    // same; it hands lookups over to the blocking pool, where each is late.
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--deadline-ms", "0"]);
+    let prompt: Vec<u32> = (0..640).collect();
+    let (status, _, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    // With the deadline met, this is 640 warm tokens on the engine that ran it
+    // (`route_decides_without_proxying…`); handed over and late, it is priced on load alone.
+    let mut longer = prompt.clone();
+    longer.extend(1000..1100);
+    let (status, _, route) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": longer}));
+    assert_eq!(status, 200, "{route}");
+    assert_eq!(route["prompt_tokens"], 740, "{route}");
+    let priced = route["engines"].as_array().expect("engines");
+    assert_eq!(priced.len(), 2, "{route}");
+    assert!(priced.iter().all(|e| e["warm_tokens"] == 0), "a late answer was used: {route}");
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+    assert!(err.contains("a lookup ran past the deadline"), "{err}");
+}

@@ -4,9 +4,11 @@
 //! at once, and proxies the request there, streams passed through as they come. What the engine
 //! then reports as `cached_tokens` is counted against what the head predicted.
 //!
-//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides); the index is read on its
-//! blocking pool under a deadline, and written (the claims) by a thread of its own, so that
-//! neither a slow disk nor the commit thread's back-pressure holds a request.
+//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides). A prompt is rendered and
+//! looked up on its request's own thread (hand-overs between threads cost more than a lookup);
+//! after a lookup runs past the deadline, lookups go to the blocking pool under it for a while.
+//! The index is written (the claims) by a thread of its own, so that neither a slow disk nor the
+//! commit thread's back-pressure holds a request.
 
 mod api;
 mod engines;
@@ -19,7 +21,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::Args;
 use http_body_util::Full;
@@ -58,8 +60,9 @@ pub(crate) struct ServeArgs {
     /// requests this head sends it. Once per engine.
     #[arg(long = "engine", required = true)]
     engines: Vec<String>,
-    /// Milliseconds the index's answer may take; past it the request is routed on load alone
-    /// (and counted).
+    /// Milliseconds the index's answer may take. A lookup runs on the request's own thread
+    /// while the index answers within this; after one does not, lookups go to another thread
+    /// for 10 s, and a request whose answer comes later is routed on load alone (counted).
     #[arg(long, default_value_t = 5.0)]
     deadline_ms: f64,
     /// Prefill tokens that one decoding stream on an engine is worth in the cost.
@@ -121,6 +124,11 @@ pub(crate) struct Head {
     pub(crate) tally: RouteTally,
     pub(crate) costs: Costs,
     pub(crate) deadline: Duration,
+    /// When the head started (the clock of `hand_over_until`).
+    pub(crate) born: Instant,
+    /// Until when (µs after `born`) lookups go to the blocking pool: set when one on a
+    /// request's own thread ran past the deadline.
+    pub(crate) hand_over_until: AtomicU64,
     pub(crate) attempts: u32,
     pub(crate) eject_after: u32,
     /// Spreads equal engines round-robin.
@@ -207,6 +215,8 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         tally,
         costs,
         deadline,
+        born: Instant::now(),
+        hand_over_until: AtomicU64::new(0),
         attempts: args.attempts,
         eject_after: args.eject_after,
         turn: AtomicUsize::new(0),

@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::Head;
-use super::proxy::{Lookup, lookup_now, post_json};
+use super::proxy::{Lookup, post_json};
 
 /// Which API a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,8 +226,9 @@ enum Source {
 /// How long an engine's `/tokenize` may take.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The request's prompt in the engine's tokens. Rendered here, the same blocking task goes on to
-/// ask the index (one hand-over between threads, not two).
+/// The request's prompt in the engine's tokens. Rendered here, on the request's own thread
+/// (its other tasks move to another: `block_in_place`), which goes on to ask the index while it
+/// is quick: no hand-over between threads, whose wake-ups cost more than the lookup.
 pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> Tokens {
     let source = match source(kind, request) {
         Ok(Ok(ids)) => return Tokens::Ids { count: ids.len(), took: None, lookup: Lookup::Ids(ids) },
@@ -235,38 +236,38 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         Err(why) => return Tokens::Unrendered(why),
     };
     let engine_only = matches!(&source, Source::Chat { engine_only: Some(_), .. });
-    if head.renderer.is_none() || engine_only {
+    let renderer = match &head.renderer {
+        Some(r) if !engine_only => r,
+        _ => {
+            let started = Instant::now();
+            return match engine_tokenize(head, &source).await {
+                Ok(ids) => Tokens::Ids { count: ids.len(), took: Some(started.elapsed()), lookup: Lookup::Ids(ids) },
+                Err(why) => Tokens::Unrendered(why),
+            };
+        }
+    };
+    tokio::task::block_in_place(|| {
         let started = Instant::now();
-        return match engine_tokenize(head, &source).await {
-            Ok(ids) => Tokens::Ids { count: ids.len(), took: Some(started.elapsed()), lookup: Lookup::Ids(ids) },
-            Err(why) => Tokens::Unrendered(why),
-        };
-    }
-    let (rendered, tokens) = tokio::sync::oneshot::channel();
-    let (answered, answer) = tokio::sync::oneshot::channel();
-    let h = Arc::clone(head);
-    drop(tokio::task::spawn_blocking(move || {
-        let started = Instant::now();
-        let Some(r) = h.renderer.as_ref() else { return };
         let ids = match &source {
-            Source::Text { prompt, add_special_tokens } => r.completion(prompt, *add_special_tokens),
+            Source::Text { prompt, add_special_tokens } => renderer.completion(prompt, *add_special_tokens),
             Source::Chat { messages, tools, add_generation_prompt, .. } => {
-                r.chat(messages, tools.as_deref(), *add_generation_prompt)
+                renderer.chat(messages, tools.as_deref(), *add_generation_prompt)
             }
         };
         match ids {
-            Err(e) => drop(rendered.send(Err(format!("render: {e}")))),
+            Err(e) => Tokens::Unrendered(format!("render: {e}")),
             Ok(ids) => {
-                let _ = rendered.send(Ok((ids.len(), started.elapsed())));
-                let _ = answered.send(lookup_now(&h, &ids));
+                let (count, took) = (ids.len(), Some(started.elapsed()));
+                let lookup = if head.lookup_inline() {
+                    let (answer, looked) = head.lookup_here(&ids);
+                    Lookup::Done(answer, looked)
+                } else {
+                    Lookup::Ids(ids)
+                };
+                Tokens::Ids { count, took, lookup }
             }
         }
-    }));
-    match tokens.await {
-        Ok(Ok((count, took))) => Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer) },
-        Ok(Err(why)) => Tokens::Unrendered(why),
-        Err(_) => Tokens::Unrendered("render: the task ended".into()),
-    }
+    })
 }
 
 /// Whether a field is there and not null.

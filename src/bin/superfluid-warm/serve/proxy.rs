@@ -42,13 +42,19 @@ pub(crate) struct Warmth {
 /// The index's answer for a prompt: its hash, and every node's warm prefix.
 pub(crate) type Answer = (Prefix, superfluid_warm::Result<Vec<Hit>>);
 
-/// The index's answer for a prompt's tokens: to ask, or on its way from the blocking pool.
+/// How long lookups go to the blocking pool, under the deadline, after one on a request's own
+/// thread ran past it.
+const HANDED_OVER_FOR: Duration = Duration::from_secs(10);
+
+/// The index's answer for a prompt's tokens: given, or still to ask.
 pub(crate) enum Lookup {
+    /// Tokens still to hash and look up.
     Ids(Vec<u32>),
-    Started(tokio::sync::oneshot::Receiver<Answer>),
+    /// Looked up on the request's own thread, and how long that took.
+    Done(Answer, Duration),
 }
 
-/// The index's answer for `tokens`, here and now (on a blocking thread).
+/// The index's answer for `tokens`, here and now.
 pub(crate) fn lookup_now(head: &Head, tokens: &[u32]) -> Answer {
     let index = head.index.read();
     let prefix = index.prefix(&head.namespace, tokens);
@@ -56,41 +62,80 @@ pub(crate) fn lookup_now(head: &Head, tokens: &[u32]) -> Answer {
     (prefix, hits)
 }
 
-/// The index's answer for a prompt of `count` tokens (hashed and looked up on the blocking
-/// pool), within the head's deadline; past it, or on an error, none (the request goes by load,
-/// counted). `None`: the prompt was not rendered.
+impl Head {
+    /// Whether a lookup runs on the request's own thread: yes while the index answers within
+    /// the deadline (a hand-over to another thread and back costs more than a lookup, ~100 µs
+    /// of wake-ups on an idle core); for [`HANDED_OVER_FOR`] after one did not, lookups go to
+    /// the blocking pool, and a request whose answer is late goes by load.
+    pub(crate) fn lookup_inline(&self) -> bool {
+        self.hand_over_until.load(Relaxed) <= self.born.elapsed().as_micros() as u64
+    }
+
+    /// Looks `tokens` up on this thread (and how long that took), noting a lookup past the
+    /// deadline.
+    pub(crate) fn lookup_here(&self, tokens: &[u32]) -> (Answer, Duration) {
+        let started = Instant::now();
+        let answer = lookup_now(self, tokens);
+        let took = started.elapsed();
+        if took > self.deadline {
+            let until = (self.born.elapsed() + HANDED_OVER_FOR).as_micros() as u64;
+            self.hand_over_until.store(until, Relaxed);
+            tracing::warn!(
+                took_ms = took.as_secs_f64() * 1e3,
+                "a lookup ran past the deadline: lookups go to the blocking pool for {} s",
+                HANDED_OVER_FOR.as_secs()
+            );
+        }
+        (answer, took)
+    }
+}
+
+/// The index's answer for a prompt of `count` tokens, on this thread while the index is quick,
+/// else on the blocking pool within the head's deadline; past it, or on an error, none (the
+/// request goes by load, counted). `None`: the prompt was not rendered.
 pub(crate) async fn warmth(head: &Arc<Head>, lookup: Option<(usize, Lookup)>, tokenize: Option<Duration>) -> Warmth {
     let Some((n, lookup)) = lookup else {
         record_load_only("unrendered");
         return Warmth { prefix: None, hits: Vec::new(), tokens: 0, tokenize: None, lookup: Duration::ZERO };
     };
-    let started = Instant::now();
-    let answer = match lookup {
-        Lookup::Started(answer) => answer,
-        Lookup::Ids(tokens) => {
-            let (answered, answer) = tokio::sync::oneshot::channel();
-            let h = Arc::clone(head);
-            drop(tokio::task::spawn_blocking(move || {
-                let _ = answered.send(lookup_now(&h, &tokens));
-            }));
-            answer
-        }
+    let looked = match lookup {
+        Lookup::Done(answer, took) => Ok((answer, took)),
+        Lookup::Ids(tokens) if head.lookup_inline() => Ok(head.lookup_here(&tokens)),
+        Lookup::Ids(tokens) => handed_over(head, tokens).await,
     };
-    let (prefix, hits) = match tokio::time::timeout(head.deadline, answer).await {
-        Ok(Ok((prefix, Ok(hits)))) => (Some(prefix), hits),
-        Ok(Ok((prefix, Err(e)))) => {
-            tracing::warn!(error = %e, "the index did not answer: routed on load");
-            record_load_only("error");
-            (Some(prefix), Vec::new())
-        }
-        Ok(Err(_)) | Err(_) => {
+    let ((prefix, answer), lookup) = match looked {
+        Ok(looked) => looked,
+        Err(lookup) => {
             record_load_only("late");
-            (None, Vec::new())
+            record_decision(tokenize, lookup);
+            return Warmth { prefix: None, hits: Vec::new(), tokens: n, tokenize, lookup };
         }
     };
-    let lookup = started.elapsed();
+    let hits = answer.unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "the index did not answer: routed on load");
+        record_load_only("error");
+        Vec::new()
+    });
     record_decision(tokenize, lookup);
-    Warmth { prefix, hits, tokens: n, tokenize, lookup }
+    Warmth { prefix: Some(prefix), hits, tokens: n, tokenize, lookup }
+}
+
+/// The index's answer for `tokens` from the blocking pool, and how long it took; past the
+/// deadline, how long was waited (a deadline of 0 never waits).
+async fn handed_over(head: &Arc<Head>, tokens: Vec<u32>) -> Result<(Answer, Duration), Duration> {
+    if head.deadline.is_zero() {
+        return Err(Duration::ZERO);
+    }
+    let started = Instant::now();
+    let (answered, answer) = tokio::sync::oneshot::channel();
+    let h = Arc::clone(head);
+    drop(tokio::task::spawn_blocking(move || {
+        let _ = answered.send(lookup_now(&h, &tokens));
+    }));
+    match tokio::time::timeout(head.deadline, answer).await {
+        Ok(Ok(answer)) => Ok((answer, started.elapsed())),
+        Ok(Err(_)) | Err(_) => Err(started.elapsed()),
+    }
 }
 
 /// The cheapest engine for the prompt, of those not in `tried`: engines in the choice, or, when

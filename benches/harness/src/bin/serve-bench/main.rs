@@ -48,6 +48,9 @@ struct Args {
     /// `vllm-router` (PyPI's vllm-router==0.1.17); without it, serve alone is measured.
     #[arg(long, default_value = "vllm-router")]
     vllm_router: String,
+    /// Chat sizes (tokens) for the overhead.
+    #[arg(long, value_delimiter = ',', default_values_t = [1024usize, 8192])]
+    sizes: Vec<usize>,
     /// One JSON object at the end.
     #[arg(long)]
     json: bool,
@@ -157,7 +160,8 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
 }
 
 /// One run's overhead figures for one prompt size, in µs: (chat p50, chat p99, ids p50, ids
-/// p99, head tokenizing p50, in-process render p50).
+/// p99, head tokenizing p50, in-process render p50, rest p50, rest p99, index p50, the head's
+/// decision less its tokenizing p50, the same body straight to an engine p50).
 fn overhead(
     addr: SocketAddr,
     engines: &[&InstantEngine],
@@ -165,10 +169,14 @@ fn overhead(
     size: usize,
     n: usize,
     run: u64,
-) -> [f64; 8] {
+) -> [f64; 11] {
     let mut client = Client::new(addr);
+    // The same body straight to an engine: the transport's own share (loopback, and the wake-up
+    // of a thread waiting on a socket), which any head pays once more.
+    let mut direct_client = Client::new(engines.first().expect("an engine").addr);
     let (mut chat, mut ids, mut head_tok, mut local, mut rest) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut index, mut decision, mut direct) = (Vec::new(), Vec::new(), Vec::new());
     // The prompts first (growing one renders the same text many times); then, request by
     // request, `Renderer::chat` here on the chat just before the head gets it, so that both run
     // in the same conditions (caches as cold, the same neighbours on the cores).
@@ -192,12 +200,26 @@ fn overhead(
             chat.push(total);
             // The head's own tokenizing time for this request (`server-timing`, ms): the rest is
             // what the decision and the proxy add.
-            let tokenize = client.server_timing.as_deref().and_then(|t| {
-                t.split(',').find_map(|part| part.trim().strip_prefix("tokenize;dur=")?.parse::<f64>().ok())
-            });
-            if let Some(t) = tokenize {
+            let timing = |name: &str| {
+                client
+                    .server_timing
+                    .as_deref()
+                    .and_then(|t| t.split(',').find_map(|part| part.trim().strip_prefix(name)?.parse::<f64>().ok()))
+            };
+            if let Some(t) = timing("tokenize;dur=") {
                 rest.push(total - t * 1e3);
+                if let (Some(i), Some(d)) = (timing("index;dur="), timing("decision;dur=")) {
+                    index.push(i * 1e3);
+                    decision.push((d - t) * 1e3);
+                }
             }
+        }
+        let hop = id + 900;
+        let (status, _, sent) =
+            direct_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {hop}\r\n")).expect("direct");
+        assert_eq!(status, 200);
+        if let Some(came) = arrived(hop) {
+            direct.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
         }
         // The same tokens as ids: no tokenizing.
         let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
@@ -218,6 +240,7 @@ fn overhead(
         let _ = client.post("/v1/route/done", &json!({"ticket": answer["ticket"]}).to_string(), "");
     }
     let (chat, ids, head_tok, local, rest) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local), sorted(rest));
+    let (index, decision, direct) = (sorted(index), sorted(decision), sorted(direct));
     [
         quantile(&chat, 0.5),
         quantile(&chat, 0.99),
@@ -227,6 +250,9 @@ fn overhead(
         quantile(&local, 0.5),
         quantile(&rest, 0.5),
         quantile(&rest, 0.99),
+        quantile(&index, 0.5),
+        quantile(&decision, 0.5),
+        quantile(&direct, 0.5),
     ]
 }
 
@@ -276,8 +302,8 @@ fn spread(v: &[f64]) -> (f64, f64, f64) {
 fn main() {
     let args = Args::parse();
     let renderer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
-    let sizes = [1024usize, 8192];
-    let mut over: Vec<Vec<[f64; 8]>> = vec![Vec::new(); sizes.len()];
+    let sizes = args.sizes.clone();
+    let mut over: Vec<Vec<[f64; 11]>> = vec![Vec::new(); sizes.len()];
     let (mut serve_rps, mut peer_rps) = (Vec::new(), Vec::new());
     let mut peer_missing = None;
     for run in 0..args.runs {
@@ -317,6 +343,9 @@ fn main() {
                 "render_p50_us",
                 "rest_p50_us",
                 "rest_p99_us",
+                "index_p50_us",
+                "decision_less_tokenize_p50_us",
+                "direct_p50_us",
             ],
             json!({}),
         );
@@ -338,6 +367,12 @@ fn main() {
             f(7),
             f(2),
             f(3)
+        );
+        println!(
+            "    of the rest, in the head's decision (parse, hash, index, choice) p50 {}, of which the index p50 {}; the same body straight to an engine (no head) p50 {}",
+            f(9),
+            f(8),
+            f(10)
         );
         println!(
             "    tokenizing in the head p50 {} against Renderer::chat in-process {}: {:.2}x [{:.2} - {:.2}]",

@@ -517,10 +517,14 @@ impl Engines {
         let mut at = from;
         let mut left = budget;
         // The groups the batch names, before any of its events: a hybrid engine's first step
-        // names its full group first, and its blocks are a hybrid engine's too.
+        // names its full group first, and its blocks are a hybrid engine's too. Only GPU stores
+        // teach a group's kind: an offloading connector's name the group but, by default, not
+        // its kind (vLLM 0.33's placeholder stores).
         if from == Cursor::default() {
             for event in &batch.events {
-                if let EngineEvent::Stored(s) = event {
+                if let EngineEvent::Stored(s) = event
+                    && s.medium == Medium::Gpu
+                {
                     self.learn(node, s.group);
                 }
             }
@@ -1302,6 +1306,45 @@ mod tests {
         plain.batch(Scheme::TreeChain, 0, &batch(0, vec![stored(None, &h, &tokens, 16)]), 1);
         assert_eq!((held_prefix(&plain, &tokens), plain.hybrid_sizes().len()), (3, 0));
         assert!(plain.stats(|n| n.to_string())[0].groups.is_empty());
+    }
+
+    /// vLLM 0.33's offloading connector names a block's group but, by default, not its kind
+    /// (`kv_cache_spec_kind` nil on its placeholder stores, scheduler.py `_placeholder_stored`):
+    /// such a store says nothing of the group's kind. It neither clears the node nor turns a
+    /// one-group engine hybrid; its tiers are followed as before.
+    #[test]
+    fn an_offloaded_store_that_names_no_kind_changes_no_group() {
+        let tokens: Vec<u32> = (0..64 * 3).collect();
+        let h: Vec<u64> = (300..312).collect();
+        let full = CacheGroup { index: 0, kind: GroupKind::Full };
+        let on_gpu = match stored(None, &h, &tokens, 16) {
+            EngineEvent::Stored(s) => EngineEvent::Stored(EngineStored { group: Some(full), ..s }),
+            other => other,
+        };
+        let placeholder = |hash: u64| {
+            EngineEvent::Stored(EngineStored {
+                parent: None,
+                hashes: vec![hash],
+                tokens: Vec::new(),
+                block_size: 0,
+                medium: Medium::Cpu,
+                namespace: None,
+                group: Some(CacheGroup { index: 0, kind: GroupKind::Other }),
+            })
+        };
+        let mut e = Engines::default();
+        e.batch(Scheme::TreeChain, 0, &batch(0, vec![on_gpu]), 1);
+        e.batch(Scheme::TreeChain, 0, &batch(1, h.iter().map(|&x| placeholder(x)).collect()), 2);
+        let stats = &e.stats(|n| n.to_string())[0];
+        assert_eq!((stats.group_changes, stats.counts.clears, e.hybrid_sizes().len()), (0, 0, 0), "{stats:?}");
+        assert_eq!(stats.groups, vec![full]);
+        assert_eq!(held_prefix(&e, &tokens), 3);
+        // The GPU copies leave; the CPU copies hold the prefix, in tier 1.
+        let gone = EngineEvent::Removed { hashes: h.clone(), medium: Medium::Gpu, group: Some(0) };
+        e.batch(Scheme::TreeChain, 0, &batch(2, vec![gone]), 3);
+        assert_eq!(held_prefix(&e, &tokens), 3);
+        let keys = ns().chain_in(Scheme::TreeChain, &tokens);
+        assert!(keys.iter().all(|k| e.tier(k, 0) == Some(1)));
     }
 
     /// Block rows as written: (node, hash) to (store clock, row).

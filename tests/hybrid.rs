@@ -28,6 +28,12 @@ struct Tally {
     reopens: usize,
     /// Probes warm on the engine once every batch is applied (as a head and a reader answer).
     warm_at_end: usize,
+    /// Probes (with an offloading connector) whose answer's GPU part was not vLLM's GPU hit, in
+    /// whole blocks of ours; and those answered with a part loaded from CPU memory.
+    gpu_differs: Vec<String>,
+    from_cpu: usize,
+    /// The engine's blocks by tier at the end (GPU, CPU only, storage only).
+    by_tier: [usize; 3],
 }
 
 /// Replays one case into a new index as engine `e0`'s stream and asks every probe; with
@@ -80,6 +86,15 @@ fn replay(case: &Path, reopen_every: Option<usize>, chunk: Option<usize>, import
             let got = hits.iter().find(|h| h.node == "e0").map(|h| h.tokens);
             tally.probes += 1;
             let what = || format!("{} ({} tokens): vLLM {reused}, answered {got:?}", probe["label"], tokens.len());
+            if let (Some(gpu), Some(hit)) =
+                (probe.get("gpu_cached_tokens").and_then(Value::as_u64), hits.iter().find(|h| h.node == "e0"))
+            {
+                let want_gpu = (gpu as usize / BLOCK_TOKENS * BLOCK_TOKENS).min(hit.tokens);
+                if hit.gpu_tokens != want_gpu {
+                    tally.gpu_differs.push(format!("{}: GPU {gpu}, answered {}", probe["label"], hit.gpu_tokens));
+                }
+                tally.from_cpu += usize::from(hit.gpu_tokens < hit.tokens);
+            }
             match got.cmp(&want) {
                 std::cmp::Ordering::Equal => tally.exact += 1,
                 std::cmp::Ordering::Greater => tally.above.push(what()),
@@ -91,6 +106,7 @@ fn replay(case: &Path, reopen_every: Option<usize>, chunk: Option<usize>, import
     let e0 = stats.first().expect("e0's stream");
     (tally.unplaced, tally.unknown_removals) = (e0.unplaced_blocks, e0.counts.unknown_removals);
     tally.groups = e0.groups.len();
+    tally.by_tier = e0.by_tier;
     // A process that only asks (`ask`) reads the same holdings from the file.
     let last: Vec<_> =
         probes.iter().map(|t| warm.warm_nodes_prefix(&warm.prefix(&ns, t)).expect("an answer")).collect();
@@ -165,4 +181,29 @@ fn hybrid_holdings_survive_a_restart_of_the_head() {
         assert!(tally.groups >= 2 && tally.unknown_removals == 0, "{name}: {tally:#?}");
     }
     assert!(warm_at_end >= 100, "a reader compared on warm answers ({warm_at_end})");
+}
+
+/// Hybrid engines that offload to CPU memory (vLLM 0.33's `OffloadingConnector`; events and
+/// answers from its own scheduler-side code, `fixtures/hybrid/offload`): gpt-oss's layout with
+/// the connector's default events (a chunk's last hash only) and with self-describing events in
+/// chunks of two blocks, Mamba beside full attention, and all three kinds. Every probe is
+/// answered what vLLM reused (its GPU hit and what the connector loads past it), the GPU part
+/// as vLLM's GPU hit, across restarts of the head too.
+#[test]
+fn offloading_hybrid_engines_are_answered_what_vllm_reuses_and_loads() {
+    for (name, reopen) in [
+        ("gptoss_off", None),
+        ("gptoss_off_bpc2", None),
+        ("mamba_off", None),
+        ("three_types_off", None),
+        ("gptoss_off", Some(7)),
+        ("three_types_off", Some(5)),
+    ] {
+        let tally = replay(&Path::new(DIR).join("offload").join(format!("{name}.jsonl")), reopen, None, false);
+        assert!(tally.probes >= 150, "{name}: {} probes", tally.probes);
+        assert!(tally.above.is_empty() && tally.below.is_empty(), "{name}: {tally:#?}");
+        assert!(tally.gpu_differs.is_empty(), "{name}: {tally:#?}");
+        assert!(tally.from_cpu >= 20 && tally.by_tier[1] > 0, "{name}: {tally:#?}");
+        assert!(tally.unknown_removals == 0, "{name}: {tally:#?}");
+    }
 }

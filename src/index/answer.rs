@@ -11,12 +11,13 @@ use super::lookup;
 use super::others::OthersCache;
 use super::view_read::{Part, ViewRead};
 use super::warm::Hit;
+use crate::decided::engines::Medium;
 use crate::error::{Error, Result};
-use crate::keys::{BLOCK_TOKENS, BlockKey, MIN_BLOCKS, Namespace, Prefix, Scheme, fine_keys, legacy_chain};
+use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, Scheme, fine_keys, legacy_chain};
 
 /// The prefix of `tokens` in `namespace` for a file of `scheme`, with the 0.1.7 chain while the
 /// file holds 0.1.7's entries (`legacy`), and its fine keys at each of `sizes` (the hybrid
-/// engines' block sizes) up to its length less one token.
+/// engines' block sizes), one per whole engine block.
 pub(crate) fn prefix(scheme: Scheme, legacy: bool, sizes: &[usize], namespace: &Namespace, tokens: &[u32]) -> Prefix {
     let mut prefix = Prefix::in_scheme(scheme, namespace, tokens);
     if legacy && !namespace.has_tenant() && tokens.len() >= BLOCK_TOKENS {
@@ -25,9 +26,7 @@ pub(crate) fn prefix(scheme: Scheme, legacy: bool, sizes: &[usize], namespace: &
     prefix.fine = sizes
         .iter()
         .filter(|&&size| size > 0)
-        .map(|&size| {
-            (size, fine_keys(namespace.key(), &prefix.blocks, tokens, size, tokens.len().saturating_sub(1) / size))
-        })
+        .map(|&size| (size, fine_keys(namespace.key(), &prefix.blocks, tokens, size, tokens.len() / size)))
         .collect();
     prefix
 }
@@ -130,12 +129,19 @@ pub(crate) fn warmest(front: &Front, layers: &Layers, prefix: &Prefix, read: &Vi
     // What the engines hold, by their events; 0.1.7's imported entries (none without a chain).
     let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
     let found = settle([claimed, lookup::engine_search(front, prefix), legacy]);
-    Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, &prefix.blocks, f.blocks)))
+    Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, prefix, f.blocks)))
 }
 
-/// Node `node`'s hit of `blocks` blocks of `keys`, with the tiers its engine keeps them in.
-fn hit(front: &Front, layers: &Layers, node: u32, keys: &[BlockKey], blocks: usize) -> Hit {
-    let (tier, gpu) = lookup::engine_tiers(front, keys, node, blocks);
+/// Node `node`'s hit of the first `blocks` blocks of `prefix`, with the tiers its engine keeps
+/// them in (a hybrid engine's: its GPU hit, and what its offloading connector loads past it).
+fn hit(front: &Front, layers: &Layers, node: u32, prefix: &Prefix, blocks: usize) -> Hit {
+    let (tier, gpu) = match front.decided.engines.hybrid_reuse(&prefix.fine, prefix.len, node) {
+        Some(reused) => {
+            let gpu = (reused.gpu_tokens / BLOCK_TOKENS).min(blocks);
+            (if gpu < blocks { Medium::Cpu } else { Medium::Gpu }, gpu)
+        }
+        None => lookup::engine_tiers(front, &prefix.blocks, node, blocks),
+    };
     Hit { node: node_name(front, layers, node), tokens: blocks * BLOCK_TOKENS, tier, gpu_tokens: gpu * BLOCK_TOKENS }
 }
 
@@ -157,7 +163,7 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
     // write of the same name) is listed once, where it comes first.
     let mut hits: Vec<Hit> = Vec::with_capacity(found.len());
     for d in found.into_iter().filter(|d| d.blocks >= MIN_BLOCKS) {
-        let hit = hit(front, layers, d.node, &prefix.blocks, d.blocks);
+        let hit = hit(front, layers, d.node, prefix, d.blocks);
         if !hits.iter().any(|h| h.node == hit.node) {
             hits.push(hit);
         }

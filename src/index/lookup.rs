@@ -38,7 +38,7 @@ pub(crate) fn engine_search(front: &Front, prefix: &Prefix) -> Option<Found> {
 fn hybrid_depths<'a>(front: &'a Front, prefix: &Prefix) -> impl Iterator<Item = Found> + 'a {
     let depths = match prefix.fine.is_empty() {
         true => Vec::new(),
-        false => front.decided.engines.hybrid_depths(&prefix.fine),
+        false => front.decided.engines.hybrid_depths(&prefix.fine, prefix.len),
     };
     depths.into_iter().map(|(node, blocks, clock)| Found { node, blocks, clock, legacy: false })
 }

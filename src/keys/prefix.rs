@@ -12,10 +12,11 @@ pub struct Prefix {
     pub(crate) blocks: Vec<BlockKey>,
     /// The 0.1.7 FNV-1a chain, only while imported 0.1.7 entries remain.
     pub(crate) legacy: Vec<BlockKey>,
-    /// The fine keys (`keys/fine.rs`) at each block size of the index's hybrid engines, up to
-    /// the prompt's length less one token (what an engine can reuse at most): none while it
-    /// follows no hybrid engine.
+    /// The fine keys (`keys/fine.rs`) at each block size of the index's hybrid engines, one per
+    /// whole engine block: none while it follows no hybrid engine.
     pub(crate) fine: Vec<(usize, Vec<BlockKey>)>,
+    /// The prompt's length in tokens (what a hybrid engine reuses depends on it).
+    pub(crate) len: usize,
 }
 
 impl Prefix {
@@ -33,13 +34,15 @@ impl Prefix {
             blocks: namespace.chain_in(scheme, tokens),
             legacy: Vec::new(),
             fine: Vec::new(),
+            len: tokens.len(),
         }
     }
 
     #[cfg(feature = "nats")]
     /// A prefix of keys hashed elsewhere (another head's event), in `scheme`.
     pub(crate) fn from_keys(scheme: Scheme, namespace: Namespace, blocks: Vec<BlockKey>) -> Prefix {
-        Prefix { namespace, scheme, blocks, legacy: Vec::new(), fine: Vec::new() }
+        let len = blocks.len() * BLOCK_TOKENS;
+        Prefix { namespace, scheme, blocks, legacy: Vec::new(), fine: Vec::new(), len }
     }
 
     #[cfg(feature = "nats")]

@@ -10,6 +10,11 @@
 //! counted per group and hash: a full group stores the same hash again while a copy is live, and
 //! each copy is removed on its own.
 //!
+//! An offloading connector's copies in CPU memory (vLLM 0.33's `OffloadingConnector`) are
+//! counted the same way, under their group's index marked as offloaded ([`cpu_copy`]); the
+//! connector loads what it holds past the GPU hit by its own rule ([`super::offload`]). Its
+//! default stores name only a block's hash: they are placed where the block's GPU copy was.
+//!
 //! Each block held is a row (`engine_group_blocks/v8`, [`super::row`]): its copies by group and
 //! where the prompt stands after it, so that it is placed again at an open even when its parent
 //! has gone. The fine keys' copies and clocks are derived from the rows. Holdings of a block
@@ -20,11 +25,44 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use super::event::{EngineStored, GroupKind};
+use super::offload::{Offloaded, Reach, loaded};
 use super::reuse::{Need, Spec, reuse};
 use super::row::{GroupedRow, encode_grouped};
 use crate::decided::Effect;
 use crate::error::{Error, Result};
 use crate::keys::{BLOCK_TOKENS, BlockKey, FinePosition, KeyMap, Scheme};
+
+/// A copy in the offloading connector's CPU memory is counted under its group's index with this
+/// bit set, and the connector's chunk (in engine blocks) in bits 16-30: one row layout for both
+/// tiers. A build that does not know the mark reads such copies as groups it does not have.
+const CPU_COPY: u32 = 1 << 31;
+
+/// The bits of [`CPU_COPY`]'s group field that hold the connector's chunk.
+const CHUNK_BITS: u32 = 0x7fff << 16;
+
+/// The copy count's group field for an offloaded copy in group `group`, in chunks of
+/// `chunk_blocks` engine blocks.
+pub(crate) fn cpu_copy(group: u32, chunk_blocks: usize) -> u32 {
+    let chunk = u32::try_from(chunk_blocks).unwrap_or(u32::MAX).min(0x7fff);
+    CPU_COPY | (chunk << 16) | (group & 0xffff)
+}
+
+/// Whether group field `field` counts offloaded copies in group `group` (whatever the chunk it
+/// was stored with).
+fn offloaded_in(field: u32, group: u32) -> bool {
+    field & !CHUNK_BITS == CPU_COPY | (group & 0xffff)
+}
+
+/// What a hybrid engine reuses of a prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Reused {
+    /// Tokens, in all.
+    pub(crate) tokens: usize,
+    /// Of which in GPU memory (the rest is loaded from CPU memory).
+    pub(crate) gpu_tokens: usize,
+    /// The clock of the newest copy of the hit's last block.
+    pub(crate) clock: u64,
+}
 
 /// One engine block a hybrid engine holds in some group.
 #[derive(Clone, Debug)]
@@ -57,9 +95,20 @@ pub(crate) struct Hybrid {
     held: KeyMap<BlockKey, (Vec<(u32, u32)>, u64)>,
     /// Blocks its events did not place (memory only): a parent not held, a sparse store with no
     /// store listing all of its blocks, a block size not modelled (not dividing 64, or not the
-    /// engine's size).
+    /// engine's size), an offloaded block whose GPU copy is gone.
     pub(crate) unplaced: u64,
+    /// The offloading connector's chunk, in engine blocks: learned from its self-describing
+    /// stores, and from the copies read at an open; 1 (its default) until then.
+    chunk_blocks: Option<usize>,
+    /// Where the last [`GONE_KEPT`] blocks whose every copy left were (memory only), oldest
+    /// first: the connector announces a store when it completes, a step or more after it began,
+    /// and the GPU copy may have left by then.
+    gone: std::collections::VecDeque<u64>,
+    gone_at: KeyMap<u64, (FinePosition, BlockKey)>,
 }
+
+/// Blocks whose places are kept after their last copy left (see [`Hybrid::gone`]).
+const GONE_KEPT: usize = 4096;
 
 /// Counts one copy more (`up`) or less in group `group` of `copies`, dropping a count that
 /// reaches 0.
@@ -82,6 +131,11 @@ impl Hybrid {
     /// Engine blocks held in any group.
     pub(crate) fn len(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Engine blocks held only by the offloading connector (in CPU memory).
+    pub(crate) fn offloaded_only(&self) -> usize {
+        self.blocks.values().filter(|k| k.copies.iter().all(|c| c.0 & CPU_COPY != 0)).count()
     }
 
     /// The block size the engine's holdings are in, if modelled.
@@ -140,6 +194,41 @@ impl Hybrid {
         done
     }
 
+    /// The connector's chunk, in engine blocks.
+    fn chunk_blocks(&self) -> usize {
+        self.chunk_blocks.unwrap_or(1)
+    }
+
+    /// Stores the offloading connector's copies in CPU memory of `stored`'s blocks in group
+    /// `group`: a self-describing store lists a chunk's blocks with their tokens (and gives the
+    /// chunk's size); a default one names only the chunk's last block, placed where its GPU copy
+    /// is. Returns the blocks stored.
+    pub(crate) fn offload(
+        &mut self,
+        scheme: Scheme,
+        stored: &EngineStored,
+        (group, clock): (u32, u64),
+        (node, out): (u32, &mut Vec<Effect>),
+    ) -> usize {
+        let size = stored.block_size as usize;
+        if size > 0 && !stored.hashes.is_empty() && stored.tokens.len() == stored.hashes.len() * size {
+            self.chunk_blocks = Some(stored.hashes.len());
+            let code = cpu_copy(group, self.chunk_blocks());
+            return self.store(scheme, stored, (code, clock), None, (node, out));
+        }
+        let code = cpu_copy(group, self.chunk_blocks());
+        stored.hashes.iter().filter(|&&h| self.copy(h, None, (code, clock), (node, &mut *out))).count()
+    }
+
+    /// Removes the connector's copy of block `hash` in group `group`. Whether there was one.
+    pub(crate) fn unload(&mut self, hash: u64, group: u32, (node, out): (u32, &mut Vec<Effect>)) -> bool {
+        let code = self.blocks.get(&hash).and_then(|k| k.copies.iter().find(|c| offloaded_in(c.0, group)));
+        match code {
+            Some(&(code, _)) => self.remove(hash, code, (node, out)),
+            None => false,
+        }
+    }
+
     /// Adds a copy of block `hash` in `group` at `clock`, placed at `at` if it is new, its row
     /// into `out`. Whether it was placed.
     fn copy(
@@ -156,7 +245,11 @@ impl Hybrid {
                 known
             }
             None => {
-                let Some((at, key)) = at.and_then(|at| Some((at.clone(), at.key()?))) else {
+                let placed = match at {
+                    Some(at) => at.key().map(|key| (at.clone(), key)),
+                    None => self.gone_at.get(&hash).cloned(),
+                };
+                let Some((at, key)) = placed else {
                     self.unplaced += 1;
                     return false;
                 };
@@ -183,7 +276,9 @@ impl Hybrid {
         let (key, since) = (known.key, known.since);
         let row = match known.copies.is_empty() {
             true => {
-                self.blocks.remove(&hash);
+                if let Some(gone) = self.blocks.remove(&hash) {
+                    self.keep_gone(hash, gone);
+                }
                 None
             }
             false => Some(known.row(self.block_size.unwrap_or_default())),
@@ -220,29 +315,48 @@ impl Hybrid {
         }
         let clock = row.clock();
         held.1 = held.1.max(clock);
+        if let Some(&(code, _)) = row.copies.iter().find(|c| c.0 & CPU_COPY != 0) {
+            self.chunk_blocks = Some(((code >> 16) & 0x7fff) as usize);
+        }
         self.blocks.insert(hash, Known { at: row.at, key, copies: row.copies, since, clock });
         Ok(())
+    }
+
+    /// Keeps where block `hash` was, its last copy gone, dropping the oldest such place past
+    /// [`GONE_KEPT`].
+    fn keep_gone(&mut self, hash: u64, gone: Known) {
+        if self.gone_at.insert(hash, (gone.at, gone.key)).is_none() {
+            self.gone.push_back(hash);
+        }
+        while self.gone.len() > GONE_KEPT {
+            if let Some(old) = self.gone.pop_front() {
+                self.gone_at.remove(&old);
+            }
+        }
     }
 
     /// Everything is gone; the next store sets the block size again (as after an open).
     pub(crate) fn clear(&mut self) {
         self.blocks.clear();
         self.held.clear();
+        self.gone.clear();
+        self.gone_at.clear();
         self.block_size = None;
     }
 
-    /// The tokens the engine reuses of a prompt whose fine keys at its block size, up to its
-    /// length less one token, are `fine`, by vLLM's rule over `groups` (chunked local ones of
-    /// `chunk` tokens), with the clock of the newest block of the hit. 0 for groups the rule
-    /// does not model (a chunked-local group with no chunk given: the events do not carry it; a
-    /// kind this build does not know).
+    /// What the engine reuses of a prompt of `prompt` tokens whose fine keys at its block size
+    /// (one per whole engine block) are `fine`: its GPU hit by vLLM's rule over `groups`
+    /// (chunked local ones of `chunk` tokens), and what its offloading connector loads past it.
+    /// Nothing for groups the rule does not model (a chunked-local group with no chunk given:
+    /// the events do not carry it; a kind this build does not know).
     pub(crate) fn reused(
         &self,
         groups: &BTreeMap<u32, GroupKind>,
         chunk: Option<usize>,
         fine: &[BlockKey],
-    ) -> (usize, u64) {
-        let Some(size) = self.block_size else { return (0, 0) };
+        prompt: usize,
+    ) -> Reused {
+        let Some(size) = self.block_size else { return Reused::default() };
         let mut specs: Vec<(Spec, Vec<u32>)> = Vec::new();
         for (&index, &kind) in groups {
             let need = match kind {
@@ -251,9 +365,9 @@ impl Hybrid {
                 GroupKind::Mamba => Need::State,
                 GroupKind::ChunkedLocal => match chunk {
                     Some(chunk) => Need::Chunk { chunk },
-                    None => return (0, 0),
+                    None => return Reused::default(),
                 },
-                _ => return (0, 0),
+                _ => return Reused::default(),
             };
             let spec = Spec { need, block_size: size };
             match specs.iter_mut().find(|(s, _)| *s == spec) {
@@ -269,9 +383,39 @@ impl Hybrid {
             };
             indices.iter().all(|g| copies.iter().any(|c| c.0 == *g))
         };
-        let tokens = reuse(&only, fine.len() * size + 1, holds).unwrap_or(0);
+        let gpu = reuse(&only, prompt, holds).unwrap_or(0);
+        // The connector, past the GPU hit: each group's chunks, keyed by their last block (the
+        // kinds are all modelled here: any other answered nothing above).
+        let blocks = self.chunk_blocks();
+        let mut offloaded: Vec<(Offloaded, u32)> = Vec::with_capacity(groups.len());
+        let chunk_tokens = size * blocks;
+        for (&index, &kind) in groups {
+            let reach = match kind {
+                GroupKind::SlidingWindow { window } => {
+                    let w = window as usize;
+                    Reach::Window { chunks: w.div_ceil(chunk_tokens), tokens: Some(w) }
+                }
+                GroupKind::Mamba => Reach::Window { chunks: 1, tokens: None },
+                GroupKind::ChunkedLocal => {
+                    Reach::Window { chunks: chunk.unwrap_or_default().div_ceil(chunk_tokens), tokens: None }
+                }
+                _ => Reach::All,
+            };
+            offloaded.push((Offloaded { reach, mamba: kind == GroupKind::Mamba }, index));
+        }
+        let only: Vec<Offloaded> = offloaded.iter().map(|(o, _)| *o).collect();
+        let held = |g: usize, c: usize| {
+            let last = (c + 1) * blocks - 1;
+            let (Some((_, group)), Some((copies, _))) =
+                (offloaded.get(g), fine.get(last).and_then(|k| self.held.get(k)))
+            else {
+                return false;
+            };
+            copies.iter().any(|x| offloaded_in(x.0, *group))
+        };
+        let tokens = gpu + loaded(&only, chunk_tokens, prompt, gpu, held);
         let clock =
             (tokens / size).checked_sub(1).and_then(|n| fine.get(n)).and_then(|k| self.held.get(k)).map_or(0, |h| h.1);
-        (tokens, clock)
+        Reused { tokens, gpu_tokens: gpu, clock }
     }
 }

@@ -28,6 +28,7 @@
 mod blocks;
 mod event;
 mod hybrid;
+mod offload;
 mod reuse;
 mod row;
 mod stream;
@@ -47,7 +48,7 @@ use super::effect::Effect;
 use crate::error::Result;
 use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, KeyMap, Namespace, Scheme};
 use blocks::{Blocks, Completed, Slot};
-use hybrid::Hybrid;
+use hybrid::{Hybrid, Reused};
 #[cfg(test)]
 pub(crate) use reuse::{Need, Spec, reuse as vllm_reuse};
 use row::encode_row;
@@ -297,22 +298,29 @@ impl Engines {
         sizes
     }
 
-    /// What each hybrid engine reuses of a prompt whose fine keys at each block size are `fine`
-    /// (see [`crate::keys::Prefix`]), by vLLM's rule: `(node, blocks of ours, clock)` for each
-    /// that reuses a block of ours or more. The engine's whole hit is rounded down to our blocks.
-    pub(crate) fn hybrid_depths(&self, fine: &[(usize, Vec<BlockKey>)]) -> Vec<(u32, usize, u64)> {
+    /// What each hybrid engine reuses of a prompt of `prompt` tokens whose fine keys at each
+    /// block size are `fine` (see [`crate::keys::Prefix`]), by vLLM's rule, its offloading
+    /// connector's included: `(node, blocks of ours, clock)` for each that reuses a block of ours
+    /// or more. The engine's whole hit is rounded down to our blocks.
+    pub(crate) fn hybrid_depths(&self, fine: &[(usize, Vec<BlockKey>)], prompt: usize) -> Vec<(u32, usize, u64)> {
         self.streams
-            .iter()
-            .filter(|(node, _)| self.trusted(**node))
-            .filter_map(|(&node, s)| {
-                let hybrid = s.hybrid.as_ref()?;
-                let size = hybrid.block_size()?;
-                let (_, keys) = fine.iter().find(|(at, _)| *at == size)?;
-                let (tokens, clock) = hybrid.reused(&s.groups.kinds, self.attention_chunk, keys);
-                let blocks = tokens / BLOCK_TOKENS;
-                (blocks > 0).then_some((node, blocks, clock))
+            .keys()
+            .filter_map(|&node| {
+                let r = self.hybrid_reuse(fine, prompt, node)?;
+                let blocks = r.tokens / BLOCK_TOKENS;
+                (blocks > 0).then_some((node, blocks, r.clock))
             })
             .collect()
+    }
+
+    /// What hybrid engine `node` reuses of a prompt (as [`Engines::hybrid_depths`]), and how
+    /// much of it from GPU memory; `None` for a node that is not a trusted hybrid engine.
+    pub(crate) fn hybrid_reuse(&self, fine: &[(usize, Vec<BlockKey>)], prompt: usize, node: u32) -> Option<Reused> {
+        let s = self.streams.get(&node).filter(|_| self.trusted(node))?;
+        let hybrid = s.hybrid.as_ref()?;
+        let size = hybrid.block_size()?;
+        let (_, keys) = fine.iter().find(|(at, _)| *at == size)?;
+        Some(hybrid.reused(&s.groups.kinds, self.attention_chunk, keys, prompt))
     }
 
     /// Whether `node` holds block `key`, and from which clock.
@@ -377,7 +385,9 @@ impl Engines {
                 let (engine_blocks, blocks) = self.sizes(id);
                 let mut by_tier = [0; 3];
                 if let Some(h) = &s.hybrid {
-                    by_tier[0] = h.len();
+                    let offloaded_only = h.offloaded_only();
+                    by_tier[0] = h.len() - offloaded_only;
+                    by_tier[1] = offloaded_only;
                 }
                 for b in s.blocks.slots().filter_map(|i| s.blocks.get(i)) {
                     if let Some(n) = by_tier.get_mut(usize::from(b.own_tier())) {
@@ -606,7 +616,7 @@ impl Engines {
 
     /// Applies event `i` of `batch` to hybrid node `node`'s holdings (every group's copies; a
     /// store that lists only some blocks of its range is placed by one of the batch that lists
-    /// them all). Only GPU copies are followed.
+    /// them all). GPU copies, and the offloading connector's in CPU memory.
     fn hybrid_event(&mut self, scheme: Scheme, node: u32, batch: &EngineBatch, i: usize, clock: u64) {
         let Some(event) = batch.events.get(i) else { return };
         if let EngineEvent::Cleared = event {
@@ -653,6 +663,19 @@ impl Engines {
             }
             EngineEvent::Removed { hashes, medium: Medium::Gpu, group: None } => {
                 s.record.counts.unknown_removals += hashes.len() as u64;
+            }
+            // The offloading connector's copies in CPU memory, per group.
+            EngineEvent::Stored(stored @ EngineStored { medium: Medium::Cpu, group: Some(group), .. }) => {
+                let placed = hybrid.offload(scheme, stored, (group.index, clock), (node, &mut self.effects));
+                s.record.counts.stored += placed as u64;
+            }
+            EngineEvent::Removed { hashes, medium: Medium::Cpu, group: Some(group) } => {
+                let mut removed = 0;
+                for &hash in hashes {
+                    removed += u64::from(hybrid.unload(hash, *group, (node, &mut self.effects)));
+                }
+                s.record.counts.removed += removed;
+                s.record.counts.unknown_removals += hashes.len() as u64 - removed;
             }
             _ => s.record.counts.other_medium += 1,
         }
@@ -1273,7 +1296,7 @@ mod tests {
             medium: Medium::Gpu,
             group: Some(group),
         };
-        let depth = |e: &Engines| e.hybrid_depths(&fine).first().map_or(0, |d| d.1);
+        let depth = |e: &Engines| e.hybrid_depths(&fine, prompt.len()).first().map_or(0, |d| d.1);
         let mut e = Engines::default();
         e.batch(
             Scheme::TreeChain,

@@ -1,31 +1,40 @@
-//! `head-to-head` (issue 43, first version): `superfluid-warm serve` against `vllm-router`
-//! (`kv_aware`, `round_robin`) and the SGLang gateway (`smg`, `cache_aware`), each in turn in
-//! front of fresh simulated engines, on the same requests at the same offered times.
+//! `head-to-head` (issue 43): `superfluid-warm serve` against `vllm-router` (`kv_aware`,
+//! `round_robin`) and the SGLang gateway (`smg`, `cache_aware`), each in turn in front of fresh
+//! simulated engines, on the same requests at the same offered times, `--runs` times.
 //!
 //! - **Engines**: `--engines` simulated vLLM engines (`harness::openai_engine`): 16-token blocks,
 //!   an LRU of `--capacity` blocks, KV events over ZMQ with a replay endpoint, `cached_tokens`
 //!   in usage, and a time model (a batch limit that queues; prefill a constant plus a time per
 //!   uncached token; a time per output token), so the time to first token depends on the
 //!   routing.
-//! - **Workload**: the conversation trace's first `--requests` requests at their own arrival
-//!   times, sped up `--speedup` times. Prompts are text in a word-level vocabulary that the
-//!   engines' `tokenizer.json` (written here) turns back into the trace's tokens (each token id
-//!   modulo the vocabulary): every router sees the same text, and every engine the same ids.
-//! - **Figures per router**: time to first token p50 / p99 and end to end p50 (from the
-//!   client, streamed), the engines' cached share (`cached_tokens` / prompt tokens), requests
-//!   per engine max / min, requests refused.
+//! - **Workloads** (`--workloads`): `conversation`, the conversation trace's first
+//!   `--requests` requests at their own arrival times, sped up `--speedup` times; prompts are
+//!   text in a word-level vocabulary that the engines' `tokenizer.json` (written here) turns
+//!   back into the trace's tokens (each token id modulo the vocabulary): every router sees the
+//!   same text, and every engine the same ids. `engine-restart`: the same, with engine 0
+//!   restarted on its ports halfway, its cache empty, nobody told. `head-restart`: the same,
+//!   with the router killed halfway and started again (serve on its index file; the peers
+//!   start empty); the cached share of the requests of its first minute back is reported.
+//!   `burst`: `--burst` requests at once sharing a new prefix of `--burst-prefix` words, each
+//!   with its own 32-word question, `--burst-rounds` times, 2 s apart.
+//! - **Figures per router and workload**: time to first token p50 / p99 and end to end p50
+//!   (from the client, streamed; a client whose connection is refused tries again for up to
+//!   30 s, and the wait counts), the engines' cached share (`cached_tokens` / prompt tokens),
+//!   requests per engine max / min, requests refused, and serve's predicted against delivered.
+//!   With several runs, each figure's median and range.
 
 mod client;
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
 use harness::openai_engine::{EngineConfig, OpenAiEngine};
-use serde_json::json;
+use serde_json::{Value, json};
 
 #[derive(Parser)]
 #[command(name = "head-to-head", about = "serve against vllm-router and smg on the same engines and requests")]
@@ -69,6 +78,21 @@ struct Args {
     /// The venv's bin folder with `vllm-router` and `smg`.
     #[arg(long, default_value = "")]
     peers: String,
+    /// Workloads, in turn: conversation, engine-restart, head-restart, burst.
+    #[arg(long, value_delimiter = ',', default_value = "conversation")]
+    workloads: Vec<String>,
+    /// Runs of every workload and router (figures are medians, with their range).
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
+    /// The burst: requests at once.
+    #[arg(long, default_value_t = 48)]
+    burst: usize,
+    /// The burst: words of the shared prefix.
+    #[arg(long, default_value_t = 4096)]
+    burst_prefix: usize,
+    /// The burst: rounds, each with a new prefix.
+    #[arg(long, default_value_t = 4)]
+    burst_rounds: usize,
     /// One JSON object at the end.
     #[arg(long)]
     json: bool,
@@ -93,6 +117,20 @@ fn write_tokenizer(dir: &Path, vocab: u32) {
 /// A router process, killed when dropped.
 struct Router(Child);
 
+impl Router {
+    /// SIGTERM, and up to 30 s to finish (serve then writes its last status); killed after.
+    fn stop(mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status();
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(30) {
+            if self.0.try_wait().ok().flatten().is_some() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 impl Drop for Router {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -106,8 +144,18 @@ fn free_port() -> u16 {
 
 /// Starts router `name` in front of `engines`; its address once it answers.
 fn start_router(name: &str, args: &Args, engines: &[OpenAiEngine], dir: &Path) -> Option<(Router, SocketAddr)> {
-    let port = free_port();
-    let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+    start_router_on(name, args, engines, dir, ([127, 0, 0, 1], free_port()).into())
+}
+
+/// Starts router `name` at `addr` in front of `engines`; its address once it answers.
+fn start_router_on(
+    name: &str,
+    args: &Args,
+    engines: &[OpenAiEngine],
+    dir: &Path,
+    addr: SocketAddr,
+) -> Option<(Router, SocketAddr)> {
+    let port = addr.port();
     let peer = |bin: &str| if args.peers.is_empty() { bin.to_string() } else { format!("{}/{bin}", args.peers) };
     let urls: Vec<String> = engines.iter().map(OpenAiEngine::url).collect();
     let mut command = match name {
@@ -147,7 +195,7 @@ fn start_router(name: &str, args: &Args, engines: &[OpenAiEngine], dir: &Path) -
         }
         _ => return None,
     };
-    let log = std::fs::File::create(dir.join(format!("{name}.log"))).ok()?;
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(format!("{name}.log"))).ok()?;
     let child = command.stdout(Stdio::null()).stderr(log).spawn().ok()?;
     let router = Router(child);
     let started = Instant::now();
@@ -169,6 +217,8 @@ fn start_router(name: &str, args: &Args, engines: &[OpenAiEngine], dir: &Path) -
 #[derive(Clone, Debug, Default)]
 struct Outcome {
     ok: bool,
+    /// When it was sent, seconds after the workload's start.
+    at: f64,
     ttft: f64,
     e2e: f64,
     prompt: u64,
@@ -182,129 +232,336 @@ fn quantile(v: &[f64], q: f64) -> f64 {
     s.get(i).copied().unwrap_or(f64::NAN)
 }
 
-fn main() {
-    let args = Args::parse();
+/// What happens halfway through a workload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Midway {
+    Nothing,
+    /// Engine 0 restarts on its ports, its cache empty; nobody tells the router.
+    EngineRestart,
+    /// The router is killed and started again.
+    HeadRestart,
+}
+
+/// How long after a restart the cached share is reported on its own.
+const AFTER_RESTART: f64 = 60.0;
+
+/// One router's figures on one workload in one run.
+#[derive(Clone, Debug, Default)]
+struct Figures {
+    ttft_p50: f64,
+    ttft_p99: f64,
+    e2e_p50: f64,
+    cached: f64,
+    max: usize,
+    min: usize,
+    refused: usize,
+    /// The cached share of the requests sent in the first minute after a restart.
+    after_restart: Option<f64>,
+    /// serve's own count: tokens predicted warm, tokens the engines delivered.
+    predicted: Option<(u64, u64)>,
+    /// Prompt tokens of the requests answered.
+    prompt_tokens: u64,
+}
+
+/// A prompt: when it is sent (seconds after the start), its text, its output tokens.
+type Prompt = (f64, String, usize);
+
+/// The conversation trace's prompts.
+fn trace_prompts(args: &Args) -> Vec<Prompt> {
     let requests = harness::trace::read(&args.trace).expect("the trace");
     let requests: Vec<_> = requests.into_iter().skip(args.skip).take(args.requests).collect();
     let start_ms = requests.first().map_or(0, |r| r.timestamp);
-    let prompts: Vec<(f64, String, usize)> = requests
+    requests
         .iter()
         .map(|r| {
             let words: Vec<String> = r.tokens().iter().map(|t| format!("w{}", t % args.vocab)).collect();
             let offset = (r.timestamp - start_ms) as f64 / 1000.0 / args.speedup;
             (offset, words.join(" "), r.output_length.clamp(1, args.max_tokens))
         })
-        .collect();
-    let span = prompts.last().map_or(0.0, |p| p.0);
-    eprintln!("head-to-head: {} requests over {span:.1} s", prompts.len());
-    let mut report = json!({"requests": prompts.len(), "span_s": span, "engines": args.engines});
-    let mut table = Vec::new();
-    for name in &args.routers {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        write_tokenizer(dir.path(), args.vocab);
-        let engines: Vec<OpenAiEngine> = (0..args.engines)
-            .map(|_| {
-                let mut config = EngineConfig::instant("m", Some(dir.path().to_path_buf()), args.capacity);
-                config.batch = args.batch;
-                config.prefill_base = Duration::from_millis(2);
-                config.prefill_per_token = Duration::from_secs_f64(args.prefill_us_per_token / 1e6);
-                config.decode_per_token = Duration::from_millis(5);
-                config.word_level = Some(args.vocab);
-                OpenAiEngine::start(config).expect("an engine")
-            })
-            .collect();
-        let Some((router, addr)) = start_router(name, &args, &engines, dir.path()) else {
-            table.push(format!("  {name:<8} did not start"));
-            report[name] = json!("did not start");
-            continue;
-        };
-        let outcomes = run(addr, &prompts);
-        drop(router);
-        if name == "serve" {
-            // Its own count of predicted against delivered, from its status file.
-            let status = std::fs::read_to_string(dir.path().join("serve.redb.listen.json")).unwrap_or_default();
-            let status: serde_json::Value = serde_json::from_str(&status).unwrap_or_default();
-            let sum = |k: &str| {
-                status["routes"].as_array().map_or(0, |r| r.iter().filter_map(|e| e[k].as_u64()).sum::<u64>())
-            };
-            let (p, d, a, m) = (sum("predicted_tokens"), sum("delivered_tokens"), sum("answered"), sum("mispredicted"));
-            report["serve_predicted"] =
-                json!({"predicted_tokens": p, "delivered_tokens": d, "answered": a, "mispredicted": m});
-            eprintln!(
-                "head-to-head: serve predicted {p} tokens warm, the engines delivered {d} ({a} answers, {m} off by more than 64)"
-            );
+        .collect()
+}
+
+/// The burst's prompts: rounds 2 s apart, each of `--burst` requests at once sharing a new
+/// prefix, each with its own 32-word question.
+fn burst_prompts(args: &Args) -> Vec<Prompt> {
+    let word = |n: u64| format!("w{}", n.wrapping_mul(2_654_435_761) % u64::from(args.vocab));
+    let mut prompts = Vec::new();
+    for round in 0..args.burst_rounds as u64 {
+        let prefix: Vec<String> = (0..args.burst_prefix as u64).map(|i| word(round * 10_000_000 + i)).collect();
+        for j in 0..args.burst as u64 {
+            let question: Vec<String> = (0..32).map(|k| word(round * 10_000_000 + 5_000_000 + j * 32 + k)).collect();
+            let text = format!("{} {}", prefix.join(" "), question.join(" "));
+            prompts.push((round as f64 * 2.0, text, args.max_tokens));
         }
-        let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
-        let ttft: Vec<f64> = ok.iter().map(|o| o.ttft * 1e3).collect();
-        let e2e: Vec<f64> = ok.iter().map(|o| o.e2e * 1e3).collect();
-        let prompt: u64 = ok.iter().map(|o| o.prompt).sum();
-        let cached: u64 = ok.iter().map(|o| o.cached).sum();
-        let share = if prompt == 0 { 0.0 } else { 100.0 * cached as f64 / prompt as f64 };
-        let served: Vec<usize> = engines.iter().map(OpenAiEngine::served).collect();
-        let (max, min) = (served.iter().max().copied().unwrap_or(0), served.iter().min().copied().unwrap_or(0));
-        let refused = outcomes.len() - ok.len();
-        table.push(format!(
-            "  {name:<8} TTFT p50 {:.0} ms, p99 {:.0} ms; end to end p50 {:.0} ms; cached {share:.1}%; requests per engine max/min {max}/{min}; refused {refused}",
-            quantile(&ttft, 0.5), quantile(&ttft, 0.99), quantile(&e2e, 0.5)
-        ));
-        report[name] = json!({
-            "ttft_p50_ms": quantile(&ttft, 0.5), "ttft_p99_ms": quantile(&ttft, 0.99),
-            "e2e_p50_ms": quantile(&e2e, 0.5), "cached_share": share, "served": served, "refused": refused,
-        });
-        eprintln!("{}", table.last().map_or("", String::as_str));
+    }
+    prompts
+}
+
+/// An engine as the benchmark runs them, on `ports` (0: any); ports just given up by an
+/// engine that stopped are tried again for up to 10 s.
+fn engine(args: &Args, dir: &Path, ports: (u16, u16, u16)) -> OpenAiEngine {
+    let started = Instant::now();
+    loop {
+        match try_engine(args, dir, ports) {
+            Ok(engine) => return engine,
+            Err(e) if started.elapsed() < Duration::from_secs(10) => {
+                eprintln!("head-to-head: an engine on {ports:?} did not start ({e}); again");
+                std::thread::sleep(Duration::from_millis(200));
+            }
+            Err(e) => panic!("an engine on {ports:?} did not start: {e}"),
+        }
+    }
+}
+
+fn try_engine(args: &Args, dir: &Path, ports: (u16, u16, u16)) -> std::io::Result<OpenAiEngine> {
+    let mut config = EngineConfig::instant("m", Some(dir.to_path_buf()), args.capacity);
+    config.batch = args.batch;
+    config.prefill_base = Duration::from_millis(2);
+    config.prefill_per_token = Duration::from_secs_f64(args.prefill_us_per_token / 1e6);
+    config.decode_per_token = Duration::from_millis(5);
+    config.word_level = Some(args.vocab);
+    config.ports = ports;
+    OpenAiEngine::start(config).map_err(std::io::Error::other)
+}
+
+/// An endpoint's port.
+fn port_of(endpoint: &str) -> u16 {
+    endpoint.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or(0)
+}
+
+/// Router `name` on `workload`: fresh engines, the prompts at their times, what happens
+/// halfway. `None` if the router did not start.
+fn measure(name: &str, args: &Args, prompts: &[Prompt], midway: Midway) -> Option<Figures> {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    write_tokenizer(dir.path(), args.vocab);
+    let engines: Mutex<Vec<OpenAiEngine>> =
+        Mutex::new((0..args.engines).map(|_| engine(args, dir.path(), (0, 0, 0))).collect());
+    let first = {
+        let engines = engines.lock().ok()?;
+        start_router(name, args, &engines, dir.path())?
+    };
+    let router = Mutex::new(Some(first.0));
+    let addr = first.1;
+    let halfway = prompts.get(prompts.len() / 2).map_or(0.0, |p| p.0);
+    let action = || match midway {
+        Midway::Nothing => {}
+        Midway::EngineRestart => {
+            if let Ok(mut engines) = engines.lock() {
+                let old = engines.remove(0);
+                let ports = (old.addr.port(), port_of(&old.events), port_of(&old.replay));
+                drop(old);
+                engines.insert(0, engine(args, dir.path(), ports));
+            }
+        }
+        Midway::HeadRestart => {
+            if let Ok(mut router) = router.lock() {
+                // Killed, as a crash would.
+                drop(router.take());
+                let engines = engines.lock().expect("the engines");
+                // On the same port, so that the clients find it again.
+                *router = start_router_on(name, args, &engines, dir.path(), addr).map(|r| r.0);
+            }
+        }
+    };
+    let (outcomes, restarted) = run(addr, prompts, (midway != Midway::Nothing).then_some((halfway, &action)));
+    if let Some(router) = router.lock().ok()?.take() {
+        router.stop();
+    }
+    let mut figures = Figures::default();
+    if name == "serve" {
+        // Its own count of predicted against delivered, from its status file.
+        let status = std::fs::read_to_string(dir.path().join("serve.redb.listen.json")).unwrap_or_default();
+        let status: Value = serde_json::from_str(&status).unwrap_or_default();
+        let sum =
+            |k: &str| status["routes"].as_array().map_or(0, |r| r.iter().filter_map(|e| e[k].as_u64()).sum::<u64>());
+        figures.predicted = Some((sum("predicted_tokens"), sum("delivered_tokens")));
+    }
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
+    let share = |o: &[&Outcome]| {
+        let prompt: u64 = o.iter().map(|o| o.prompt).sum();
+        let cached: u64 = o.iter().map(|o| o.cached).sum();
+        if prompt == 0 { 0.0 } else { 100.0 * cached as f64 / prompt as f64 }
+    };
+    let ttft: Vec<f64> = ok.iter().map(|o| o.ttft * 1e3).collect();
+    let e2e: Vec<f64> = ok.iter().map(|o| o.e2e * 1e3).collect();
+    (figures.ttft_p50, figures.ttft_p99, figures.e2e_p50) =
+        (quantile(&ttft, 0.5), quantile(&ttft, 0.99), quantile(&e2e, 0.5));
+    figures.cached = share(&ok);
+    figures.prompt_tokens = ok.iter().map(|o| o.prompt).sum();
+    figures.after_restart = restarted.map(|at| {
+        let after: Vec<&Outcome> = ok.iter().copied().filter(|o| o.at >= at && o.at < at + AFTER_RESTART).collect();
+        share(&after)
+    });
+    let served: Vec<usize> = engines.lock().map(|e| e.iter().map(OpenAiEngine::served).collect()).unwrap_or_default();
+    figures.max = served.iter().max().copied().unwrap_or(0);
+    figures.min = served.iter().min().copied().unwrap_or(0);
+    figures.refused = outcomes.len() - ok.len();
+    Some(figures)
+}
+
+/// The median of `v` and its range, as text with `unit`.
+fn spread(v: &[f64], digits: usize, unit: &str) -> String {
+    let (lo, hi) =
+        (v.iter().copied().fold(f64::INFINITY, f64::min), v.iter().copied().fold(f64::NEG_INFINITY, f64::max));
+    match v.len() {
+        0 => "-".into(),
+        1 => format!("{:.digits$}{unit}", lo),
+        _ => format!("{:.digits$}{unit} [{lo:.digits$}-{hi:.digits$}]", quantile(v, 0.5)),
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let workloads: Vec<(String, Midway)> = args
+        .workloads
+        .iter()
+        .map(|w| match w.as_str() {
+            "conversation" => (w.clone(), Midway::Nothing),
+            "engine-restart" => (w.clone(), Midway::EngineRestart),
+            "head-restart" => (w.clone(), Midway::HeadRestart),
+            "burst" => (w.clone(), Midway::Nothing),
+            other => {
+                eprintln!("head-to-head: no workload {other} (conversation, engine-restart, head-restart, burst)");
+                std::process::exit(2)
+            }
+        })
+        .collect();
+    let conversation = trace_prompts(&args);
+    let span = conversation.last().map_or(0.0, |p| p.0);
+    eprintln!("head-to-head: {} requests of the trace over {span:.1} s", conversation.len());
+    let burst = burst_prompts(&args);
+    let mut figures: BTreeMap<(usize, usize), Vec<Figures>> = BTreeMap::new();
+    let mut missing: BTreeMap<usize, String> = BTreeMap::new();
+    for run in 0..args.runs {
+        for (w, (workload, midway)) in workloads.iter().enumerate() {
+            let prompts = if workload == "burst" { &burst } else { &conversation };
+            for (r, name) in args.routers.iter().enumerate() {
+                match measure(name, &args, prompts, *midway) {
+                    Some(f) => {
+                        eprintln!("head-to-head: run {} {workload} {name}: {f:?}", run + 1);
+                        figures.entry((w, r)).or_default().push(f);
+                    }
+                    None => {
+                        missing.insert(r, format!("{name} did not start"));
+                    }
+                }
+            }
+        }
     }
     println!(
-        "head-to-head: {} requests of the conversation trace over {span:.1} s, {} engines",
-        prompts.len(),
-        args.engines
+        "head-to-head: {} engines; conversation: {} requests of the trace over {span:.1} s; {} run(s): medians [min-max]",
+        args.engines,
+        conversation.len(),
+        args.runs
     );
-    for line in &table {
-        println!("{line}");
+    let mut report =
+        json!({"engines": args.engines, "requests": conversation.len(), "span_s": span, "runs": args.runs});
+    for (w, (workload, _)) in workloads.iter().enumerate() {
+        println!("  {workload}:");
+        for (r, name) in args.routers.iter().enumerate() {
+            let Some(runs) = figures.get(&(w, r)) else {
+                println!("    {name:<8} {}", missing.get(&r).map_or("no figures", String::as_str));
+                report[workload][name] = json!(missing.get(&r));
+                continue;
+            };
+            let col = |f: fn(&Figures) -> f64| runs.iter().map(f).collect::<Vec<f64>>();
+            let mut line = format!(
+                "    {name:<8} TTFT p50 {}, p99 {}; end to end p50 {}; cached {}; requests per engine max/min {}; refused {}",
+                spread(&col(|f| f.ttft_p50), 0, " ms"),
+                spread(&col(|f| f.ttft_p99), 0, " ms"),
+                spread(&col(|f| f.e2e_p50), 0, " ms"),
+                spread(&col(|f| f.cached), 1, "%"),
+                spread(&col(|f| f.max as f64 / f.min.max(1) as f64), 2, ""),
+                spread(&col(|f| f.refused as f64), 0, ""),
+            );
+            if runs.iter().any(|f| f.after_restart.is_some()) {
+                line += &format!(
+                    "; cached in the first minute after the restart {}",
+                    spread(&col(|f| f.after_restart.unwrap_or(f64::NAN)), 1, "%")
+                );
+            }
+            if runs.iter().any(|f| f.predicted.is_some()) {
+                // Points of the cached share: (predicted - delivered) / prompt tokens.
+                let gap = |f: &Figures| {
+                    f.predicted.map_or(f64::NAN, |(p, d)| 100.0 * (p as f64 - d as f64) / f.prompt_tokens.max(1) as f64)
+                };
+                line += &format!("; predicted - delivered {} points", spread(&col(gap), 2, ""));
+            }
+            println!("{line}");
+            report[workload][name] =
+                json!(runs.iter().map(|f| json!({
+                "ttft_p50_ms": f.ttft_p50, "ttft_p99_ms": f.ttft_p99, "e2e_p50_ms": f.e2e_p50,
+                "cached_share": f.cached, "requests_max": f.max, "requests_min": f.min, "refused": f.refused,
+                "after_restart_cached_share": f.after_restart, "predicted_delivered": f.predicted,
+            })).collect::<Vec<_>>());
+        }
     }
     if args.json {
         println!("{report}");
     }
 }
 
-/// Sends every prompt at its offered time (each on a thread of its own); every outcome.
-fn run(addr: SocketAddr, prompts: &[(f64, String, usize)]) -> Vec<Outcome> {
-    let outcomes = Arc::new(Mutex::new(vec![Outcome::default(); prompts.len()]));
+/// Sends every prompt at its offered time (each on a thread of its own), with `midway`'s
+/// action at its time; every outcome, and when the action was done (seconds after the start).
+fn run(addr: SocketAddr, prompts: &[Prompt], midway: Option<(f64, &(dyn Fn() + Sync))>) -> (Vec<Outcome>, Option<f64>) {
+    let outcomes = Mutex::new(vec![Outcome::default(); prompts.len()]);
     let started = Instant::now();
-    let mut threads = Vec::new();
-    for (i, (at, text, max_tokens)) in prompts.iter().enumerate() {
-        let wait = Duration::from_secs_f64(*at).saturating_sub(started.elapsed());
-        std::thread::sleep(wait);
-        let body = json!({
-            "model": "m", "prompt": text, "max_tokens": max_tokens, "stream": true,
-            "stream_options": {"include_usage": true},
-        })
-        .to_string();
-        let outcomes = Arc::clone(&outcomes);
-        threads.push(std::thread::spawn(move || {
-            let sent = Instant::now();
-            let outcome = match client::stream(addr, "/v1/completions", &body) {
-                Ok(s) if s.status == 200 => Outcome {
-                    ok: s.first.is_some(),
-                    ttft: s.first.map_or(0.0, |f| f.duration_since(sent).as_secs_f64()),
-                    e2e: sent.elapsed().as_secs_f64(),
-                    prompt: s.usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64()).unwrap_or(0),
-                    cached: s
-                        .usage
-                        .as_ref()
-                        .and_then(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64())
-                        .unwrap_or(0),
-                },
-                _ => Outcome::default(),
-            };
-            if let Ok(mut o) = outcomes.lock()
-                && let Some(slot) = o.get_mut(i)
-            {
-                *slot = outcome;
-            }
-        }));
-    }
-    for t in threads {
-        let _ = t.join();
-    }
-    Arc::try_unwrap(outcomes).ok().and_then(|m| m.into_inner().ok()).unwrap_or_default()
+    let mut done = None;
+    std::thread::scope(|scope| {
+        let action = midway.map(|(at, action)| {
+            scope.spawn(move || {
+                std::thread::sleep(Duration::from_secs_f64(at).saturating_sub(started.elapsed()));
+                action();
+                started.elapsed().as_secs_f64()
+            })
+        });
+        for (i, (at, text, max_tokens)) in prompts.iter().enumerate() {
+            std::thread::sleep(Duration::from_secs_f64(*at).saturating_sub(started.elapsed()));
+            let body = json!({
+                "model": "m", "prompt": text, "max_tokens": max_tokens, "stream": true,
+                "stream_options": {"include_usage": true},
+            })
+            .to_string();
+            let outcomes = &outcomes;
+            scope.spawn(move || {
+                let sent = Instant::now();
+                let at = started.elapsed().as_secs_f64();
+                // A router that is down (restarting) refuses connections: the client tries
+                // again for a while, as clients do, and the wait counts.
+                let answer = loop {
+                    match client::stream(addr, "/v1/completions", &body) {
+                        Err(e)
+                            if e.kind() == std::io::ErrorKind::ConnectionRefused
+                                && sent.elapsed() < Duration::from_secs(30) =>
+                        {
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                        other => break other,
+                    }
+                };
+                let outcome = match answer {
+                    Ok(s) if s.status == 200 => Outcome {
+                        ok: s.first.is_some(),
+                        at,
+                        ttft: s.first.map_or(0.0, |f| f.duration_since(sent).as_secs_f64()),
+                        e2e: sent.elapsed().as_secs_f64(),
+                        prompt: s.usage.as_ref().and_then(|u| u["prompt_tokens"].as_u64()).unwrap_or(0),
+                        cached: s
+                            .usage
+                            .as_ref()
+                            .and_then(|u| u["prompt_tokens_details"]["cached_tokens"].as_u64())
+                            .unwrap_or(0),
+                    },
+                    _ => Outcome { at, ..Outcome::default() },
+                };
+                if let Ok(mut o) = outcomes.lock()
+                    && let Some(slot) = o.get_mut(i)
+                {
+                    *slot = outcome;
+                }
+            });
+        }
+        done = action.and_then(|a| a.join().ok());
+    });
+    (outcomes.into_inner().unwrap_or_default(), done)
 }

@@ -383,3 +383,111 @@ fn ingest(
     warm.close()?;
     Ok(spent)
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::indexing_slicing)]
+
+    use super::*;
+    use superfluid_warm::GroupKind;
+
+    /// The replay without its lag: every engine's batch applied before the next request is
+    /// asked; for every request and every engine the index names, what it claims (in all, in GPU
+    /// memory) against what that engine would reuse. Returns (probes, of those with a part
+    /// only in the offload tier, mismatches, the first ones).
+    fn synchronous(
+        requests: &[Request],
+        groups: &[GroupKind],
+        block: usize,
+        cache_blocks: usize,
+        offload: usize,
+    ) -> (usize, usize, usize, Vec<String>) {
+        let config = Config { nodes: 4, ..Config::default() };
+        let dir = tempfile::tempdir().expect("dir");
+        let warm = Warm::builder().nodes_per_prefix(8).open(dir.path().join("sync.redb")).expect("open");
+        let namespace = Namespace::new(&config.model).expect("name");
+        let names: Vec<String> = (0..config.nodes).map(node_name).collect();
+        let mut sims: Vec<SimEngine> = names
+            .iter()
+            .map(|_| {
+                SimEngine::new(block, cache_blocks, &config.model, None)
+                    .expect("engine")
+                    .with_groups(groups)
+                    .with_offload(offload)
+                    .without_replays()
+                    .without_stored()
+            })
+            .collect();
+        let mut load = Load::new(&config);
+        let (mut probes, mut offloaded, mut wrong, mut first) = (0, 0, 0, Vec::new());
+        for (i, request) in requests.iter().enumerate() {
+            let tokens = prompt(&config, request);
+            let (prefix, found) = ask(&warm, &namespace, &names, config.policy, &tokens).expect("ask");
+            for &(node, claimed, claimed_gpu) in &found {
+                let (gpu, held) = sims[node].holds_by_tier(&tokens);
+                let unit = |t: usize| if t >= MIN_BLOCKS * BLOCK_TOKENS { t / BLOCK_TOKENS * BLOCK_TOKENS } else { 0 };
+                probes += 1;
+                offloaded += usize::from(unit(held) > unit(gpu));
+                if (claimed, claimed_gpu) != (unit(held), unit(gpu).min(unit(held))) {
+                    wrong += 1;
+                    if first.len() < 5 {
+                        first.push(format!(
+                            "request {i} ({} tokens), node {node}: claimed {claimed} (GPU {claimed_gpu}), engine reuses {held} (GPU {gpu})",
+                            tokens.len()
+                        ));
+                    }
+                }
+            }
+            let weighed: Vec<(usize, usize)> = found.iter().map(|&(n, len, _)| (n, len)).collect();
+            let (chosen, _) = choose_among(&config, &load, &weighed, tokens.len());
+            warm.ran_prefix(&prefix, &names[chosen]).expect("ran");
+            let batch = sims[chosen].run(&tokens);
+            let wire = crate::engine_sim::encode(&batch);
+            let decoded = decode_engine_batch(batch.seq, &wire, &config.model).expect("decode");
+            warm.engine_batch(&names[chosen], &decoded).expect("apply");
+            load.add(chosen, tokens.len() as u64).expect("load");
+        }
+        (probes, offloaded, wrong, first)
+    }
+
+    /// Hybrid engines with an offload tier, followed without lag: the index names exactly what
+    /// each engine reuses, GPU hit and connector's load, over several layouts, block sizes and
+    /// tiers (the synthetic conversations; with `REPLAY_TRACE` a Mooncake trace instead, its first
+    /// `REPLAY_REQUESTS`, `REPLAY_CACHE_BLOCKS` and `REPLAY_OFFLOAD_BLOCKS` for gpt-oss's layout).
+    #[test]
+    fn offloading_hybrid_engines_are_claimed_exactly_without_lag() {
+        let sw = |window| GroupKind::SlidingWindow { window };
+        let var = |name: &str| std::env::var(name).ok().and_then(|n| n.parse::<usize>().ok());
+        if let Ok(path) = std::env::var("REPLAY_TRACE") {
+            let mut requests = crate::trace::read(std::path::Path::new(&path)).expect("trace");
+            requests.truncate(var("REPLAY_REQUESTS").unwrap_or(1000));
+            let (cache, offload) =
+                (var("REPLAY_CACHE_BLOCKS").unwrap_or(2048), var("REPLAY_OFFLOAD_BLOCKS").unwrap_or(65_536));
+            let (probes, offloaded, wrong, first) =
+                synchronous(&requests, &[sw(128), GroupKind::Full], 16, cache, offload);
+            eprintln!("{path}: {probes} probes, {offloaded} with a part only offloaded, {wrong} wrong");
+            assert_eq!(wrong, 0, "{first:#?}");
+            return;
+        }
+        let requests = crate::trace::synthetic(300, 30, 7);
+        let cases: [(&[GroupKind], usize, usize, usize); 7] = [
+            (&[sw(128), GroupKind::Full], 16, 2048, 8192),
+            (&[sw(128), GroupKind::Full], 16, 1024, 1024),
+            (&[sw(128), GroupKind::Full], 32, 1024, 4096),
+            (&[GroupKind::Full, sw(100)], 16, 2048, 8192),
+            // A window of 129 tokens keeps 8 blocks (cdiv(128, 16)) but loads 9 (cdiv(129, 16)):
+            // its offloaded chunks never make a window.
+            (&[sw(129), GroupKind::Full], 16, 2048, 8192),
+            (&[sw(128), sw(256), GroupKind::Full], 16, 2048, 8192),
+            (&[sw(512), sw(512), sw(512), sw(512), sw(512), GroupKind::Full], 16, 4096, 16384),
+        ];
+        for (groups, block, cache, offload) in cases {
+            let (probes, offloaded, wrong, first) = synchronous(&requests, groups, block, cache, offload);
+            eprintln!(
+                "{groups:?} block {block}, {cache} + {offload}: {probes} probes, {offloaded} with a part only offloaded, {wrong} wrong"
+            );
+            assert!(offloaded > 0 || groups.contains(&sw(129)), "{probes} probes");
+            assert_eq!(wrong, 0, "{groups:?}: {first:#?}");
+        }
+    }
+}

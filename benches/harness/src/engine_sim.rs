@@ -199,11 +199,12 @@ impl SimEngine {
 
     /// The same engine with several KV cache groups, as a hybrid-attention model's vLLM keeps
     /// them (full attention and sliding windows: [`HybridCache`]), its events naming each
-    /// group; no chaos, no offload tier. Without groups, or one full-attention group, it is
-    /// the engine as before.
+    /// group; no chaos. Its offload tier ([`SimEngine::with_offload`], before or after) is
+    /// vLLM's `OffloadingConnector` over every group ([`HybridCache::with_offload`]). Without
+    /// groups, or one full-attention group, it is the engine as before.
     pub fn with_groups(mut self, groups: &[GroupKind]) -> SimEngine {
         if groups.iter().any(|g| *g != GroupKind::Full) || groups.len() > 1 {
-            self.hybrid = Some(HybridCache::new(groups.to_vec()));
+            self.hybrid = Some(HybridCache::new(groups.to_vec()).with_offload(self.offload_capacity));
         }
         self
     }
@@ -212,9 +213,12 @@ impl SimEngine {
     /// offloading connector keeps: a block evicted from the GPU is copied there first (a
     /// `BlockStored` with medium CPU, its hash only, as vLLM's connectors publish it), a
     /// prompt that reaches it loads it back to the GPU (stored there again), and the tier
-    /// evicts least recent first (`BlockRemoved`, medium CPU).
+    /// evicts least recent first (`BlockRemoved`, medium CPU). A hybrid engine's tier is the
+    /// connector's as vLLM 0.33 runs it over several groups ([`HybridCache::with_offload`]:
+    /// chunks of one block, the prompt's stored as it runs, loaded by the connector's rule).
     pub fn with_offload(mut self, blocks: usize) -> SimEngine {
         self.offload_capacity = blocks;
+        self.hybrid = self.hybrid.take().map(|h| h.with_offload(blocks));
         self
     }
 
@@ -248,6 +252,7 @@ impl SimEngine {
             + table(self.stored.capacity(), size_of::<u64>())
             + table(self.offloaded.capacity(), size_of::<(u64, u64)>())
             + ordered(self.offload_by_tick.len())
+            + self.hybrid.as_ref().map_or(0, HybridCache::heap_bytes)
             + self.published.iter().map(batch_heap_bytes).sum::<usize>()
             + self.published.len() * size_of::<(EngineBatch, usize)>()
     }
@@ -424,11 +429,11 @@ impl SimEngine {
     }
 
     /// Tokens of `tokens` the engine holds from the first: (on the GPU, on the GPU or in the
-    /// offload tier).
+    /// offload tier). A hybrid engine's: what vLLM reuses, (its GPU hit, that and what the
+    /// offloading connector loads past it).
     pub fn holds_by_tier(&self, tokens: &[u32]) -> (usize, usize) {
         if let Some(hybrid) = &self.hybrid {
-            let held = hybrid.hit(&hybrid_sim::hashes(tokens, self.block), tokens.len(), self.block) * self.block;
-            return (held, held);
+            return hybrid.reused(&hybrid_sim::hashes(tokens, self.block), tokens.len(), self.block);
         }
         let mut parent = None;
         let (mut gpu, mut n, mut all_gpu) = (0, 0, true);
@@ -523,6 +528,8 @@ fn write_batch(w: &mut Vec<u8>, batch: &EngineBatch) -> std::result::Result<(), 
                             write_str(w, "kv_cache_spec_sliding_window")?;
                             write_uint(w, u64::from(window))?;
                         }
+                        // The offloading connector's placeholder names no kind.
+                        GroupKind::Other => write_nil(w)?,
                         _ => write_str(w, "full_attention")?,
                     }
                 }

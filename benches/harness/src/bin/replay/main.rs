@@ -135,7 +135,9 @@ struct ReplayArgs {
     engine_block: u32,
     /// With --engine-events: give each engine an offload tier of this many engine blocks in CPU
     /// memory (vLLM's offloading connector): blocks evicted from the GPU move there and are
-    /// published as CPU stores. Reports the warm share by tier.
+    /// published as CPU stores. With --engine-groups, vLLM 0.33's OffloadingConnector over every
+    /// group instead (chunks of one block, keyed by group: a prompt's blocks are stored as it
+    /// runs, and loaded past the GPU hit by the connector's rule). Reports the warm share by tier.
     #[arg(long, requires = "engine_events", default_value_t = 0)]
     offload_blocks: u64,
     /// With --engine-events: engine i publishes on loopback port PORT+2i and answers replays on

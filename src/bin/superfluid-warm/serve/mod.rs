@@ -4,11 +4,12 @@
 //! at once, and proxies the request there, streams passed through as they come. What the engine
 //! then reports as `cached_tokens` is counted against what the head predicted.
 //!
-//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides). A prompt is rendered and
-//! looked up on its request's own thread (hand-overs between threads cost more than a lookup);
-//! after a lookup runs past the deadline, lookups go to the blocking pool under it for a while.
-//! The index is written (the claims) by a thread of its own, so that neither a slow disk nor the
-//! commit thread's back-pressure holds a request.
+//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides). A prompt to render is
+//! rendered and looked up on the blocking pool, the answer awaited under a deadline; a prompt of
+//! ids is looked up on its request's own thread (a hand-over costs more than the lookup) until
+//! one runs past the deadline, then on the blocking pool under it for a while. The index is
+//! written (the claims) by a thread of its own, so that neither a slow disk nor the commit
+//! thread's back-pressure holds a request.
 
 mod api;
 mod engines;
@@ -60,9 +61,9 @@ pub(crate) struct ServeArgs {
     /// requests this head sends it. Once per engine.
     #[arg(long = "engine", required = true)]
     engines: Vec<String>,
-    /// Milliseconds the index's answer may take. A lookup runs on the request's own thread
-    /// while the index answers within this; after one does not, lookups go to another thread
-    /// for 10 s, and a request whose answer comes later is routed on load alone (counted).
+    /// Milliseconds the index's answer may take on another thread; past it the request is
+    /// routed on load alone (counted). A prompt of ids is looked up on its request's own thread
+    /// while the index answers within this, on another for 10 s after one does not.
     #[arg(long, default_value_t = 5.0)]
     deadline_ms: f64,
     /// Prefill tokens that one decoding stream on an engine is worth in the cost.

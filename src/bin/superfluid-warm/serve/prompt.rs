@@ -226,9 +226,9 @@ enum Source {
 /// How long an engine's `/tokenize` may take.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The request's prompt in the engine's tokens. Rendered here, on the request's own thread
-/// (its other tasks move to another: `block_in_place`), which goes on to ask the index while it
-/// is quick: no hand-over between threads, whose wake-ups cost more than the lookup.
+/// The request's prompt in the engine's tokens. Rendered on the blocking pool (a render takes
+/// milliseconds: off the request's thread, which goes on serving others), where the same task
+/// goes on to ask the index (one hand-over between threads, not two).
 pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> Tokens {
     let source = match source(kind, request) {
         Ok(Ok(ids)) => return Tokens::Ids { count: ids.len(), took: None, lookup: Lookup::Ids(ids) },
@@ -236,38 +236,38 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         Err(why) => return Tokens::Unrendered(why),
     };
     let engine_only = matches!(&source, Source::Chat { engine_only: Some(_), .. });
-    let renderer = match &head.renderer {
-        Some(r) if !engine_only => r,
-        _ => {
-            let started = Instant::now();
-            return match engine_tokenize(head, &source).await {
-                Ok(ids) => Tokens::Ids { count: ids.len(), took: Some(started.elapsed()), lookup: Lookup::Ids(ids) },
-                Err(why) => Tokens::Unrendered(why),
-            };
-        }
-    };
-    tokio::task::block_in_place(|| {
+    if head.renderer.is_none() || engine_only {
         let started = Instant::now();
+        return match engine_tokenize(head, &source).await {
+            Ok(ids) => Tokens::Ids { count: ids.len(), took: Some(started.elapsed()), lookup: Lookup::Ids(ids) },
+            Err(why) => Tokens::Unrendered(why),
+        };
+    }
+    let (rendered, tokens) = tokio::sync::oneshot::channel();
+    let (answered, answer) = tokio::sync::oneshot::channel();
+    let h = Arc::clone(head);
+    drop(tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let Some(r) = h.renderer.as_ref() else { return };
         let ids = match &source {
-            Source::Text { prompt, add_special_tokens } => renderer.completion(prompt, *add_special_tokens),
+            Source::Text { prompt, add_special_tokens } => r.completion(prompt, *add_special_tokens),
             Source::Chat { messages, tools, add_generation_prompt, .. } => {
-                renderer.chat(messages, tools.as_deref(), *add_generation_prompt)
+                r.chat(messages, tools.as_deref(), *add_generation_prompt)
             }
         };
         match ids {
-            Err(e) => Tokens::Unrendered(format!("render: {e}")),
+            Err(e) => drop(rendered.send(Err(format!("render: {e}")))),
             Ok(ids) => {
-                let (count, took) = (ids.len(), Some(started.elapsed()));
-                let lookup = if head.lookup_inline() {
-                    let (answer, looked) = head.lookup_here(&ids);
-                    Lookup::Done(answer, looked)
-                } else {
-                    Lookup::Ids(ids)
-                };
-                Tokens::Ids { count, took, lookup }
+                let _ = rendered.send(Ok((ids.len(), started.elapsed(), Instant::now())));
+                let _ = answered.send(h.lookup_here(&ids).0);
             }
         }
-    })
+    }));
+    match tokens.await {
+        Ok(Ok((count, took, since))) => Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer, since) },
+        Ok(Err(why)) => Tokens::Unrendered(why),
+        Err(_) => Tokens::Unrendered("render: the task ended".into()),
+    }
 }
 
 /// Whether a field is there and not null.

@@ -46,12 +46,11 @@ pub(crate) type Answer = (Prefix, superfluid_warm::Result<Vec<Hit>>);
 /// thread ran past it.
 const HANDED_OVER_FOR: Duration = Duration::from_secs(10);
 
-/// The index's answer for a prompt's tokens: given, or still to ask.
+/// The index's answer for a prompt's tokens: still to ask, or on its way from the blocking pool
+/// (asked there right after rendering, at the instant given).
 pub(crate) enum Lookup {
-    /// Tokens still to hash and look up.
     Ids(Vec<u32>),
-    /// Looked up on the request's own thread, and how long that took.
-    Done(Answer, Duration),
+    Started(tokio::sync::oneshot::Receiver<Answer>, Instant),
 }
 
 /// The index's answer for `tokens`, here and now.
@@ -63,10 +62,11 @@ pub(crate) fn lookup_now(head: &Head, tokens: &[u32]) -> Answer {
 }
 
 impl Head {
-    /// Whether a lookup runs on the request's own thread: yes while the index answers within
-    /// the deadline (a hand-over to another thread and back costs more than a lookup, ~100 µs
-    /// of wake-ups on an idle core); for [`HANDED_OVER_FOR`] after one did not, lookups go to
-    /// the blocking pool, and a request whose answer is late goes by load.
+    /// Whether a prompt given as ids is looked up on the request's own thread: yes while the
+    /// index answers within the deadline (a hand-over to another thread and back costs more
+    /// than a lookup, ~100 µs of wake-ups on an idle core); for [`HANDED_OVER_FOR`] after one
+    /// did not, lookups go to the blocking pool, and a request whose answer is late goes by
+    /// load.
     pub(crate) fn lookup_inline(&self) -> bool {
         self.hand_over_until.load(Relaxed) <= self.born.elapsed().as_micros() as u64
     }
@@ -99,9 +99,9 @@ pub(crate) async fn warmth(head: &Arc<Head>, lookup: Option<(usize, Lookup)>, to
         return Warmth { prefix: None, hits: Vec::new(), tokens: 0, tokenize: None, lookup: Duration::ZERO };
     };
     let looked = match lookup {
-        Lookup::Done(answer, took) => Ok((answer, took)),
         Lookup::Ids(tokens) if head.lookup_inline() => Ok(head.lookup_here(&tokens)),
         Lookup::Ids(tokens) => handed_over(head, tokens).await,
+        Lookup::Started(answer, since) => within_deadline(head, answer, since).await,
     };
     let ((prefix, answer), lookup) = match looked {
         Ok(looked) => looked,
@@ -132,9 +132,20 @@ async fn handed_over(head: &Arc<Head>, tokens: Vec<u32>) -> Result<(Answer, Dura
     drop(tokio::task::spawn_blocking(move || {
         let _ = answered.send(lookup_now(&h, &tokens));
     }));
-    match tokio::time::timeout(head.deadline, answer).await {
-        Ok(Ok(answer)) => Ok((answer, started.elapsed())),
-        Ok(Err(_)) | Err(_) => Err(started.elapsed()),
+    within_deadline(head, answer, started).await
+}
+
+/// `answer`, asked at `since` on another thread, within the deadline from then; past it, how
+/// long was waited.
+async fn within_deadline(
+    head: &Head,
+    answer: tokio::sync::oneshot::Receiver<Answer>,
+    since: Instant,
+) -> Result<(Answer, Duration), Duration> {
+    let left = head.deadline.saturating_sub(since.elapsed());
+    match tokio::time::timeout(left, answer).await {
+        Ok(Ok(answer)) => Ok((answer, since.elapsed())),
+        Ok(Err(_)) | Err(_) => Err(since.elapsed()),
     }
 }
 

@@ -336,22 +336,29 @@ fn without_a_tokenizer_text_is_tokenized_by_an_engine_and_ids_are_used_as_given(
     assert!(status.success(), "{err}");
 }
 
+/// Runs a prompt of 640 ids through `serve`, then asks `/v1/route` for the same prompt and 100
+/// tokens more: its answer.
+fn run_then_route(serve: &Serve) -> Value {
+    let prompt: Vec<u32> = (0..640).collect();
+    let (status, _, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    let mut longer = prompt;
+    longer.extend(1000..1100);
+    let (status, _, route) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": longer}));
+    assert_eq!(status, 200, "{route}");
+    route
+}
+
 #[test]
 fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
     let dir = common::tempdir();
     let path = common::db_path(&dir);
     let engines = [engine(false), engine(false)];
     let serve = Serve::start(&path, &[&engines[0], &engines[1]], &[]);
-    let prompt: Vec<u32> = (0..640).collect();
-    let (status, _, answer) =
-        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
-    assert_eq!(status, 200, "{answer}");
     // The engine that ran it holds it: /v1/route names it, with 640 warm tokens, and the
     // decision's load on it until it is done.
-    let mut longer = prompt.clone();
-    longer.extend(1000..1100);
-    let (status, _, route) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": longer}));
-    assert_eq!(status, 200, "{route}");
+    let route = run_then_route(&serve);
     let engine = route["engine"].as_str().expect("an engine").to_string();
     let priced = route["engines"].as_array().expect("engines").clone();
     let mine = priced.iter().find(|e| e["engine"] == engine.as_str()).expect("priced");
@@ -564,16 +571,9 @@ fn after_a_lookup_past_the_deadline_lookups_are_handed_over_and_a_late_answer_go
     // A deadline no lookup meets: the first runs on its request's thread and is used all the
     // same; it hands lookups over to the blocking pool, where each is late.
     let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--deadline-ms", "0"]);
-    let prompt: Vec<u32> = (0..640).collect();
-    let (status, _, answer) =
-        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
-    assert_eq!(status, 200, "{answer}");
     // With the deadline met, this is 640 warm tokens on the engine that ran it
     // (`route_decides_without_proxying…`); handed over and late, it is priced on load alone.
-    let mut longer = prompt.clone();
-    longer.extend(1000..1100);
-    let (status, _, route) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": longer}));
-    assert_eq!(status, 200, "{route}");
+    let route = run_then_route(&serve);
     assert_eq!(route["prompt_tokens"], 740, "{route}");
     let priced = route["engines"].as_array().expect("engines");
     assert_eq!(priced.len(), 2, "{route}");

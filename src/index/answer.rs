@@ -11,7 +11,7 @@ use super::lookup;
 use super::others::OthersCache;
 use super::view_read::{Part, ViewRead};
 use super::warm::Hit;
-use crate::decided::engines::Medium;
+use crate::decided::engines::{Medium, Reused};
 use crate::error::{Error, Result};
 use crate::keys::{BLOCK_TOKENS, MIN_BLOCKS, Namespace, Prefix, Scheme, fine_keys, legacy_chain};
 
@@ -128,14 +128,16 @@ pub(crate) fn warmest(front: &Front, layers: &Layers, prefix: &Prefix, read: &Vi
     };
     // What the engines hold, by their events; 0.1.7's imported entries (none without a chain).
     let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
-    let found = settle([claimed, lookup::engine_search(front, prefix), legacy]);
-    Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, prefix, f.blocks)))
+    let hybrid = lookup::hybrid_reuses(front, prefix);
+    let found = settle([claimed, lookup::engine_search(front, prefix, &hybrid), legacy]);
+    Some(found.filter(|f| f.blocks >= MIN_BLOCKS).map(|f| hit(front, layers, f.node, prefix, f.blocks, &hybrid)))
 }
 
 /// Node `node`'s hit of the first `blocks` blocks of `prefix`, with the tiers its engine keeps
-/// them in (a hybrid engine's: its GPU hit, and what its offloading connector loads past it).
-fn hit(front: &Front, layers: &Layers, node: u32, prefix: &Prefix, blocks: usize) -> Hit {
-    let (tier, gpu) = match front.decided.engines.hybrid_reuse(&prefix.fine, prefix.len, node) {
+/// them in (a hybrid engine's, from `hybrid`: its GPU hit, and what its offloading connector
+/// loads past it).
+fn hit(front: &Front, layers: &Layers, node: u32, prefix: &Prefix, blocks: usize, hybrid: &[(u32, Reused)]) -> Hit {
+    let (tier, gpu) = match hybrid.iter().find(|(n, _)| *n == node).map(|(_, r)| r) {
         Some(reused) => {
             let gpu = (reused.gpu_tokens / BLOCK_TOKENS).min(blocks);
             (if gpu < blocks { Medium::Cpu } else { Medium::Gpu }, gpu)
@@ -152,7 +154,8 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
     // What each engine holds, by its events, and 0.1.7's imported entries: each node once, at
     // what wins by the tie rule.
     let legacy = lookup::legacy_walk(front, &prefix.legacy, read);
-    for other in lookup::engine_depths(front, prefix).into_iter().chain(legacy) {
+    let hybrid = lookup::hybrid_reuses(front, prefix);
+    for other in lookup::engine_depths(front, prefix, &hybrid).into_iter().chain(legacy) {
         match found.iter_mut().find(|d| d.node == other.node) {
             Some(d) => *d = settle([Some(*d), Some(other)]).unwrap_or(*d),
             None => found.push(other),
@@ -163,7 +166,7 @@ pub(crate) fn warm_nodes(front: &Front, layers: &Layers, prefix: &Prefix, read: 
     // write of the same name) is listed once, where it comes first.
     let mut hits: Vec<Hit> = Vec::with_capacity(found.len());
     for d in found.into_iter().filter(|d| d.blocks >= MIN_BLOCKS) {
-        let hit = hit(front, layers, d.node, prefix, d.blocks);
+        let hit = hit(front, layers, d.node, prefix, d.blocks, &hybrid);
         if !hits.iter().any(|h| h.node == hit.node) {
             hits.push(hit);
         }

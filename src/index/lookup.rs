@@ -17,30 +17,40 @@ use std::convert::Infallible;
 use super::front::Front;
 use super::layer::{Found, Layers, OWN_NODES, settle};
 use super::view_read::ViewRead;
-use crate::decided::engines::Medium;
+use crate::decided::engines::{Medium, Reused};
 use crate::decided::node_set::keep;
 use crate::error::Result;
-use crate::keys::{BlockKey, Prefix};
+use crate::keys::{BLOCK_TOKENS, BlockKey, Prefix};
 
 /// The longest prefix of `keys` some engine holds (by its KV events), with the newest of the
 /// nodes holding its last block. Each node's held blocks are prefix-closed (an engine block is
 /// held only when its whole chain is), so their union is too, and a binary search finds it.
-pub(crate) fn engine_search(front: &Front, prefix: &Prefix) -> Option<Found> {
+/// `hybrid`: what each hybrid engine reuses of it ([`hybrid_reuses`]).
+pub(crate) fn engine_search(front: &Front, prefix: &Prefix, hybrid: &[(u32, Reused)]) -> Option<Found> {
     let engines = &front.decided.engines;
     if !engines.any() {
         return None;
     }
     let held = found(search(&prefix.blocks, |k| Ok::<_, Infallible>(engines.holders(k))).unwrap_or(None), false);
-    settle([held].into_iter().chain(hybrid_depths(front, prefix).map(Some)))
+    settle([held].into_iter().chain(hybrid_found(hybrid).map(Some)))
 }
 
-/// What each hybrid engine reuses of `prefix` (its events per KV cache group, by vLLM's rule).
-fn hybrid_depths<'a>(front: &'a Front, prefix: &Prefix) -> impl Iterator<Item = Found> + 'a {
-    let depths = match prefix.fine.is_empty() {
+/// What each hybrid engine reuses of `prefix` (its events per KV cache group, by vLLM's rule),
+/// worked out once for an answer.
+pub(crate) fn hybrid_reuses(front: &Front, prefix: &Prefix) -> Vec<(u32, Reused)> {
+    match prefix.fine.is_empty() {
         true => Vec::new(),
         false => front.decided.engines.hybrid_depths(&prefix.fine, prefix.len),
-    };
-    depths.into_iter().map(|(node, blocks, clock)| Found { node, blocks, clock, legacy: false })
+    }
+}
+
+/// The hybrid engines that reuse a block of ours or more, as answers (their hits rounded down
+/// to our blocks).
+fn hybrid_found(hybrid: &[(u32, Reused)]) -> impl Iterator<Item = Found> + '_ {
+    hybrid
+        .iter()
+        .map(|&(node, r)| Found { node, blocks: r.tokens / BLOCK_TOKENS, clock: r.clock, legacy: false })
+        .filter(|f| f.blocks > 0)
 }
 
 /// A search's answer as a [`Found`].
@@ -49,8 +59,8 @@ pub(crate) fn found(longest: Longest<(u32, u64)>, legacy: bool) -> Option<Found>
 }
 
 /// How much of `keys` each node with an engine stream holds, by its events (nodes holding none
-/// left out).
-pub(crate) fn engine_depths(front: &Front, prefix: &Prefix) -> Vec<Found> {
+/// left out); `hybrid` as [`engine_search`]'s.
+pub(crate) fn engine_depths(front: &Front, prefix: &Prefix, hybrid: &[(u32, Reused)]) -> Vec<Found> {
     let engines = &front.decided.engines;
     engines
         .nodes()
@@ -58,7 +68,7 @@ pub(crate) fn engine_depths(front: &Front, prefix: &Prefix) -> Vec<Found> {
             let found = search(&prefix.blocks, |k| Ok::<_, Infallible>(engines.held_by(k, node))).unwrap_or(None);
             found.map(|(clock, blocks)| Found { node, blocks, clock, legacy: false })
         })
-        .chain(hybrid_depths(front, prefix))
+        .chain(hybrid_found(hybrid))
         .collect()
 }
 

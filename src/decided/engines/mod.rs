@@ -48,7 +48,8 @@ use super::effect::Effect;
 use crate::error::Result;
 use crate::keys::{BLOCK_TOKENS, BlockKey, ChainState, KeyMap, Namespace, Scheme};
 use blocks::{Blocks, Completed, Slot};
-use hybrid::{Hybrid, Reused};
+use hybrid::Hybrid;
+pub(crate) use hybrid::Reused;
 #[cfg(test)]
 pub(crate) use reuse::{Need, Spec, reuse as vllm_reuse};
 use row::encode_row;
@@ -298,24 +299,17 @@ impl Engines {
         sizes
     }
 
-    /// What each hybrid engine reuses of a prompt of `prompt` tokens whose fine keys at each
-    /// block size are `fine` (see [`crate::keys::Prefix`]), by vLLM's rule, its offloading
-    /// connector's included: `(node, blocks of ours, clock)` for each that reuses a block of ours
-    /// or more. The engine's whole hit is rounded down to our blocks.
-    pub(crate) fn hybrid_depths(&self, fine: &[(usize, Vec<BlockKey>)], prompt: usize) -> Vec<(u32, usize, u64)> {
-        self.streams
-            .keys()
-            .filter_map(|&node| {
-                let r = self.hybrid_reuse(fine, prompt, node)?;
-                let blocks = r.tokens / BLOCK_TOKENS;
-                (blocks > 0).then_some((node, blocks, r.clock))
-            })
-            .collect()
+    /// What each trusted hybrid engine reuses of a prompt of `prompt` tokens whose fine keys at
+    /// each block size are `fine` (see [`crate::keys::Prefix`]), by vLLM's rule, its offloading
+    /// connector's included: the whole hit and its GPU part, in tokens, and the clock of the
+    /// hit's last block; nothing reused included.
+    pub(crate) fn hybrid_depths(&self, fine: &[(usize, Vec<BlockKey>)], prompt: usize) -> Vec<(u32, Reused)> {
+        self.streams.keys().filter_map(|&node| Some((node, self.hybrid_reuse(fine, prompt, node)?))).collect()
     }
 
-    /// What hybrid engine `node` reuses of a prompt (as [`Engines::hybrid_depths`]), and how
-    /// much of it from GPU memory; `None` for a node that is not a trusted hybrid engine.
-    pub(crate) fn hybrid_reuse(&self, fine: &[(usize, Vec<BlockKey>)], prompt: usize, node: u32) -> Option<Reused> {
+    /// What hybrid engine `node` reuses of a prompt (as [`Engines::hybrid_depths`]); `None` for
+    /// a node that is not a trusted hybrid engine.
+    fn hybrid_reuse(&self, fine: &[(usize, Vec<BlockKey>)], prompt: usize, node: u32) -> Option<Reused> {
         let s = self.streams.get(&node).filter(|_| self.trusted(node))?;
         let hybrid = s.hybrid.as_ref()?;
         let size = hybrid.block_size()?;
@@ -650,14 +644,20 @@ impl Engines {
                 let placed = hybrid.store(scheme, stored, (group.index, clock), dense, (node, &mut self.effects));
                 s.record.counts.stored += placed as u64;
             }
-            EngineEvent::Removed { hashes, medium: Medium::Gpu, group: Some(group) } => {
+            // A GPU copy, or the offloading connector's in CPU memory, per group.
+            EngineEvent::Removed { hashes, medium: medium @ (Medium::Gpu | Medium::Cpu), group: Some(group) } => {
                 let mut removed = 0;
                 for &hash in hashes {
-                    removed += u64::from(hybrid.remove(hash, *group, (node, &mut self.effects)));
+                    let out = (node, &mut self.effects);
+                    let gone = match medium {
+                        Medium::Gpu => hybrid.remove(hash, *group, out),
+                        _ => hybrid.unload(hash, *group, out),
+                    };
+                    removed += u64::from(gone);
                 }
                 s.record.counts.removed += removed;
                 s.record.counts.unknown_removals += hashes.len() as u64 - removed;
-                if removed > 0 {
+                if removed > 0 && *medium == Medium::Gpu {
                     s.claim_floor = s.claim_floor.max(clock);
                 }
             }
@@ -668,14 +668,6 @@ impl Engines {
             EngineEvent::Stored(stored @ EngineStored { medium: Medium::Cpu, group: Some(group), .. }) => {
                 let placed = hybrid.offload(scheme, stored, (group.index, clock), (node, &mut self.effects));
                 s.record.counts.stored += placed as u64;
-            }
-            EngineEvent::Removed { hashes, medium: Medium::Cpu, group: Some(group) } => {
-                let mut removed = 0;
-                for &hash in hashes {
-                    removed += u64::from(hybrid.unload(hash, *group, (node, &mut self.effects)));
-                }
-                s.record.counts.removed += removed;
-                s.record.counts.unknown_removals += hashes.len() as u64 - removed;
             }
             _ => s.record.counts.other_medium += 1,
         }
@@ -1296,7 +1288,7 @@ mod tests {
             medium: Medium::Gpu,
             group: Some(group),
         };
-        let depth = |e: &Engines| e.hybrid_depths(&fine, prompt.len()).first().map_or(0, |d| d.1);
+        let depth = |e: &Engines| e.hybrid_depths(&fine, prompt.len()).first().map_or(0, |d| d.1.tokens / BLOCK_TOKENS);
         let mut e = Engines::default();
         e.batch(
             Scheme::TreeChain,

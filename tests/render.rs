@@ -3,7 +3,8 @@
 //! Llama 3 as transformers 5 saves it beside the config, and of Qwen 2.5 with tools) and 1,050
 //! prompts and conversations with the ids Python's `transformers` 5.25 gave them
 //! (`make_fixtures.py` there): Unicode, emoji, long prompts, empty messages, text that looks
-//! like special tokens or template syntax.
+//! like special tokens or template syntax. Each is rendered twice, the second time from the
+//! pieces of text the renderer kept (`render/pieces.rs`).
 
 use std::path::Path;
 
@@ -12,13 +13,14 @@ use superfluid_warm::{Error, Renderer};
 
 const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/render");
 
-/// (prompts, those whose ids differ, a few of them).
+/// (prompts, those whose ids differ, a few of them), each prompt rendered twice: the second time
+/// from the pieces the renderer kept of the first.
 fn parity(model: &str) -> (usize, usize, Vec<String>) {
     let dir = Path::new(DIR).join(model);
     let renderer = Renderer::open(&dir).expect("the model's folder");
     let text = std::fs::read_to_string(dir.join("prompts.jsonl")).expect("the prompts");
     let (mut n, mut differ, mut shown) = (0, 0, Vec::new());
-    for line in text.lines() {
+    for line in text.lines().chain(text.lines()) {
         let v: Value = serde_json::from_str(line).expect("a JSON line");
         let want: Vec<u32> = serde_json::from_value(v["ids"].clone()).expect("ids");
         let got = match v.get("completion") {
@@ -34,6 +36,10 @@ fn parity(model: &str) -> (usize, usize, Vec<String>) {
             }
         }
     }
+    // Every prompt over a piece long was cut, and the second pass found its pieces kept.
+    let long = text.lines().filter(|l| l.len() > 4096).count() as u64;
+    let reused = renderer.pieces_reused().expect("byte-level BPE encodes in pieces");
+    assert!(long > 20 && reused >= long, "{model}: {reused} pieces reused, {long} long prompts");
     (n, differ, shown)
 }
 
@@ -41,7 +47,7 @@ fn parity(model: &str) -> (usize, usize, Vec<String>) {
 fn completions_and_chats_give_the_ids_transformers_gives() {
     for model in ["chatml", "llama3", "qwen25"] {
         let (n, differ, shown) = parity(model);
-        assert_eq!(n, 350, "{model}: the fixture's prompts");
+        assert_eq!(n, 700, "{model}: the fixture's prompts, twice");
         assert!(differ == 0, "{model}: {differ} of {n} differ:\n{}", shown.join("\n"));
     }
 }

@@ -582,3 +582,53 @@ fn after_a_lookup_past_the_deadline_lookups_are_handed_over_and_a_late_answer_go
     assert!(status.success(), "{err}");
     assert!(err.contains("a lookup ran past the deadline"), "{err}");
 }
+
+#[test]
+fn a_long_cold_prompt_is_routed_on_its_start_and_claimed_whole() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(true), engine(true)];
+    // No events: what the head knows of the engines is its own claims.
+    let specs: Vec<String> = engines.iter().enumerate().map(|(i, e)| format!("e{i}={}", e.url())).collect();
+    let serve = Serve::start_with(&path, &specs, &["--tokenizer", &chatml().display().to_string(), "--route-on-start"]);
+    let renderer = superfluid_warm::Renderer::open(chatml()).expect("the tokenizer");
+    // Long enough for many pieces; cold everywhere, so its start settles the answer.
+    let prompt = message(7, 3000);
+    let whole = renderer.completion(&prompt, true).expect("tokens").len();
+    assert!(whole > 8 * 1024, "{whole} tokens");
+    let (status, headers, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(headers["x-superfluid-warm-predicted"], "0");
+    let first = headers["x-superfluid-warm-engine"].clone();
+    // The whole prompt is claimed once its rest is tokenized: a longer prompt is priced warm on
+    // that engine for all of it (whole blocks, the last token computed).
+    let longer = format!("{prompt} and then some more words");
+    let n = renderer.completion(&longer, true).expect("tokens").len();
+    let want = (whole - 1) / 64 * 64;
+    let mut route = Value::Null;
+    serve.until(Duration::from_secs(10), "the whole prompt claimed", |s| {
+        let (status, _, r) = s.post("/v1/route", &json!({"model": MODEL, "prompt": longer}));
+        assert_eq!(status, 200, "{r}");
+        route = r;
+        route["engines"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e["engine"] == first.as_str() && e["warm_tokens"].as_u64() >= Some(want as u64))
+    });
+    // /v1/route does not route on a start: its count is the prompt's.
+    assert_eq!(route["prompt_tokens"], n, "{route}");
+    assert_eq!(route["engine"], first.as_str(), "{route}");
+    // The proxied next turn lands there, predicted as the engine delivers.
+    let (status, headers, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": longer, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(headers["x-superfluid-warm-engine"], first);
+    let predicted: u64 = headers["x-superfluid-warm-predicted"].parse().expect("a number");
+    assert!(
+        predicted >= want as u64 && predicted.abs_diff(cached(&answer)) <= 64,
+        "predicted {predicted}, delivered {}",
+        cached(&answer)
+    );
+}

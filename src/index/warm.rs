@@ -66,6 +66,19 @@ impl Hit {
     }
 }
 
+impl Prefix {
+    /// Whether `hits`, the index's answer for this prompt (the start of a longer one, perhaps),
+    /// is its answer for every prompt that starts with it: each node's warm prefix ends at least
+    /// two whole blocks before this one's end, so a block the node does not hold lies inside it
+    /// (one block short could be the last-token cap, not a missing block). Never while the index
+    /// follows hybrid engines: what those reuse depends on the whole prompt. A head can route a
+    /// long prompt on the answer for its start, and tokenize the rest after.
+    pub fn settles(&self, hits: &[Hit]) -> bool {
+        let whole = self.blocks.len() * crate::keys::BLOCK_TOKENS;
+        self.fine.is_empty() && hits.iter().all(|h| h.tokens + 2 * crate::keys::BLOCK_TOKENS <= whole)
+    }
+}
+
 /// What the index holds, as of the last `ran` (committed or not).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -916,6 +929,28 @@ mod presence_tests {
         assert!(built >= 3, "the filter filled and was rebuilt: {built} builds");
         warm.close()?;
         let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod settles_tests {
+    use super::*;
+
+    #[test]
+    fn a_start_settles_when_every_warm_prefix_ends_two_blocks_inside_it() -> Result<()> {
+        let ns = Namespace::new("m")?;
+        // 10 whole blocks (and a part of one).
+        let start = Prefix::new(&ns, &(0..660).collect::<Vec<u32>>());
+        assert!(start.settles(&[]), "nothing warm anywhere");
+        assert!(start.settles(&[Hit::new("a", 512), Hit::new("b", 128)]));
+        // One block short of the end could be the last token's cap on a node holding it all.
+        assert!(!start.settles(&[Hit::new("a", 128), Hit::new("b", 576)]));
+        assert!(!start.settles(&[Hit::new("a", 640)]));
+        // An index that follows hybrid engines: never (their reuse depends on the whole prompt).
+        let mut hybrid = start.clone();
+        hybrid.fine = vec![(16, Vec::new())];
+        assert!(!hybrid.settles(&[]));
         Ok(())
     }
 }

@@ -14,6 +14,7 @@
 //! `json.dumps`, and Python's string and dict methods ([`template`]).
 
 mod json;
+mod pieces;
 mod template;
 
 use std::path::Path;
@@ -26,6 +27,9 @@ use crate::error::{Error, Result};
 /// A model's tokenizer and chat template, from its folder.
 pub struct Renderer {
     tokenizer: tokenizers::Tokenizer,
+    /// The tokenizer's encoding in pieces, with recent texts' pieces kept (`None`: a tokenizer
+    /// that encodes whole).
+    pieces: Option<pieces::Pieces>,
     /// The chat template, compiled (`None`: the model has none).
     template: Option<template::ChatTemplate>,
     /// Whether the template names the `developer` role (vLLM's test: the word in quotes);
@@ -52,8 +56,11 @@ impl Renderer {
         let dir = dir.as_ref();
         let invalid =
             |what: String| Error::InvalidConfig { detail: format!("the tokenizer folder {}: {what}", dir.display()) };
-        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
-            .map_err(|e| invalid(format!("tokenizer.json does not load ({e})")))?;
+        let text = std::fs::read_to_string(dir.join("tokenizer.json"))
+            .map_err(|e| invalid(format!("tokenizer.json does not read ({e})")))?;
+        let tokenizer: tokenizers::Tokenizer =
+            text.parse().map_err(|e| invalid(format!("tokenizer.json does not load ({e})")))?;
+        let pieces = serde_json::from_str(&text).ok().and_then(|json| pieces::Pieces::new(&tokenizer, &json));
         let config: serde_json::Value = match std::fs::read_to_string(dir.join("tokenizer_config.json")) {
             Ok(text) => serde_json::from_str(&text).map_err(|e| invalid(format!("tokenizer_config.json: {e}")))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => serde_json::Value::Null,
@@ -78,7 +85,7 @@ impl Renderer {
             .map(|source| template::ChatTemplate::new(source, special_tokens(&config)))
             .transpose()
             .map_err(|e| invalid(format!("the chat template does not compile ({e})")))?;
-        Ok(Renderer { tokenizer, template, developer_role })
+        Ok(Renderer { tokenizer, pieces, template, developer_role })
     }
 
     /// A completion's prompt text as the engine tokenizes it (`add_special_tokens`: vLLM's
@@ -87,7 +94,23 @@ impl Renderer {
     /// # Errors
     /// [`Error::Render`] if the tokenizer fails on it.
     pub fn completion(&self, prompt: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        self.encode(prompt, add_special_tokens)
+        self.encode(prompt, add_special_tokens, &mut |_, _, _| {})
+    }
+
+    /// [`Renderer::completion`], telling `step` the ids so far, the bytes of the prompt they
+    /// encode and the prompt's length as the encoding goes (for a tokenizer that encodes in
+    /// pieces: before each piece tokenized but the first; the ids so far start the whole's), so
+    /// that a caller can act on the start of a long prompt before the rest is tokenized.
+    ///
+    /// # Errors
+    /// As [`Renderer::completion`].
+    pub fn completion_in_steps(
+        &self,
+        prompt: &str,
+        add_special_tokens: bool,
+        step: &mut dyn FnMut(&[u32], usize, usize),
+    ) -> Result<Vec<u32>> {
+        self.encode(prompt, add_special_tokens, step)
     }
 
     /// A chat's messages (and tools), as JSON text of the request's arrays, rendered by the
@@ -98,8 +121,23 @@ impl Renderer {
     /// [`Error::Render`]: no chat template, messages that are not an array of objects, content
     /// parts that are not text, a template that fails on them.
     pub fn chat(&self, messages: &str, tools: Option<&str>, add_generation_prompt: bool) -> Result<Vec<u32>> {
+        self.chat_in_steps(messages, tools, add_generation_prompt, &mut |_, _, _| {})
+    }
+
+    /// [`Renderer::chat`], telling `step` the ids so far, the bytes of the rendered text they
+    /// encode and its length, as [`Renderer::completion_in_steps`] does.
+    ///
+    /// # Errors
+    /// As [`Renderer::chat`].
+    pub fn chat_in_steps(
+        &self,
+        messages: &str,
+        tools: Option<&str>,
+        add_generation_prompt: bool,
+        step: &mut dyn FnMut(&[u32], usize, usize),
+    ) -> Result<Vec<u32>> {
         let text = self.render_chat(messages, tools, add_generation_prompt)?;
-        self.encode(&text, false)
+        self.encode(&text, false, step)
     }
 
     /// The text a chat's template renders (see [`Renderer::chat`]).
@@ -121,12 +159,23 @@ impl Renderer {
         template.render(messages, tools, add_generation_prompt)
     }
 
-    fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| render(&format!("the tokenizer failed ({e})")))?;
-        Ok(encoding.get_ids().to_vec())
+    /// Whether texts are encoded in pieces, and how many pieces were found kept from earlier
+    /// texts (not tokenized again); `None` for a tokenizer that encodes whole.
+    pub fn pieces_reused(&self) -> Option<u64> {
+        self.pieces.as_ref().map(pieces::Pieces::reused)
+    }
+
+    fn encode(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        step: &mut dyn FnMut(&[u32], usize, usize),
+    ) -> Result<Vec<u32>> {
+        let failed = |e: tokenizers::Error| render(&format!("the tokenizer failed ({e})"));
+        match &self.pieces {
+            Some(pieces) => pieces.encode(&self.tokenizer, text, add_special_tokens, step).map_err(failed),
+            None => Ok(self.tokenizer.encode_fast(text, add_special_tokens).map_err(failed)?.get_ids().to_vec()),
+        }
     }
 }
 

@@ -146,8 +146,13 @@ fn parse_request<'a>(head: &Head, bytes: &'a [u8]) -> Result<OpenAiRequest<'a>, 
 }
 
 /// The prompt's tokens and the index's answer for them.
-async fn decide_warmth(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> (Warmth, Option<String>) {
-    match tokens(head, kind, request).await {
+async fn decide_warmth(
+    head: &Arc<Head>,
+    kind: Kind,
+    request: &OpenAiRequest<'_>,
+    early: bool,
+) -> (Warmth, Option<String>) {
+    match tokens(head, kind, request, early).await {
         Tokens::Ids { count, took, lookup } => (warmth(head, Some((count, lookup)), took).await, None),
         Tokens::Unrendered(why) => (warmth(head, None, None).await, Some(why)),
     }
@@ -207,7 +212,7 @@ async fn proxy(
         Ok(r) => r,
         Err(response) => return *response,
     };
-    let (warmth, unrendered) = decide_warmth(head, kind, &request).await;
+    let (mut warmth, unrendered) = decide_warmth(head, kind, &request, head.route_on_start).await;
     if let Some(why) = &unrendered {
         tracing::debug!(why = %why, "a prompt not rendered into tokens: routed on load");
     }
@@ -238,6 +243,16 @@ async fn proxy(
         let predicted = priced.iter().find(|(i, _)| *i == engine).map_or(0, |(_, p)| p.warm_tokens as u64);
         if let Some(prefix) = &warmth.prefix {
             head.claim(prefix.clone(), engine);
+        }
+        // Routed on the prompt's start: the whole prompt is claimed for the first engine tried
+        // once the rest is tokenized.
+        if let Some(rest) = warmth.rest.take() {
+            let h = Arc::clone(head);
+            drop(tokio::spawn(async move {
+                if let Ok(prefix) = rest.await {
+                    h.claim(prefix, engine);
+                }
+            }));
         }
         head.tally.sent(engine, unrendered.is_none());
         let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
@@ -276,7 +291,7 @@ async fn route(head: &Arc<Head>, bytes: &[u8]) -> Response<Out> {
         Err(response) => return *response,
     };
     let kind = if request.messages.is_some() { Kind::Chat } else { Kind::Completion };
-    let (warmth, unrendered) = decide_warmth(head, kind, &request).await;
+    let (warmth, unrendered) = decide_warmth(head, kind, &request, false).await;
     let Some((engine, priced)) = pick(head, &warmth, &[]) else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "no engine to route to");
     };

@@ -66,6 +66,12 @@ pub(crate) struct ServeArgs {
     /// while the index answers within this, on another for 10 s after one does not.
     #[arg(long, default_value_t = 5.0)]
     deadline_ms: f64,
+    /// Route a long text or chat as soon as the start tokenized so far settles the index's
+    /// answer (every engine's warm prefix ends two blocks before it), and tokenize the rest
+    /// after it was sent, for the claim. For engines on other hosts: where the head shares its
+    /// cores with the engines' own tokenizing, the rest's tokenizing slows theirs.
+    #[arg(long)]
+    route_on_start: bool,
     /// Prefill tokens that one decoding stream on an engine is worth in the cost.
     #[arg(long, default_value_t = Costs::default().decode_tokens)]
     decode_cost: f64,
@@ -125,6 +131,8 @@ pub(crate) struct Head {
     pub(crate) tally: RouteTally,
     pub(crate) costs: Costs,
     pub(crate) deadline: Duration,
+    /// Whether a long prompt may be routed on its start (`--route-on-start`).
+    pub(crate) route_on_start: bool,
     /// When the head started (the clock of `hand_over_until`).
     pub(crate) born: Instant,
     /// Until when (µs after `born`) lookups go to the blocking pool: set when one on a
@@ -216,6 +224,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         tally,
         costs,
         deadline,
+        route_on_start: args.route_on_start,
         born: Instant::now(),
         hand_over_until: AtomicU64::new(0),
         attempts: args.attempts,

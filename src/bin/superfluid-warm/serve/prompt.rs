@@ -229,7 +229,13 @@ const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The request's prompt in the engine's tokens. Rendered on the blocking pool (a render takes
 /// milliseconds: off the request's thread, which goes on serving others), where the same task
 /// goes on to ask the index (one hand-over between threads, not two).
-pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>) -> Tokens {
+///
+/// With `early` (a request the head proxies), a long prompt is routed on its start: as its
+/// pieces are tokenized, the index is asked about the tokens so far (from [`FIRST_LOOK`] tokens
+/// on, each time twice as many), and once that answer settles (`Prefix::settles`) it is the answer; the
+/// count is then estimated from the bytes, and the rest's prefix comes after, to be claimed
+/// (`Lookup::Started`'s third field).
+pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>, early: bool) -> Tokens {
     let source = match source(kind, request) {
         Ok(Ok(ids)) => return Tokens::Ids { count: ids.len(), took: None, lookup: Lookup::Ids(ids) },
         Ok(Err(source)) => source,
@@ -245,30 +251,62 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
     }
     let (rendered, tokens) = tokio::sync::oneshot::channel();
     let (answered, answer) = tokio::sync::oneshot::channel();
+    let (rest_sender, rest) = tokio::sync::oneshot::channel();
     let h = Arc::clone(head);
     drop(tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let Some(r) = h.renderer.as_ref() else { return };
-        let ids = match &source {
-            Source::Text { prompt, add_special_tokens } => r.completion(prompt, *add_special_tokens),
-            Source::Chat { messages, tools, add_generation_prompt, .. } => {
-                r.chat(messages, tools.as_deref(), *add_generation_prompt)
+        let (mut rendered, mut answered) = (Some(rendered), Some(answered));
+        let mut next = FIRST_LOOK;
+        let mut step = |ids: &[u32], bytes: usize, of: usize| {
+            if !early || ids.len() < next || answered.is_none() {
+                return;
+            }
+            next = ids.len() * 2;
+            let (answer, _) = h.lookup_here(ids);
+            if !answer.1.as_ref().is_ok_and(|hits| answer.0.settles(hits)) {
+                return;
+            }
+            let estimate = (ids.len() as f64 * of as f64 / bytes.max(1) as f64).round() as usize;
+            if let Some(rendered) = rendered.take() {
+                let _ = rendered.send(Ok((estimate, started.elapsed(), Instant::now())));
+            }
+            if let Some(answered) = answered.take() {
+                let _ = answered.send(answer);
             }
         };
-        match ids {
-            Err(e) => drop(rendered.send(Err(format!("render: {e}")))),
-            Ok(ids) => {
+        let ids = match &source {
+            Source::Text { prompt, add_special_tokens } => {
+                r.completion_in_steps(prompt, *add_special_tokens, &mut step)
+            }
+            Source::Chat { messages, tools, add_generation_prompt, .. } => {
+                r.chat_in_steps(messages, tools.as_deref(), *add_generation_prompt, &mut step)
+            }
+        };
+        match (ids, rendered, answered) {
+            // Routed on its start: the whole prefix, to be claimed.
+            (Ok(ids), None, None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),
+            (Ok(ids), Some(rendered), Some(answered)) => {
                 let _ = rendered.send(Ok((ids.len(), started.elapsed(), Instant::now())));
                 let _ = answered.send(h.lookup_here(&ids).0);
             }
+            (Err(e), Some(rendered), _) => drop(rendered.send(Err(format!("render: {e}")))),
+            _ => {}
         }
     }));
     match tokens.await {
-        Ok(Ok((count, took, since))) => Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer, since) },
+        Ok(Ok((count, took, since))) => {
+            Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer, since, Some(rest)) }
+        }
         Ok(Err(why)) => Tokens::Unrendered(why),
         Err(_) => Tokens::Unrendered("render: the task ended".into()),
     }
 }
+
+/// Tokens of a prompt's start at which the head first asks the index whether the start settles
+/// the answer (`tokens`'s `early`): a few pieces in, and a lookup of its tokens costs ~1% of
+/// tokenizing them.
+const FIRST_LOOK: usize = 1024;
 
 /// Whether a field is there and not null.
 fn set(field: Option<&RawValue>) -> bool {

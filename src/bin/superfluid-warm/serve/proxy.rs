@@ -33,6 +33,9 @@ pub(crate) struct Warmth {
     pub(crate) prefix: Option<Prefix>,
     pub(crate) hits: Vec<Hit>,
     pub(crate) tokens: usize,
+    /// The whole prompt's prefix, to come, when `prefix` is its start's (the prompt was routed
+    /// on its start; `tokens` is then estimated).
+    pub(crate) rest: Option<tokio::sync::oneshot::Receiver<Prefix>>,
     /// How long rendering the prompt into tokens took (`None`: given as ids, or not rendered).
     pub(crate) tokenize: Option<Duration>,
     /// How long hashing it and the index's answer took.
@@ -47,10 +50,11 @@ pub(crate) type Answer = (Prefix, superfluid_warm::Result<Vec<Hit>>);
 const HANDED_OVER_FOR: Duration = Duration::from_secs(10);
 
 /// The index's answer for a prompt's tokens: still to ask, or on its way from the blocking pool
-/// (asked there right after rendering, at the instant given).
+/// (asked there while or right after rendering, at the instant given; with the whole prompt's
+/// prefix to come when the answer was for its start).
 pub(crate) enum Lookup {
     Ids(Vec<u32>),
-    Started(tokio::sync::oneshot::Receiver<Answer>, Instant),
+    Started(tokio::sync::oneshot::Receiver<Answer>, Instant, Option<tokio::sync::oneshot::Receiver<Prefix>>),
 }
 
 /// The index's answer for `tokens`, here and now.
@@ -96,19 +100,26 @@ impl Head {
 pub(crate) async fn warmth(head: &Arc<Head>, lookup: Option<(usize, Lookup)>, tokenize: Option<Duration>) -> Warmth {
     let Some((n, lookup)) = lookup else {
         record_load_only("unrendered");
-        return Warmth { prefix: None, hits: Vec::new(), tokens: 0, tokenize: None, lookup: Duration::ZERO };
+        return Warmth {
+            prefix: None,
+            hits: Vec::new(),
+            tokens: 0,
+            rest: None,
+            tokenize: None,
+            lookup: Duration::ZERO,
+        };
     };
-    let looked = match lookup {
-        Lookup::Ids(tokens) if head.lookup_inline() => Ok(head.lookup_here(&tokens)),
-        Lookup::Ids(tokens) => handed_over(head, tokens).await,
-        Lookup::Started(answer, since) => within_deadline(head, answer, since).await,
+    let (looked, rest) = match lookup {
+        Lookup::Ids(tokens) if head.lookup_inline() => (Ok(head.lookup_here(&tokens)), None),
+        Lookup::Ids(tokens) => (handed_over(head, tokens).await, None),
+        Lookup::Started(answer, since, rest) => (within_deadline(head, answer, since).await, rest),
     };
     let ((prefix, answer), lookup) = match looked {
         Ok(looked) => looked,
         Err(lookup) => {
             record_load_only("late");
             record_decision(tokenize, lookup);
-            return Warmth { prefix: None, hits: Vec::new(), tokens: n, tokenize, lookup };
+            return Warmth { prefix: None, hits: Vec::new(), tokens: n, rest, tokenize, lookup };
         }
     };
     let hits = answer.unwrap_or_else(|e| {
@@ -117,7 +128,7 @@ pub(crate) async fn warmth(head: &Arc<Head>, lookup: Option<(usize, Lookup)>, to
         Vec::new()
     });
     record_decision(tokenize, lookup);
-    Warmth { prefix: Some(prefix), hits, tokens: n, tokenize, lookup }
+    Warmth { prefix: Some(prefix), hits, tokens: n, rest, tokenize, lookup }
 }
 
 /// The index's answer for `tokens` from the blocking pool, and how long it took; past the

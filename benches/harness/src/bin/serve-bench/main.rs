@@ -177,13 +177,15 @@ fn overhead(
     let (mut chat, mut ids, mut head_tok, mut local, mut rest) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut index, mut decision, mut direct) = (Vec::new(), Vec::new(), Vec::new());
-    // The prompts first (growing one renders the same text many times); then, request by
-    // request, `Renderer::chat` here on the chat just before the head gets it, so that both run
-    // in the same conditions (caches as cold, the same neighbours on the cores).
+    // The prompts first (growing one renders the same text many times: a renderer of its own,
+    // so that `renderer` keeps no piece of them); then, request by request, `Renderer::chat`
+    // here on the chat just before the head gets it, so that both run in the same conditions
+    // (caches as cold, the same neighbours on the cores).
+    let sizer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
     let prompts: Vec<(u64, Value)> = (0..n as u64)
         .map(|i| {
             let id = run * 1_000_000 + size as u64 * 1000 + i;
-            (id, chat_of(renderer, size, id).0)
+            (id, chat_of(&sizer, size, id).0)
         })
         .collect();
     for (id, messages) in prompts {

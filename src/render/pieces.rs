@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use serde_json::Value;
 
 /// Bytes of text between the cuts (a cut is the first allowed place at or after each multiple).
-pub(crate) const STRIDE: usize = 2048;
+pub(crate) const STRIDE: usize = 1024;
 
 /// The ids the kept pieces may hold together (16 MiB of ids).
 pub(crate) const KEPT_IDS: usize = 1 << 22;

@@ -5,8 +5,10 @@
 //!   for chats of about 1k and 8k tokens (the Llama 3 template and a real BPE tokenizer), and for
 //!   the same lengths as token ids (no tokenizing: the index's answer, the choice and the proxy).
 //!   Each chat's own tokenizing time in the head (its answer's `server-timing`) is taken off to
-//!   give the rest; the head's tokenizing (`/v1/route`'s `took_us`) is set beside
-//!   `Renderer::chat` run in this process just before each request.
+//!   give the rest, and is set beside `Renderer::chat` run in this process (a renderer that
+//!   never saw the chat) just before each request. Then the chat's next turn (one exchange
+//!   more) goes to `/v1/route`, whose `took_us` is the head's tokenizing of a turn whose history
+//!   it kept in pieces.
 //! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
 //!   few seconds through each router to two engines that answer at once.
 //!
@@ -169,13 +171,14 @@ fn overhead(
     size: usize,
     n: usize,
     run: u64,
-) -> [f64; 11] {
+) -> [f64; 12] {
     let mut client = Client::new(addr);
     // The same body straight to an engine: the transport's own share (loopback, and the wake-up
     // of a thread waiting on a socket), which any head pays once more.
     let mut direct_client = Client::new(engines.first().expect("an engine").addr);
     let (mut chat, mut ids, mut head_tok, mut local, mut rest) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut next_tok = Vec::new();
     let (mut index, mut decision, mut direct) = (Vec::new(), Vec::new(), Vec::new());
     // The prompts first (growing one renders the same text many times: a renderer of its own,
     // so that `renderer` keeps no piece of them); then, request by request, `Renderer::chat`
@@ -209,6 +212,8 @@ fn overhead(
                     .and_then(|t| t.split(',').find_map(|part| part.trim().strip_prefix(name)?.parse::<f64>().ok()))
             };
             if let Some(t) = timing("tokenize;dur=") {
+                // New to the head: it kept no piece of it.
+                head_tok.push(t * 1e3);
                 rest.push(total - t * 1e3);
                 if let (Some(i), Some(d)) = (timing("index;dur="), timing("decision;dur=")) {
                     index.push(i * 1e3);
@@ -231,18 +236,22 @@ fn overhead(
         if let Some(came) = arrived(id) {
             ids.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
         }
-        // The head's own tokenizing time for this chat.
-        let body = json!({"model": "m", "messages": messages}).to_string();
+        // The head's own tokenizing time for this chat's next turn (one exchange more): the
+        // pieces it kept of this one are not tokenized again.
+        let mut next = messages.as_array().cloned().unwrap_or_default();
+        next.push(json!({"role": "assistant", "content": "the engine holds the block"}));
+        next.push(json!({"role": "user", "content": "and the next window?"}));
+        let body = json!({"model": "m", "messages": next}).to_string();
         let (status, answer, _) = client.post("/v1/route", &body, "").expect("route");
         assert_eq!(status, 200, "{answer}");
         let answer: Value = serde_json::from_str(&answer).expect("JSON");
         if let Some(t) = answer["took_us"]["tokenize"].as_f64() {
-            head_tok.push(t);
+            next_tok.push(t);
         }
         let _ = client.post("/v1/route/done", &json!({"ticket": answer["ticket"]}).to_string(), "");
     }
     let (chat, ids, head_tok, local, rest) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local), sorted(rest));
-    let (index, decision, direct) = (sorted(index), sorted(decision), sorted(direct));
+    let (index, decision, direct, next_tok) = (sorted(index), sorted(decision), sorted(direct), sorted(next_tok));
     [
         quantile(&chat, 0.5),
         quantile(&chat, 0.99),
@@ -255,6 +264,7 @@ fn overhead(
         quantile(&index, 0.5),
         quantile(&decision, 0.5),
         quantile(&direct, 0.5),
+        quantile(&next_tok, 0.5),
     ]
 }
 
@@ -305,7 +315,7 @@ fn main() {
     let args = Args::parse();
     let renderer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
     let sizes = args.sizes.clone();
-    let mut over: Vec<Vec<[f64; 11]>> = vec![Vec::new(); sizes.len()];
+    let mut over: Vec<Vec<[f64; 12]>> = vec![Vec::new(); sizes.len()];
     let (mut serve_rps, mut peer_rps) = (Vec::new(), Vec::new());
     let mut peer_missing = None;
     for run in 0..args.runs {
@@ -348,6 +358,7 @@ fn main() {
                 "index_p50_us",
                 "decision_less_tokenize_p50_us",
                 "direct_p50_us",
+                "head_tokenize_next_turn_p50_us",
             ],
             json!({}),
         );
@@ -377,12 +388,13 @@ fn main() {
             f(10)
         );
         println!(
-            "    tokenizing in the head p50 {} against Renderer::chat in-process {}: {:.2}x [{:.2} - {:.2}]",
+            "    tokenizing in the head p50 {} against Renderer::chat in-process {}: {:.2}x [{:.2} - {:.2}]; the chat's next turn tokenized in the head p50 {}",
             f(4),
             f(5),
             ratio.0,
             ratio.1,
-            ratio.2
+            ratio.2,
+            f(11)
         );
         report[format!("chat_{size}")] = figures;
     }

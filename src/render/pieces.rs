@@ -395,6 +395,10 @@ mod tests {
                         let cut = pieces
                             .encode(&t, &text, special, &mut |ids, bytes, _| {
                                 steps += 1;
+                                // Every 7th step checked (each check encodes the start again).
+                                if steps % 7 != 1 {
+                                    return;
+                                }
                                 let start =
                                     t.encode_fast(text.get(..bytes).unwrap_or_default(), special).expect("encodes");
                                 assert_eq!(

@@ -27,13 +27,33 @@ pub struct Costs {
     /// 1, a conversation stays with its warm engine through a longer queue, which keeps its
     /// next turns warm too).
     pub queue_weight: f64,
+    /// The balance guard: an engine with more than this many requests in flight beyond the
+    /// least busy engine's, and more than [`Costs::balance_ratio`] times its count, is not
+    /// chosen however warm (a burst that shares a new prefix is not piled onto the first engine
+    /// to hold it). `u32::MAX`: no guard.
+    pub balance_in_flight: u32,
+    /// The balance guard's ratio (see [`Costs::balance_in_flight`]).
+    pub balance_ratio: f64,
 }
 
 impl Default for Costs {
-    /// vLLM's router's tier credits (host 0.8, disk 0.3), and a decoding stream worth 64 prefill
-    /// tokens (a step of 64 streams costs about what a 4k-token prefill chunk does).
+    /// vLLM's router's tier credits (host 0.8, disk 0.3); a decoding stream worth 64 prefill
+    /// tokens (a step of 64 streams costs about what a 4k-token prefill chunk does); queued work
+    /// weighed 0.03 against warm tokens, so that a conversation stays with the engine that holds
+    /// it (a turn sent elsewhere copies its history into a second cache, and the evictions that
+    /// makes cost more later turns than the queue costs this one: on the conversation trace, 23.5%
+    /// cached against 20.8% at weight 1, and a lower time to first token); and the balance guard
+    /// at 8 requests and twice the least busy engine's, which keeps that weight from piling a
+    /// burst onto one engine (`docs/bench-report.md`).
     fn default() -> Costs {
-        Costs { cpu_credit: 0.8, storage_credit: 0.3, decode_tokens: 64.0, queue_weight: 1.0 }
+        Costs {
+            cpu_credit: 0.8,
+            storage_credit: 0.3,
+            decode_tokens: 64.0,
+            queue_weight: 0.03,
+            balance_in_flight: 8,
+            balance_ratio: 2.0,
+        }
     }
 }
 
@@ -79,9 +99,10 @@ pub struct Priced {
     pub cost: f64,
 }
 
-/// Prices every candidate for a prompt of `prompt_tokens` tokens and picks the cheapest; ties go
-/// to the fewest requests in flight, then to the candidate at or after `turn` in the list (a
-/// caller that passes a counter spreads equal engines round-robin). `None` for no candidate.
+/// Prices every candidate for a prompt of `prompt_tokens` tokens and picks the cheapest that
+/// the balance guard allows (the least busy engine always is); ties go to the fewest requests in
+/// flight, then to the candidate at or after `turn` in the list (a caller that passes a counter
+/// spreads equal engines round-robin). `None` for no candidate.
 pub fn choose(
     prompt_tokens: usize,
     candidates: &[Candidate<'_>],
@@ -90,10 +111,16 @@ pub fn choose(
 ) -> Option<(usize, Vec<Priced>)> {
     let priced: Vec<Priced> = candidates.iter().map(|c| price(prompt_tokens, c, costs)).collect();
     let n = candidates.len();
+    let least = candidates.iter().map(|c| c.load.in_flight).min().unwrap_or(0);
+    let allowed = |c: &Candidate<'_>| {
+        let over = c.load.in_flight.saturating_sub(least);
+        over <= costs.balance_in_flight || f64::from(c.load.in_flight) <= costs.balance_ratio * f64::from(least)
+    };
     // From `turn` on, so that the first of equal candidates is a different one each turn.
     let best = (0..n)
         .map(|k| (turn.wrapping_add(k)) % n)
         .filter_map(|i| Some((i, candidates.get(i)?, priced.get(i)?)))
+        .filter(|(_, c, _)| allowed(c))
         .min_by(|(_, a, pa), (_, b, pb)| pa.cost.total_cmp(&pb.cost).then(a.load.in_flight.cmp(&b.load.in_flight)))
         .map(|(i, _, _)| i)?;
     Some((best, priced))
@@ -120,7 +147,8 @@ mod tests {
 
     #[test]
     fn warmth_wins_until_the_queue_ahead_costs_more_than_the_prefill_it_saves() {
-        let costs = Costs::default();
+        // The time to first token as it stands: queued work weighed as the prompt's own, no guard.
+        let costs = Costs { queue_weight: 1.0, balance_in_flight: u32::MAX, ..Costs::default() };
         let idle = Load::default();
         // Warm and idle against cold and idle: the warm engine.
         let c = [Candidate::new("a", idle).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
@@ -140,6 +168,25 @@ mod tests {
         assert_eq!(choose(5000, &c, &costs, 0).map(|c| c.0), Some(0));
         let c = [Candidate::new("a", Load::new(70, 0, 70)).holding(4096, 4096, Medium::Gpu), Candidate::new("b", idle)];
         assert_eq!(choose(5000, &c, &costs, 0).map(|c| c.0), Some(1));
+    }
+
+    #[test]
+    fn the_balance_guard_keeps_a_warm_engine_from_taking_more_than_its_share() {
+        let costs = Costs::default();
+        assert_eq!((costs.queue_weight, costs.balance_in_flight, costs.balance_ratio), (0.03, 8, 2.0));
+        let warm = |in_flight| {
+            Candidate::new("a", Load::new(in_flight, 100 * u64::from(in_flight), 0)).holding(4096, 4096, Medium::Gpu)
+        };
+        let cold = |in_flight| Candidate::new("b", Load::new(in_flight, 0, 0));
+        // Within the guard, warmth wins through a queue.
+        assert_eq!(choose(5000, &[warm(9), cold(1)], &costs, 0).map(|c| c.0), Some(0));
+        // 9 more in flight than the least busy engine, and more than twice its count: not chosen.
+        assert_eq!(choose(5000, &[warm(10), cold(1)], &costs, 0).map(|c| c.0), Some(1));
+        // 9 more, but not twice as many: allowed.
+        assert_eq!(choose(5000, &[warm(19), cold(10)], &costs, 0).map(|c| c.0), Some(0));
+        // No guard: the warm engine however busy.
+        let unguarded = Costs { balance_in_flight: u32::MAX, ..Costs::default() };
+        assert_eq!(choose(5000, &[warm(40), cold(0)], &unguarded, 0).map(|c| c.0), Some(0));
     }
 
     #[test]

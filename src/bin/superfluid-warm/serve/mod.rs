@@ -77,9 +77,17 @@ pub(crate) struct ServeArgs {
     decode_cost: f64,
     /// The weight of the work queued on an engine against the prompt tokens it holds (1: the
     /// time to first token as it stands; lower keeps conversations on their warm engine
-    /// through longer queues).
+    /// through longer queues, and their caches whole).
     #[arg(long, default_value_t = Costs::default().queue_weight)]
     queue_weight: f64,
+    /// The balance guard: an engine with more than this many requests in flight beyond the
+    /// least busy engine's (and more than --balance-ratio times its count) is not chosen,
+    /// however warm. 0 turns the guard off.
+    #[arg(long, default_value_t = Costs::default().balance_in_flight)]
+    balance_in_flight: u32,
+    /// The balance guard's ratio to the least busy engine's requests in flight.
+    #[arg(long, default_value_t = Costs::default().balance_ratio)]
+    balance_ratio: f64,
     /// Engines a request is tried on before it is refused (a refused connection, a reset or a
     /// 5xx before the client had a byte move it to the next; never twice the same).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
@@ -199,6 +207,12 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         seconds("drain", args.drain)?,
     );
     let until = args.duration.map(|d| seconds("duration", d)).transpose()?;
+    if !(args.balance_ratio.is_finite() && args.balance_ratio >= 1.0) {
+        return Err(CliError::Refused(format!("--balance-ratio must be 1 or more (got {})", args.balance_ratio)));
+    }
+    if !(args.queue_weight.is_finite() && args.queue_weight >= 0.0) {
+        return Err(CliError::Refused(format!("--queue-weight must be 0 or more (got {})", args.queue_weight)));
+    }
     let namespace = superfluid_warm::Namespace::new(&args.model)?;
 
     let nats = args.nats.as_deref().map(|url| Sharing::nats(url, &args.stream, &args.head));
@@ -214,6 +228,8 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
     let mut costs = Costs::default();
     costs.decode_tokens = args.decode_cost;
     costs.queue_weight = args.queue_weight;
+    costs.balance_in_flight = if args.balance_in_flight == 0 { u32::MAX } else { args.balance_in_flight };
+    costs.balance_ratio = args.balance_ratio;
     let tally = RouteTally::new(&names);
     let head = Arc::new(Head {
         model: args.model.clone(),

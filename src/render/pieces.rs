@@ -78,10 +78,11 @@ impl Pieces {
 
     /// `text`'s ids as `tokenizer.encode_fast(text, add_special_tokens)` gives them.
     ///
-    /// # Errors
-    /// The tokenizer's own error.
     /// `step` is given the ids so far, the bytes of `text` they encode and `text`'s length,
     /// before each piece tokenized but the first (pieces found kept go by without a step).
+    ///
+    /// # Errors
+    /// The tokenizer's own error.
     pub(crate) fn encode(
         &self,
         tokenizer: &tokenizers::Tokenizer,
@@ -135,9 +136,7 @@ impl Pieces {
         out.extend_from_slice(after);
         Ok(out)
     }
-}
 
-impl Pieces {
     /// Pieces found kept (not tokenized again), since the start.
     pub(crate) fn reused(&self) -> u64 {
         self.reused.load(Relaxed)

@@ -251,7 +251,7 @@ pub(crate) fn route_delivered(node: &str, predicted: u64, delivered: u64, prompt
             predicted,
             delivered,
             prompt,
-            "the engine reused a different prefix than the index predicted (a stale index, another tokenizer, or another block size?)"
+            "the engine reused a different prefix than the index predicted (a stale index, blocks it held before the head followed its events, another tokenizer, or another block size?)"
         );
     }
 }

@@ -269,7 +269,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             }
             let estimate = (ids.len() as f64 * of as f64 / bytes.max(1) as f64).round() as usize;
             if let Some(rendered) = rendered.take() {
-                let _ = rendered.send(Ok((estimate, started.elapsed(), Instant::now())));
+                let _ = rendered.send(Ok((estimate, started.elapsed(), Instant::now(), true)));
             }
             if let Some(answered) = answered.take() {
                 let _ = answered.send(answer);
@@ -287,7 +287,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             // Routed on its start: the whole prefix, to be claimed.
             (Ok(ids), None, None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),
             (Ok(ids), Some(rendered), Some(answered)) => {
-                let _ = rendered.send(Ok((ids.len(), started.elapsed(), Instant::now())));
+                let _ = rendered.send(Ok((ids.len(), started.elapsed(), Instant::now(), false)));
                 let _ = answered.send(h.lookup_here(&ids).0);
             }
             (Err(e), Some(rendered), _) => drop(rendered.send(Err(format!("render: {e}")))),
@@ -295,8 +295,10 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         }
     }));
     match tokens.await {
-        Ok(Ok((count, took, since))) => {
-            Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer, since, Some(rest)) }
+        Ok(Ok((count, took, since, on_start))) => {
+            // The whole prompt's prefix comes only after an answer for its start.
+            let rest = on_start.then_some(rest);
+            Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer, since, rest) }
         }
         Ok(Err(why)) => Tokens::Unrendered(why),
         Err(_) => Tokens::Unrendered("render: the task ended".into()),

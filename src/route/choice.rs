@@ -41,10 +41,9 @@ impl Default for Costs {
     /// tokens (a step of 64 streams costs about what a 4k-token prefill chunk does); queued work
     /// weighed 0.03 against warm tokens, so that a conversation stays with the engine that holds
     /// it (a turn sent elsewhere copies its history into a second cache, and the evictions that
-    /// makes cost more later turns than the queue costs this one: on the conversation trace, 23.5%
-    /// cached against 20.8% at weight 1, and a lower time to first token); and the balance guard
+    /// makes cost later turns more than the queue costs this one); and the balance guard
     /// at 8 requests and twice the least busy engine's, which keeps that weight from piling a
-    /// burst onto one engine (`docs/bench-report.md`).
+    /// burst onto one engine (measured in `docs/bench-report.md`).
     fn default() -> Costs {
         Costs {
             cpu_credit: 0.8,

@@ -256,10 +256,12 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
     drop(tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let Some(r) = h.renderer.as_ref() else { return };
-        let (mut rendered, mut answered) = (Some(rendered), Some(answered));
+        // The two answers' senders, taken together by whichever sends first: an answer for the
+        // prompt's start, or the one for the whole prompt.
+        let mut senders = Some((rendered, answered));
         let mut next = FIRST_LOOK;
         let mut step = |ids: &[u32], bytes: usize, of: usize| {
-            if !early || ids.len() < next || answered.is_none() {
+            if !early || ids.len() < next || senders.is_none() {
                 return;
             }
             next = ids.len() * 2;
@@ -268,10 +270,8 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
                 return;
             }
             let estimate = (ids.len() as f64 * of as f64 / bytes.max(1) as f64).round() as usize;
-            if let Some(rendered) = rendered.take() {
+            if let Some((rendered, answered)) = senders.take() {
                 let _ = rendered.send(Ok((estimate, started.elapsed(), Instant::now(), true)));
-            }
-            if let Some(answered) = answered.take() {
                 let _ = answered.send(answer);
             }
         };
@@ -283,15 +283,15 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
                 r.chat_in_steps(messages, tools.as_deref(), *add_generation_prompt, &mut step)
             }
         };
-        match (ids, rendered, answered) {
+        match (ids, senders) {
             // Routed on its start: the whole prefix, to be claimed.
-            (Ok(ids), None, None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),
-            (Ok(ids), Some(rendered), Some(answered)) => {
+            (Ok(ids), None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),
+            (Ok(ids), Some((rendered, answered))) => {
                 let _ = rendered.send(Ok((ids.len(), started.elapsed(), Instant::now(), false)));
                 let _ = answered.send(h.lookup_here(&ids).0);
             }
-            (Err(e), Some(rendered), _) => drop(rendered.send(Err(format!("render: {e}")))),
-            _ => {}
+            (Err(e), Some((rendered, _))) => drop(rendered.send(Err(format!("render: {e}")))),
+            (Err(_), None) => {}
         }
     }));
     match tokens.await {

@@ -63,8 +63,10 @@ pub(crate) struct ServeArgs {
     engines: Vec<String>,
     /// Milliseconds the index's answer may take on another thread; past it the request is
     /// routed on load alone (counted). A prompt of ids is looked up on its request's own thread
-    /// while the index answers within this, on another for 10 s after one does not.
-    #[arg(long, default_value_t = 5.0)]
+    /// while the index answers within this, on another for 10 s after one does not. The default
+    /// leaves room for the lookup of a 100k-token prompt (a few ms) on cores the head shares,
+    /// and is small beside the prefill a warm route saves.
+    #[arg(long, default_value_t = 25.0)]
     deadline_ms: f64,
     /// Route a long text or chat as soon as the start tokenized so far settles the index's
     /// answer (every engine's warm prefix ends two blocks before it), and tokenize the rest

@@ -34,13 +34,6 @@ pub(crate) const STRIDE: usize = 1024;
 /// The ids the kept pieces may hold together (16 MiB of ids).
 pub(crate) const KEPT_IDS: usize = 1 << 22;
 
-/// New text from which its pieces are tokenized on several threads (about 3,000 words: a few
-/// milliseconds of tokenizing, against tens of microseconds to start a thread).
-const PARALLEL_BYTES: usize = 16 * 1024;
-
-/// The most threads one text is tokenized on.
-const MAX_THREADS: usize = 4;
-
 /// The pre-tokenizer splits kept, as `tokenizer.json` writes them: Llama 3's (and OpenAI's
 /// cl100k), Qwen 2's, and GPT-4o's (o200k).
 const SPLITS: [&str; 3] = [
@@ -86,10 +79,7 @@ impl Pieces {
     /// `text`'s ids as `tokenizer.encode_fast(text, add_special_tokens)` gives them.
     ///
     /// `step` is given the ids so far, the bytes of `text` they encode and `text`'s length,
-    /// before each piece tokenized on the caller's thread but the first (pieces found kept go by
-    /// without a step). New text of [`PARALLEL_BYTES`] or more is split into runs of pieces
-    /// tokenized at once on up to [`MAX_THREADS`] threads (the first on the caller's, with its
-    /// steps): pieces encode alone, so the ids are the same.
+    /// before each piece tokenized but the first (pieces found kept go by without a step).
     ///
     /// # Errors
     /// The tokenizer's own error.
@@ -108,7 +98,7 @@ impl Pieces {
         let mut out = Vec::with_capacity(before.len() + text.len() / 3 + after.len());
         out.extend_from_slice(before);
         // Each piece's key, and its ids if kept; the first piece not kept ends the walk.
-        let mut pieces: Vec<Piece> = Vec::new();
+        let mut pieces = Vec::new();
         let mut key = *blake3::hash(b"superfluid-warm render pieces").as_bytes();
         let mut start = 0;
         for end in cuts(text) {
@@ -128,29 +118,16 @@ impl Pieces {
             }
         }
         self.reused.fetch_add(found as u64, Relaxed);
-        let left = pieces.get(found..).unwrap_or_default();
-        let runs = runs(left, threads());
-        let (first, others) = runs.split_first().unwrap_or((&left, &[]));
-        let new = std::thread::scope(|scope| -> tokenizers::Result<Vec<Encoded>> {
-            let others: Vec<_> = others.iter().map(|run| scope.spawn(|| encode_run(tokenizer, text, run))).collect();
-            let mut new = Vec::with_capacity(left.len());
-            for &(key, start, end) in *first {
-                if start > 0 {
-                    step(&out, start, text.len());
-                }
-                let ids = encode_piece(tokenizer, text, start, end)?;
-                out.extend_from_slice(&ids);
-                new.push((key, ids));
+        let mut new = Vec::new();
+        for &(key, start, end) in pieces.get(found..).unwrap_or_default() {
+            if start > 0 {
+                step(&out, start, text.len());
             }
-            for run in others {
-                let run = run.join().map_err(|_| "a thread tokenizing a run of pieces panicked")??;
-                for (key, ids) in run {
-                    out.extend_from_slice(&ids);
-                    new.push((key, ids));
-                }
-            }
-            Ok(new)
-        })?;
+            let encoding = tokenizer.encode_fast(text.get(start..end).unwrap_or_default(), false)?;
+            let ids: Arc<[u32]> = encoding.get_ids().into();
+            out.extend_from_slice(&ids);
+            new.push((key, ids));
+        }
         if !new.is_empty()
             && let Ok(mut kept) = self.kept.lock()
         {
@@ -166,61 +143,8 @@ impl Pieces {
     }
 }
 
-/// A piece: its key, and where it starts and ends in the text.
-type Piece = ([u8; 32], usize, usize);
-
-/// A piece tokenized: its key and its ids.
-type Encoded = ([u8; 32], Arc<[u32]>);
-
-/// Piece `start..end` of `text`'s ids.
-fn encode_piece(
-    tokenizer: &tokenizers::Tokenizer,
-    text: &str,
-    start: usize,
-    end: usize,
-) -> tokenizers::Result<Arc<[u32]>> {
-    Ok(tokenizer.encode_fast(text.get(start..end).unwrap_or_default(), false)?.get_ids().into())
-}
-
-/// A run of pieces' keys and ids, in order.
-fn encode_run(tokenizer: &tokenizers::Tokenizer, text: &str, run: &[Piece]) -> tokenizers::Result<Vec<Encoded>> {
-    run.iter().map(|&(key, start, end)| Ok((key, encode_piece(tokenizer, text, start, end)?))).collect()
-}
-
-/// The threads a text may be tokenized on: the cores, at most [`MAX_THREADS`].
-fn threads() -> usize {
-    std::thread::available_parallelism().map_or(1, usize::from).clamp(1, MAX_THREADS)
-}
-
-/// `pieces` split into at most `threads` runs of about equal bytes, in order: one run under
-/// [`PARALLEL_BYTES`] of text.
-fn runs(pieces: &[Piece], threads: usize) -> Vec<&[Piece]> {
-    let bytes = |p: &[Piece]| p.first().zip(p.last()).map_or(0, |(f, l)| l.2 - f.1);
-    let total = bytes(pieces);
-    if total < PARALLEL_BYTES || threads < 2 {
-        return vec![pieces];
-    }
-    let from = pieces.first().map_or(0, |p| p.1);
-    let mut runs = Vec::with_capacity(threads);
-    let mut rest = pieces;
-    // Run k ends with the first piece that reaches k shares of the bytes.
-    for k in 1..threads {
-        let target = from + total * k / threads;
-        let n = rest.iter().position(|&(_, _, end)| end >= target).map_or(rest.len(), |i| i + 1);
-        let (run, after) = rest.split_at(n);
-        if !run.is_empty() {
-            runs.push(run);
-        }
-        rest = after;
-    }
-    if !rest.is_empty() {
-        runs.push(rest);
-    }
-    runs
-}
-
 impl Kept {
-    fn keep(&mut self, pieces: Vec<Encoded>) {
+    fn keep(&mut self, pieces: Vec<([u8; 32], Arc<[u32]>)>) {
         for (key, ids) in pieces {
             let n = ids.len();
             if self.ids.insert(key, ids).is_none() {
@@ -491,47 +415,21 @@ mod tests {
             }
             assert_eq!(compared, 50);
             assert!(steps_seen > 20, "{name}: {steps_seen} steps");
-            // Long new texts, tokenized on several threads (nothing kept yet).
+            // Long new texts (nothing kept yet), past 64 pieces.
             for seed in 6..8 {
                 let Some(text) = conversation(seed, 16).pop() else { continue };
-                assert!(text.len() > 4 * PARALLEL_BYTES, "{} bytes", text.len());
+                assert!(text.len() > 64 * STRIDE, "{} bytes", text.len());
                 for special in [true, false] {
                     let fresh = Pieces::new(&t, config).unwrap_or_else(|| panic!("{name} encodes in pieces"));
                     let whole = t.encode_fast(text.as_str(), special).expect("encodes").get_ids().to_vec();
                     let cut = fresh.encode(&t, &text, special, &mut |_, _, _| {}).expect("encodes");
-                    assert!(whole == cut, "{name}: a new text of {} bytes encodes alike on threads", text.len());
+                    assert!(whole == cut, "{name}: a new text of {} bytes encodes alike in pieces", text.len());
                 }
             }
             // Every turn after the first found the last turn's pieces (and the second encoding
             // of each text all of its own).
             assert!(pieces.reused() > 100, "{name}: {} pieces reused", pieces.reused());
         }
-    }
-
-    #[test]
-    fn long_new_text_is_split_in_order_into_runs_of_about_equal_bytes() {
-        let text = "word ".repeat(40_000);
-        let mut start = 0;
-        let pieces: Vec<Piece> = cuts(&text)
-            .map(|end| {
-                let piece = ([0; 32], start, end);
-                start = end;
-                piece
-            })
-            .collect();
-        for threads in [2, 3, 4] {
-            let split = runs(&pieces, threads);
-            assert_eq!(split.len(), threads);
-            assert_eq!(split.concat(), pieces, "every piece once, in order");
-            let bytes: Vec<usize> = split.iter().filter_map(|r| Some(r.last()?.2 - r.first()?.1)).collect();
-            let (least, most) = (bytes.iter().min().copied().unwrap_or(0), bytes.iter().max().copied().unwrap_or(0));
-            assert!(most - least <= 2 * STRIDE, "runs of {bytes:?} bytes");
-        }
-        assert_eq!(runs(&pieces, 1).len(), 1);
-        // Under PARALLEL_BYTES of new text: one run.
-        let short: Vec<Piece> = pieces.iter().copied().take_while(|p| p.2 < PARALLEL_BYTES - STRIDE).collect();
-        assert_eq!(runs(&short, 4), vec![short.as_slice()]);
-        assert!(runs(&[], 4).iter().all(|r| r.is_empty()));
     }
 
     #[test]

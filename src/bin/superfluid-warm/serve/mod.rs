@@ -15,6 +15,7 @@ mod api;
 mod engines;
 mod prompt;
 mod proxy;
+mod turns;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -137,6 +138,8 @@ pub(crate) struct Head {
     pub(crate) namespace: superfluid_warm::Namespace,
     pub(crate) index: Sink,
     pub(crate) renderer: Option<Renderer>,
+    /// The cores renders take in turns, shortest remaining first.
+    pub(crate) turns: turns::Turns,
     pub(crate) engines: Vec<Engine>,
     pub(crate) tally: RouteTally,
     pub(crate) costs: Costs,
@@ -238,6 +241,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         namespace,
         index: index.clone(),
         renderer,
+        turns: turns::Turns::new(std::thread::available_parallelism().map_or(1, usize::from)),
         engines: specs.into_iter().map(|(e, _)| e).collect(),
         tally,
         costs,

@@ -228,7 +228,8 @@ const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The request's prompt in the engine's tokens. Rendered on the blocking pool (a render takes
 /// milliseconds: off the request's thread, which goes on serving others), where the same task
-/// goes on to ask the index (one hand-over between threads, not two).
+/// goes on to ask the index (one hand-over between threads, not two). Renders take the cores
+/// in turns, shortest remaining first (`turns.rs`).
 ///
 /// With `early` (a request the head proxies), a long prompt is routed on its start: as its
 /// pieces are tokenized, the index is asked about the tokens so far (from [`FIRST_LOOK`] tokens
@@ -260,7 +261,9 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         // prompt's start, or the one for the whole prompt.
         let mut senders = Some((rendered, answered));
         let mut next = FIRST_LOOK;
+        let mut turn = h.turns.arrive();
         let mut step = |ids: &[u32], bytes: usize, of: usize| {
+            turn.next_piece(of.saturating_sub(bytes));
             if !early || ids.len() < next || senders.is_none() {
                 return;
             }
@@ -283,6 +286,8 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
                 r.chat_in_steps(messages, tools.as_deref(), *add_generation_prompt, &mut step)
             }
         };
+        // The core goes to the next render before the lookup.
+        drop(turn);
         match (ids, senders) {
             // Routed on its start: the whole prefix, to be claimed.
             (Ok(ids), None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),

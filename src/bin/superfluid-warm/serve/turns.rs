@@ -1,0 +1,170 @@
+//! The head's cores for tokenizing, taken in turns, shortest remaining render first.
+//!
+//! Requests arrive together (a conversation trace sends a dozen within 10 ms), and renders that
+//! share the cores evenly all finish late: a turn of a conversation with a few hundred new words
+//! waits on the new 100k-word prompt that came with it. Between two pieces of its text (every
+//! ~1 KiB, `Renderer`'s steps), a render that holds a core gives it up to a waiting render with
+//! less text left, and waits for a core again with its own. The start of every render (its
+//! template, the pieces it finds kept and its first new piece) runs without a turn, so a short
+//! prompt never waits for one.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+
+/// The cores renders take in turns.
+pub(crate) struct Turns {
+    /// Renders that may tokenize at once.
+    cores: usize,
+    state: Mutex<State>,
+    changed: Condvar,
+    /// Numbers renders in arrival order (ties go to the first).
+    arrivals: AtomicU64,
+}
+
+#[derive(Default)]
+struct State {
+    /// Renders holding a core.
+    running: usize,
+    /// Renders waiting for one: (bytes left to tokenize, arrival), least first.
+    waiting: BTreeSet<(usize, u64)>,
+}
+
+/// One render's place in the turns; the core it holds is given back when it is dropped.
+pub(crate) struct Turn<'a> {
+    turns: &'a Turns,
+    arrival: u64,
+    holds: bool,
+}
+
+impl Turns {
+    /// Turns over `cores` cores (at least one).
+    pub(crate) fn new(cores: usize) -> Turns {
+        Turns { cores: cores.max(1), state: Mutex::default(), changed: Condvar::new(), arrivals: AtomicU64::new(0) }
+    }
+
+    /// A render's place, holding no core yet.
+    pub(crate) fn arrive(&self) -> Turn<'_> {
+        Turn { turns: self, arrival: self.arrivals.fetch_add(1, Relaxed), holds: false }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Turn<'_> {
+    /// Before the render's next piece, with `left` bytes of text still to tokenize: keeps its
+    /// core unless a render with less left waits; otherwise waits until it is the waiting render
+    /// with the least left and a core is free.
+    pub(crate) fn next_piece(&mut self, left: usize) {
+        let turns = self.turns;
+        let mut state = turns.lock();
+        if self.holds {
+            if state.waiting.first().is_none_or(|&(least, _)| least >= left) {
+                return;
+            }
+            state.running = state.running.saturating_sub(1);
+            self.holds = false;
+            turns.changed.notify_all();
+        }
+        let me = (left, self.arrival);
+        state.waiting.insert(me);
+        while state.running >= turns.cores || state.waiting.first() != Some(&me) {
+            state = turns.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+        }
+        state.waiting.remove(&me);
+        state.running += 1;
+        self.holds = true;
+        // The next waiting render may find a core free too.
+        turns.changed.notify_all();
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if self.holds {
+            let mut state = self.turns.lock();
+            state.running = state.running.saturating_sub(1);
+            self.turns.changed.notify_all();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::channel;
+    use std::time::{Duration, Instant};
+
+    use super::Turns;
+
+    /// Waits (at most 30 s, however busy the machine) until `n` renders wait for a core.
+    fn until_waiting(turns: &Turns, n: usize) {
+        let start = Instant::now();
+        while turns.lock().waiting.len() < n {
+            assert!(start.elapsed() < Duration::from_secs(30), "{n} renders never waited");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// One core, held by a long render: a shorter render that asks for it at a piece gets it
+    /// first, then the long one continues; a render with more left waits for both.
+    #[test]
+    fn a_render_with_less_left_takes_the_core_at_the_next_piece() {
+        let turns = Turns::new(1);
+        let (order, done) = channel();
+        let mut long = turns.arrive();
+        long.next_piece(100_000);
+        std::thread::scope(|scope| {
+            let waiter = |left: usize, name: &'static str| {
+                let (turns, order) = (&turns, order.clone());
+                scope.spawn(move || {
+                    let mut turn = turns.arrive();
+                    turn.next_piece(left);
+                    let _ = order.send(name);
+                    turn.next_piece(left / 2);
+                })
+            };
+            waiter(200_000, "larger");
+            waiter(1_000, "smaller");
+            // Both wait while the long render holds the only core and takes no piece.
+            until_waiting(&turns, 2);
+            assert!(done.try_recv().is_err(), "no render ran while the core was held");
+            // At its next piece the long render (99,000 left) gives way to the smaller one only.
+            let order = order.clone();
+            scope.spawn(move || {
+                long.next_piece(99_000);
+                let _ = order.send("long");
+            });
+        });
+        drop(order);
+        let seen: Vec<&str> = done.iter().collect();
+        assert_eq!(seen, ["smaller", "long", "larger"]);
+        // Every core given back.
+        assert_eq!(turns.lock().running, 0);
+        assert!(turns.lock().waiting.is_empty());
+    }
+
+    /// Two cores: two renders hold them at once, a third waits for the first to finish.
+    #[test]
+    fn renders_hold_at_most_the_cores() {
+        let turns = Turns::new(2);
+        let (mut a, mut b) = (turns.arrive(), turns.arrive());
+        a.next_piece(10);
+        b.next_piece(10);
+        assert_eq!(turns.lock().running, 2);
+        std::thread::scope(|scope| {
+            let c = scope.spawn(|| {
+                let mut c = turns.arrive();
+                c.next_piece(5);
+                turns.lock().running
+            });
+            until_waiting(&turns, 1);
+            assert_eq!(turns.lock().running, 2, "the third waits");
+            drop(a);
+            assert_eq!(c.join().ok(), Some(2), "it ran once a core was free");
+        });
+        drop(b);
+        assert_eq!(turns.lock().running, 0);
+    }
+}

@@ -20,8 +20,10 @@
 //! - **Figures per router and workload**: time to first token p50 / p99 and end to end p50
 //!   (from the client, streamed; a client whose connection is refused tries again for up to
 //!   30 s, and the wait counts), the engines' cached share (`cached_tokens` / prompt tokens),
-//!   requests per engine max / min, requests refused, and serve's predicted against delivered.
-//!   With several runs, each figure's median and range.
+//!   requests per engine max / min, requests refused, and serve's predicted against delivered;
+//!   on the trace's workloads, the TTFT p50 of its warm requests (a conversation's next turn:
+//!   at most 80% of the tokens new to the trace) and of its cold ones apart. With several runs,
+//!   each figure's median and range.
 
 mod client;
 
@@ -261,6 +263,9 @@ struct Figures {
     predicted: Option<(u64, u64)>,
     /// Prompt tokens of the requests answered.
     prompt_tokens: u64,
+    /// TTFT p50 of the requests the trace makes warm and of those it makes cold (see
+    /// [`trace_warm`]), on the conversation trace.
+    warm_cold_p50: Option<(f64, f64)>,
 }
 
 /// A prompt: when it is sent (seconds after the start), its text, its output tokens.
@@ -277,6 +282,25 @@ fn trace_prompts(args: &Args) -> Vec<Prompt> {
             let words: Vec<String> = r.tokens().iter().map(|t| format!("w{}", t % args.vocab)).collect();
             let offset = (r.timestamp - start_ms) as f64 / 1000.0 / args.speedup;
             (offset, words.join(" "), r.output_length.clamp(1, args.max_tokens))
+        })
+        .collect()
+}
+
+/// Which of the trace's requests are warm: at most 80% of their tokens new to the trace (past
+/// the longest start of their blocks that an earlier request had), as a conversation's next
+/// turn is; the others are cold, new prompts whatever the router does.
+fn trace_warm(args: &Args) -> Vec<bool> {
+    let requests = harness::trace::read(&args.trace).expect("the trace");
+    let mut seen = std::collections::HashSet::new();
+    requests
+        .into_iter()
+        .skip(args.skip)
+        .take(args.requests)
+        .map(|r| {
+            let known = r.hash_ids.iter().take_while(|h| seen.contains(*h)).count();
+            let new = r.input_length.saturating_sub(known * harness::trace::TOKENS_PER_HASH_ID);
+            seen.extend(r.hash_ids.iter().copied());
+            new as f64 <= 0.8 * r.input_length as f64
         })
         .collect()
 }
@@ -331,7 +355,7 @@ fn port_of(endpoint: &str) -> u16 {
 
 /// Router `name` on `workload`: fresh engines, the prompts at their times, what happens
 /// halfway. `None` if the router did not start.
-fn measure(name: &str, args: &Args, prompts: &[Prompt], midway: Midway) -> Option<Figures> {
+fn measure(name: &str, args: &Args, prompts: &[Prompt], warm: Option<&[bool]>, midway: Midway) -> Option<Figures> {
     let dir = tempfile::tempdir().expect("a temporary directory");
     write_tokenizer(dir.path(), args.vocab);
     let engines: Mutex<Vec<OpenAiEngine>> =
@@ -386,6 +410,14 @@ fn measure(name: &str, args: &Args, prompts: &[Prompt], midway: Midway) -> Optio
     let e2e: Vec<f64> = ok.iter().map(|o| o.e2e * 1e3).collect();
     (figures.ttft_p50, figures.ttft_p99, figures.e2e_p50) =
         (quantile(&ttft, 0.5), quantile(&ttft, 0.99), quantile(&e2e, 0.5));
+    figures.warm_cold_p50 = warm.map(|warm| {
+        let p50 = |want: bool| {
+            let ttft: Vec<f64> =
+                outcomes.iter().zip(warm).filter(|(o, w)| o.ok && **w == want).map(|(o, _)| o.ttft * 1e3).collect();
+            quantile(&ttft, 0.5)
+        };
+        (p50(true), p50(false))
+    });
     figures.cached = share(&ok);
     figures.prompt_tokens = ok.iter().map(|o| o.prompt).sum();
     figures.after_restart = restarted.map(|at| {
@@ -430,13 +462,15 @@ fn main() {
     let span = conversation.last().map_or(0.0, |p| p.0);
     eprintln!("head-to-head: {} requests of the trace over {span:.1} s", conversation.len());
     let burst = burst_prompts(&args);
+    let warm = trace_warm(&args);
     let mut figures: BTreeMap<(usize, usize), Vec<Figures>> = BTreeMap::new();
     let mut missing: BTreeMap<usize, String> = BTreeMap::new();
     for run in 0..args.runs {
         for (w, (workload, midway)) in workloads.iter().enumerate() {
-            let prompts = if workload == "burst" { &burst } else { &conversation };
+            let (prompts, warm) =
+                if workload == "burst" { (&burst, None) } else { (&conversation, Some(warm.as_slice())) };
             for (r, name) in args.routers.iter().enumerate() {
-                match measure(name, &args, prompts, *midway) {
+                match measure(name, &args, prompts, warm, *midway) {
                     Some(f) => {
                         eprintln!("head-to-head: run {} {workload} {name}: {f:?}", run + 1);
                         figures.entry((w, r)).or_default().push(f);
@@ -474,6 +508,13 @@ fn main() {
                 spread(&col(|f| f.max as f64 / f.min.max(1) as f64), 2, ""),
                 spread(&col(|f| f.refused as f64), 0, ""),
             );
+            if runs.iter().any(|f| f.warm_cold_p50.is_some()) {
+                line += &format!(
+                    "; TTFT p50 of the trace's warm requests {}, of its cold {}",
+                    spread(&col(|f| f.warm_cold_p50.map_or(f64::NAN, |w| w.0)), 0, " ms"),
+                    spread(&col(|f| f.warm_cold_p50.map_or(f64::NAN, |w| w.1)), 0, " ms")
+                );
+            }
             if runs.iter().any(|f| f.after_restart.is_some()) {
                 line += &format!(
                     "; cached in the first minute after the restart {}",
@@ -493,6 +534,7 @@ fn main() {
                 "ttft_p50_ms": f.ttft_p50, "ttft_p99_ms": f.ttft_p99, "e2e_p50_ms": f.e2e_p50,
                 "cached_share": f.cached, "requests_max": f.max, "requests_min": f.min, "refused": f.refused,
                 "after_restart_cached_share": f.after_restart, "predicted_delivered": f.predicted,
+                "warm_cold_ttft_p50_ms": f.warm_cold_p50,
             })).collect::<Vec<_>>());
         }
     }

@@ -271,10 +271,8 @@ struct Figures {
 /// A prompt: when it is sent (seconds after the start), its text, its output tokens.
 type Prompt = (f64, String, usize);
 
-/// The conversation trace's prompts.
-fn trace_prompts(args: &Args) -> Vec<Prompt> {
-    let requests = harness::trace::read(&args.trace).expect("the trace");
-    let requests: Vec<_> = requests.into_iter().skip(args.skip).take(args.requests).collect();
+/// The prompts of the trace's `requests` (from `--skip`, `--requests` of them).
+fn trace_prompts(args: &Args, requests: &[harness::trace::Request]) -> Vec<Prompt> {
     let start_ms = requests.first().map_or(0, |r| r.timestamp);
     requests
         .iter()
@@ -289,13 +287,10 @@ fn trace_prompts(args: &Args) -> Vec<Prompt> {
 /// Which of the trace's requests are warm: at most 80% of their tokens new to the trace (past
 /// the longest start of their blocks that an earlier request had), as a conversation's next
 /// turn is; the others are cold, new prompts whatever the router does.
-fn trace_warm(args: &Args) -> Vec<bool> {
-    let requests = harness::trace::read(&args.trace).expect("the trace");
+fn trace_warm(requests: &[harness::trace::Request]) -> Vec<bool> {
     let mut seen = std::collections::HashSet::new();
     requests
-        .into_iter()
-        .skip(args.skip)
-        .take(args.requests)
+        .iter()
         .map(|r| {
             let known = r.hash_ids.iter().take_while(|h| seen.contains(*h)).count();
             let new = r.input_length.saturating_sub(known * harness::trace::TOKENS_PER_HASH_ID);
@@ -458,11 +453,13 @@ fn main() {
             }
         })
         .collect();
-    let conversation = trace_prompts(&args);
+    let requests = harness::trace::read(&args.trace).expect("the trace");
+    let requests: Vec<_> = requests.into_iter().skip(args.skip).take(args.requests).collect();
+    let conversation = trace_prompts(&args, &requests);
     let span = conversation.last().map_or(0.0, |p| p.0);
     eprintln!("head-to-head: {} requests of the trace over {span:.1} s", conversation.len());
     let burst = burst_prompts(&args);
-    let warm = trace_warm(&args);
+    let warm = trace_warm(&requests);
     let mut figures: BTreeMap<(usize, usize), Vec<Figures>> = BTreeMap::new();
     let mut missing: BTreeMap<usize, String> = BTreeMap::new();
     for run in 0..args.runs {

@@ -584,6 +584,39 @@ fn after_a_lookup_past_the_deadline_lookups_are_handed_over_and_a_late_answer_go
 }
 
 #[test]
+fn a_rendered_prompts_answer_past_the_deadline_is_not_used() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(false), engine(false)];
+    let tokenizer = chatml().display().to_string();
+    let text = message(3, 200);
+    let ids = superfluid_warm::Renderer::open(chatml()).expect("the tokenizer").completion(&text, true).expect("ids");
+    assert!(ids.len() > 128, "{} tokens", ids.len());
+    let route_text = |serve: &Serve| {
+        let (status, _, route) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": text}));
+        assert_eq!(status, 200, "{route}");
+        assert_eq!(route["prompt_tokens"], ids.len(), "{route}");
+        route["engines"].as_array().expect("engines").iter().map(|e| e["warm_tokens"].as_u64()).collect::<Vec<_>>()
+    };
+    // Its tokens run as ids: the head claims them for the engine it chose, and routes the
+    // text (rendered and looked up by its render's task) warm there.
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--tokenizer", &tokenizer]);
+    let (status, _, answer) = serve.post("/v1/completions", &json!({"model": MODEL, "prompt": ids, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    let warm = route_text(&serve);
+    assert!(warm.iter().any(|w| w.is_some_and(|w| w >= 128)), "routed cold: {warm:?}");
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+    // The same file, with a deadline no lookup meets: that answer comes, and is not used,
+    // however soon after it the request reads it.
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--tokenizer", &tokenizer, "--deadline-ms", "0"]);
+    let late = route_text(&serve);
+    assert_eq!(late, vec![Some(0), Some(0)], "a late answer was used");
+    let (status, _, err) = serve.stop();
+    assert!(status.success(), "{err}");
+}
+
+#[test]
 fn a_long_cold_prompt_is_routed_on_its_start_and_claimed_whole() {
     let dir = common::tempdir();
     let path = common::db_path(&dir);

@@ -241,9 +241,6 @@ async fn proxy(
         let Some((engine, priced)) = pick(head, &warmth, &tried) else { break };
         tried.push(engine);
         let predicted = priced.iter().find(|(i, _)| *i == engine).map_or(0, |(_, p)| p.warm_tokens as u64);
-        if let Some(prefix) = &warmth.prefix {
-            head.claim(prefix.clone(), engine);
-        }
         // Routed on the prompt's start: the whole prompt is claimed for the first engine tried
         // once the rest is tokenized.
         if let Some(rest) = warmth.rest.take() {
@@ -255,7 +252,8 @@ async fn proxy(
             }));
         }
         head.tally.sent(engine, unrendered.is_none());
-        let flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
+        let mut flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
+        flight.claim = warmth.prefix.clone();
         match forward(flight, method.clone(), path, headers, body.clone(), strip_usage, &timing).await {
             Ok(response) => return response,
             Err((flight, failed)) => {

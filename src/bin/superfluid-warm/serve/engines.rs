@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use superfluid_warm::{EngineEndpoint, EngineStatus, IndexFile, ListenStatus, Listener, Load};
+use superfluid_warm::{EngineEndpoint, EngineStatus, IndexFile, ListenStatus, Listener, Load, Prefix};
 
 use super::Head;
 use super::proxy::get;
@@ -111,6 +111,8 @@ pub(crate) struct Flight {
     pub(crate) prompt: u64,
     /// The engine's `cached_tokens`, once its answer told them.
     pub(crate) cached: Option<u64>,
+    /// The prompt's prefix, claimed for the engine once the request is on its way (`forward`).
+    pub(crate) claim: Option<Prefix>,
     decoding: bool,
     ended: bool,
 }
@@ -130,6 +132,7 @@ impl Flight {
             predicted,
             prompt,
             cached: None,
+            claim: None,
             decoding: false,
             ended: false,
         }

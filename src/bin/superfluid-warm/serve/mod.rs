@@ -230,6 +230,10 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         Some(Listener::start(watched, &endpoints, replay_timeout)?)
     };
     let (claims, claimed) = std::sync::mpsc::sync_channel(4096);
+    // A request's bytes go to the engine as they are written (a proxy's writes are whole
+    // messages or stream events: nothing to gain from Nagle's wait).
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
     let mut costs = Costs::default();
     costs.decode_tokens = args.decode_cost;
     costs.queue_weight = args.queue_weight;
@@ -255,7 +259,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         claims,
         claims_dropped: AtomicU64::new(0),
         tickets: api::Tickets::default(),
-        client: Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build_http(),
+        client: Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(connector),
         stopping: AtomicBool::new(false),
     });
     let claimer = {

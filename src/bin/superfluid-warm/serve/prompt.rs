@@ -5,8 +5,8 @@
 //! The body is read once, borrowed: the fields the head needs, the prompt and the messages left
 //! as the client's own JSON text (the renderer takes the messages as JSON).
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
 use super::Head;
-use super::proxy::{Lookup, post_json};
+use super::proxy::{Answer, Lookup, post_json};
 
 /// Which API a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -228,14 +228,18 @@ const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The request's prompt in the engine's tokens. Rendered on the blocking pool (a render takes
 /// milliseconds: off the request's thread, which goes on serving others), where the same task
-/// goes on to ask the index (one hand-over between threads, not two). Renders take the cores
-/// in turns, shortest remaining first (`turns.rs`).
+/// goes on to ask the index and sends the count and the answer in one message: one hand-over
+/// between threads, and one wake-up of the request's task. Renders take the cores in turns,
+/// shortest remaining first (`turns.rs`).
+///
+/// The answer is awaited for the head's deadline from the render's end, which the render task
+/// notes before it asks the index: past it, the request goes by load with the count alone.
 ///
 /// With `early` (a request the head proxies), a long prompt is routed on its start: as its
 /// pieces are tokenized, the index is asked about the tokens so far (from [`FIRST_LOOK`] tokens
 /// on, each time twice as many), and once that answer settles (`Prefix::settles`) it is the answer; the
 /// count is then estimated from the bytes, and the rest's prefix comes after, to be claimed
-/// (`Lookup::Started`'s third field).
+/// (`Lookup::Rendered`'s second field).
 pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>, early: bool) -> Tokens {
     let source = match source(kind, request) {
         Ok(Ok(ids)) => return Tokens::Ids { count: ids.len(), took: None, lookup: Lookup::Ids(ids) },
@@ -250,21 +254,21 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             Err(why) => Tokens::Unrendered(why),
         };
     }
-    let (rendered, tokens) = tokio::sync::oneshot::channel();
-    let (answered, answer) = tokio::sync::oneshot::channel();
+    let (done, finished) = tokio::sync::oneshot::channel::<Result<Finished, String>>();
     let (rest_sender, rest) = tokio::sync::oneshot::channel();
-    let h = Arc::clone(head);
+    let rendered: Arc<OnceLock<Rendered>> = Arc::default();
+    let (h, noted) = (Arc::clone(head), Arc::clone(&rendered));
     drop(tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let Some(r) = h.renderer.as_ref() else { return };
-        // The two answers' senders, taken together by whichever sends first: an answer for the
-        // prompt's start, or the one for the whole prompt.
-        let mut senders = Some((rendered, answered));
+        // Taken by whichever is sent first: an answer for the prompt's start, or the one for
+        // the whole prompt.
+        let mut done = Some(done);
         let mut next = FIRST_LOOK;
         let mut turn = h.turns.arrive();
         let mut step = |ids: &[u32], bytes: usize, of: usize| {
             turn.next_piece(of.saturating_sub(bytes));
-            if !early || ids.len() < next || senders.is_none() {
+            if !early || ids.len() < next || done.is_none() {
                 return;
             }
             next = ids.len() * 2;
@@ -272,10 +276,10 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             if !answer.1.as_ref().is_ok_and(|hits| answer.0.settles(hits)) {
                 return;
             }
-            let estimate = (ids.len() as f64 * of as f64 / bytes.max(1) as f64).round() as usize;
-            if let Some((rendered, answered)) = senders.take() {
-                let _ = rendered.send(Ok((estimate, started.elapsed(), Instant::now(), true)));
-                let _ = answered.send(answer);
+            let count = (ids.len() as f64 * of as f64 / bytes.max(1) as f64).round() as usize;
+            let rendered = Rendered { count, took: started.elapsed(), at: Instant::now() };
+            if let Some(done) = done.take() {
+                let _ = done.send(Ok(Finished { rendered, answer, looked: Duration::ZERO, on_start: true }));
             }
         };
         let ids = match &source {
@@ -288,26 +292,68 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         };
         // The core goes to the next render before the lookup.
         drop(turn);
-        match (ids, senders) {
+        match (ids, done) {
             // Routed on its start: the whole prefix, to be claimed.
             (Ok(ids), None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),
-            (Ok(ids), Some((rendered, answered))) => {
-                let _ = rendered.send(Ok((ids.len(), started.elapsed(), Instant::now(), false)));
-                let _ = answered.send(h.lookup_here(&ids).0);
+            (Ok(ids), Some(done)) => {
+                let rendered = Rendered { count: ids.len(), took: started.elapsed(), at: Instant::now() };
+                let _ = noted.set(rendered);
+                let (answer, looked) = h.lookup_here(&ids);
+                let _ = done.send(Ok(Finished { rendered, answer, looked, on_start: false }));
             }
-            (Err(e), Some((rendered, _))) => drop(rendered.send(Err(format!("render: {e}")))),
+            (Err(e), Some(done)) => drop(done.send(Err(format!("render: {e}")))),
             (Err(_), None) => {}
         }
     }));
-    match tokens.await {
-        Ok(Ok((count, took, since, on_start))) => {
-            // The whole prompt's prefix comes only after an answer for its start.
+    let mut finished = finished;
+    let message = loop {
+        // Until the render ends, a look every deadline (at least every millisecond); after it,
+        // until the deadline from its end.
+        let wait = match rendered.get() {
+            Some(r) => head.deadline.saturating_sub(r.at.elapsed()),
+            None => head.deadline.max(Duration::from_millis(1)),
+        };
+        match tokio::time::timeout(wait, &mut finished).await {
+            Ok(message) => break message,
+            Err(_) => {
+                if let Some(r) = rendered.get().filter(|r| r.at.elapsed() >= head.deadline) {
+                    let late = Lookup::Rendered(Err(r.at.elapsed()), None);
+                    return Tokens::Ids { count: r.count, took: Some(r.took), lookup: late };
+                }
+            }
+        }
+    };
+    match message {
+        Ok(Ok(Finished { rendered, answer, looked, on_start })) => {
+            // The whole prompt's prefix comes only after an answer for its start (asked before
+            // the render ended: no deadline to meet).
             let rest = on_start.then_some(rest);
-            Tokens::Ids { count, took: Some(took), lookup: Lookup::Started(answer, since, rest) }
+            let waited = rendered.at.elapsed();
+            let looked = if looked > head.deadline { Err(waited) } else { Ok((answer, waited)) };
+            Tokens::Ids { count: rendered.count, took: Some(rendered.took), lookup: Lookup::Rendered(looked, rest) }
         }
         Ok(Err(why)) => Tokens::Unrendered(why),
         Err(_) => Tokens::Unrendered("render: the task ended".into()),
     }
+}
+
+/// A render's end: the prompt's token count (estimated when it was routed on its start), how
+/// long rendering took, and when it ended.
+#[derive(Clone, Copy)]
+struct Rendered {
+    count: usize,
+    took: Duration,
+    at: Instant,
+}
+
+/// What the render task sends: its end, the index's answer and how long asking took (an answer
+/// that took longer than the deadline is not used, however soon it is read), and whether that
+/// answer is for the prompt's start.
+struct Finished {
+    rendered: Rendered,
+    answer: Answer,
+    looked: Duration,
+    on_start: bool,
 }
 
 /// Tokens of a prompt's start at which the head first asks the index whether the start settles

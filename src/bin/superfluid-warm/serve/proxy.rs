@@ -49,12 +49,12 @@ pub(crate) type Answer = (Prefix, superfluid_warm::Result<Vec<Hit>>);
 /// thread ran past it.
 const HANDED_OVER_FOR: Duration = Duration::from_secs(10);
 
-/// The index's answer for a prompt's tokens: still to ask, or on its way from the blocking pool
-/// (asked there while or right after rendering, at the instant given; with the whole prompt's
-/// prefix to come when the answer was for its start).
+/// The index's answer for a prompt's tokens: still to ask, or asked by the render (the answer
+/// and how long it took from the render's end, or past the deadline how long was waited; with
+/// the whole prompt's prefix to come when the answer was for its start).
 pub(crate) enum Lookup {
     Ids(Vec<u32>),
-    Started(tokio::sync::oneshot::Receiver<Answer>, Instant, Option<tokio::sync::oneshot::Receiver<Prefix>>),
+    Rendered(Result<(Answer, Duration), Duration>, Option<tokio::sync::oneshot::Receiver<Prefix>>),
 }
 
 /// The index's answer for `tokens`, here and now.
@@ -112,7 +112,7 @@ pub(crate) async fn warmth(head: &Arc<Head>, lookup: Option<(usize, Lookup)>, to
     let (looked, rest) = match lookup {
         Lookup::Ids(tokens) if head.lookup_inline() => (Ok(head.lookup_here(&tokens)), None),
         Lookup::Ids(tokens) => (handed_over(head, tokens).await, None),
-        Lookup::Started(answer, since, rest) => (within_deadline(head, answer, since).await, rest),
+        Lookup::Rendered(looked, rest) => (looked, rest),
     };
     let ((prefix, answer), lookup) = match looked {
         Ok(looked) => looked,
@@ -234,7 +234,22 @@ pub(crate) async fn forward(
         Ok(r) => r,
         Err(e) => return Err((flight, fail("request", e.to_string()))),
     };
-    let response = match flight.head.client.request(request).await {
+    // The request goes to the engine's connection first, and the claim (which wakes the claim
+    // thread) after it: on two cores, the engine's own thread would otherwise wait behind it.
+    let mut sending = std::pin::pin!(flight.head.client.request(request));
+    let first = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await;
+    if first.is_pending() {
+        // The connection's task writes the request before this task runs again.
+        tokio::task::yield_now().await;
+    }
+    if let Some(prefix) = flight.claim.take() {
+        flight.head.claim(prefix, flight.engine);
+    }
+    let sent = match first {
+        Poll::Ready(sent) => sent,
+        Poll::Pending => sending.await,
+    };
+    let response = match sent {
         Ok(r) => r,
         Err(e) if e.is_connect() => return Err((flight, fail("connect", format!("{name}: {}", cause(&e))))),
         Err(e) => return Err((flight, fail("reset", format!("{name}: {}", cause(&e))))),

@@ -244,7 +244,7 @@ fn heads_converge_after_the_server_restarts_and_buffer_meanwhile() {
         [&a, &b][(i % 2) as usize].ran(MODEL, &prompt(i % 17, i % 4), &format!("node-{}", i % 3)).expect("ran");
     }
     published(&a);
-    server.kill();
+    server.stop();
     std::thread::sleep(Duration::from_millis(300));
     for i in 0..100u32 {
         let h = [&a, &b][(i % 2) as usize];

@@ -71,10 +71,12 @@ pub(crate) struct ServeArgs {
     deadline_ms: f64,
     /// Route a long text or chat as soon as the start tokenized so far settles the index's
     /// answer (every engine's warm prefix ends two blocks before it), and tokenize the rest
-    /// after it was sent, for the claim. For engines on other hosts: where the head shares its
-    /// cores with the engines' own tokenizing, the rest's tokenizing slows theirs.
-    #[arg(long)]
+    /// after it was sent, for the claim. The default.
+    #[arg(long, overrides_with = "no_route_on_start")]
     route_on_start: bool,
+    /// Route a text or chat only once all of it is tokenized.
+    #[arg(long)]
+    no_route_on_start: bool,
     /// Prefill tokens that one decoding stream on an engine is worth in the cost.
     #[arg(long, default_value_t = Costs::default().decode_tokens)]
     decode_cost: f64,
@@ -250,7 +252,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         tally,
         costs,
         deadline,
-        route_on_start: args.route_on_start,
+        route_on_start: args.route_on_start || !args.no_route_on_start,
         born: Instant::now(),
         hand_over_until: AtomicU64::new(0),
         attempts: args.attempts,

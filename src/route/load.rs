@@ -7,7 +7,8 @@ pub struct Load {
     /// Requests sent and not finished (prefilling, queued or decoding).
     pub in_flight: u32,
     /// Prompt tokens of those requests whose first token has not come back, less what the
-    /// head predicted the engine held of them: the prefill work queued ahead of a new request.
+    /// head predicted the engine held of them (a head may also take off what it estimates the
+    /// engine has done of the oldest): the prefill work queued ahead of a new request.
     pub prefill_tokens: u64,
     /// Requests past their first token and still generating.
     pub decoding: u32,

@@ -6,11 +6,12 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use superfluid_warm::{EngineEndpoint, EngineStatus, IndexFile, ListenStatus, Listener, Load, Prefix};
 
 use super::Head;
+use super::prefills::Prefills;
 use super::proxy::get;
 use crate::CliError;
 
@@ -26,7 +27,7 @@ pub(crate) struct Engine {
     /// in the index is current.
     pub(crate) events_up: AtomicBool,
     in_flight: AtomicU32,
-    prefill_tokens: AtomicU64,
+    prefills: Mutex<Prefills>,
     decoding: AtomicU32,
     failures_in_row: AtomicU32,
     /// Out of the choice until its health check answers.
@@ -80,7 +81,7 @@ pub(crate) fn parse(spec: &str, model: &str) -> Result<(Engine, Option<EngineEnd
         has_events: endpoint.is_some(),
         events_up: AtomicBool::new(endpoint.is_none()),
         in_flight: AtomicU32::new(0),
-        prefill_tokens: AtomicU64::new(0),
+        prefills: Mutex::default(),
         decoding: AtomicU32::new(0),
         failures_in_row: AtomicU32::new(0),
         ejected: AtomicBool::new(false),
@@ -93,7 +94,15 @@ pub(crate) fn parse(spec: &str, model: &str) -> Result<(Engine, Option<EngineEnd
 impl Engine {
     /// Its load now.
     pub(crate) fn load(&self) -> Load {
-        Load::new(self.in_flight.load(Relaxed), self.prefill_tokens.load(Relaxed), self.decoding.load(Relaxed))
+        let ahead = self.prefills.lock().map_or(0, |p| p.ahead(Instant::now()));
+        Load::new(self.in_flight.load(Relaxed), ahead, self.decoding.load(Relaxed))
+    }
+
+    /// Its prefills, to change.
+    fn prefills(&self, change: impl FnOnce(&mut Prefills)) {
+        if let Ok(mut p) = self.prefills.lock() {
+            change(&mut p);
+        }
     }
 }
 
@@ -105,8 +114,8 @@ const UNMARKED: u64 = u64::MAX;
 pub(crate) struct Flight {
     pub(crate) head: Arc<Head>,
     pub(crate) engine: usize,
-    /// Its prompt tokens the engine was predicted not to hold.
-    uncached: u64,
+    /// Its number among the head's requests.
+    serial: u64,
     pub(crate) predicted: u64,
     pub(crate) prompt: u64,
     /// The engine's `cached_tokens`, once its answer told them.
@@ -121,14 +130,15 @@ impl Flight {
     /// Counts a request of `prompt` tokens, `predicted` of them warm, on `engine`.
     pub(crate) fn start(head: &Arc<Head>, engine: usize, prompt: u64, predicted: u64) -> Flight {
         let uncached = prompt.saturating_sub(predicted);
+        let serial = head.flights.fetch_add(1, Relaxed);
         if let Some(e) = head.engines.get(engine) {
             e.in_flight.fetch_add(1, Relaxed);
-            e.prefill_tokens.fetch_add(uncached, Relaxed);
+            e.prefills(|p| p.sent(serial, uncached, Instant::now()));
         }
         Flight {
             head: Arc::clone(head),
             engine,
-            uncached,
+            serial,
             predicted,
             prompt,
             cached: None,
@@ -149,7 +159,7 @@ impl Flight {
         }
         self.decoding = true;
         if let Some(e) = self.engine() {
-            e.prefill_tokens.fetch_sub(self.uncached, Relaxed);
+            e.prefills(|p| p.done(self.serial, Instant::now(), true));
             e.decoding.fetch_add(1, Relaxed);
         }
     }
@@ -189,7 +199,7 @@ impl Flight {
             if self.decoding {
                 e.decoding.fetch_sub(1, Relaxed);
             } else {
-                e.prefill_tokens.fetch_sub(self.uncached, Relaxed);
+                e.prefills(|p| p.done(self.serial, Instant::now(), false));
             }
         }
         if let (true, Some(cached)) = (record, self.cached) {

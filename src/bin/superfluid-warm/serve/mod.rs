@@ -13,6 +13,7 @@
 
 mod api;
 mod engines;
+mod prefills;
 mod prompt;
 mod proxy;
 mod turns;
@@ -161,6 +162,8 @@ pub(crate) struct Head {
     claims: SyncSender<(Prefix, usize)>,
     /// Claims dropped because the claim thread was behind.
     pub(crate) claims_dropped: AtomicU64,
+    /// Requests sent to an engine so far (each one's number in its engine's `Prefills`).
+    pub(crate) flights: AtomicU64,
     /// The engines' HTTP connections, kept open between requests.
     pub(crate) client: Client<HttpConnector, Full<Bytes>>,
     /// `/v1/route`'s open decisions.
@@ -260,6 +263,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         turn: AtomicUsize::new(0),
         claims,
         claims_dropped: AtomicU64::new(0),
+        flights: AtomicU64::new(0),
         tickets: api::Tickets::default(),
         client: Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(connector),
         stopping: AtomicBool::new(false),

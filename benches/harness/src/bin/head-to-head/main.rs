@@ -98,6 +98,11 @@ struct Args {
     /// One JSON object at the end.
     #[arg(long)]
     json: bool,
+    /// Write each request's outcome to this folder, a file per router and run
+    /// (`ROUTER-N.tsv`: offered time, TTFT, end to end, prompt and cached tokens), to read where
+    /// a tail comes from.
+    #[arg(long)]
+    requests_out: Option<PathBuf>,
 }
 
 /// The word-level model: `tokenizer.json` of `vocab` words `w0` .. and `[UNK]`.
@@ -395,6 +400,9 @@ fn measure(name: &str, args: &Args, prompts: &[Prompt], warm: Option<&[bool]>, m
             |k: &str| status["routes"].as_array().map_or(0, |r| r.iter().filter_map(|e| e[k].as_u64()).sum::<u64>());
         figures.predicted = Some((sum("predicted_tokens"), sum("delivered_tokens")));
     }
+    if let Some(out) = &args.requests_out {
+        write_outcomes(out, name, &outcomes);
+    }
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
     let share = |o: &[&Outcome]| {
         let prompt: u64 = o.iter().map(|o| o.prompt).sum();
@@ -424,6 +432,31 @@ fn measure(name: &str, args: &Args, prompts: &[Prompt], warm: Option<&[bool]>, m
     figures.min = served.iter().min().copied().unwrap_or(0);
     figures.refused = outcomes.len() - ok.len();
     Some(figures)
+}
+
+/// Writes `outcomes` to `dir/NAME-N.tsv`, N the first number not taken.
+fn write_outcomes(dir: &Path, name: &str, outcomes: &[Outcome]) {
+    use std::fmt::Write as _;
+    let mut text = String::from("request\tat_s\tok\tttft_ms\te2e_ms\tprompt\tcached\n");
+    for (i, o) in outcomes.iter().enumerate() {
+        let _ = writeln!(
+            text,
+            "{i}\t{:.4}\t{}\t{:.2}\t{:.2}\t{}\t{}",
+            o.at,
+            u8::from(o.ok),
+            o.ttft * 1e3,
+            o.e2e * 1e3,
+            o.prompt,
+            o.cached
+        );
+    }
+    let _ = std::fs::create_dir_all(dir);
+    let path = (1..).map(|n| dir.join(format!("{name}-{n}.tsv"))).find(|p| !p.exists());
+    if let Some(path) = path
+        && let Err(e) = std::fs::write(&path, text)
+    {
+        eprintln!("head-to-head: could not write {}: {e}", path.display());
+    }
 }
 
 /// The median of `v` and its range, as text with `unit`.

@@ -1,0 +1,120 @@
+//! `Prefills`: an engine's prefill work not yet done, as the head that sends it requests sees it.
+//!
+//! An engine prefills the requests it was sent about in the order they came (vLLM's scheduler
+//! serves its waiting queue first come, first served), so the work ahead of a new request is
+//! every uncached prompt token not yet answered by a first token, less what the engine has
+//! already done of the oldest one. That part is not known, but it can be estimated: the engine
+//! has been on the oldest since it was sent or since the previous first token came back,
+//! whichever is later, at the rate its earlier long prefills ran. Without it, a prefill of
+//! 100k tokens counts whole until its first token, and a new request is sent to an engine that
+//! just started a shorter one rather than to one a few milliseconds from done.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// Prefills at least this long teach the rate: a short one is mostly the engine's fixed cost.
+const TEACHING_TOKENS: u64 = 4096;
+
+/// How much each new rate sample counts against the rate so far.
+const RATE_WEIGHT: f64 = 0.25;
+
+/// One engine's requests not yet at their first token, oldest first, and its prefill rate.
+#[derive(Debug, Default)]
+pub(crate) struct Prefills {
+    /// Each request's serial number, when it was sent, and its uncached prompt tokens.
+    waiting: VecDeque<(u64, Instant, u64)>,
+    /// The sum of `waiting`'s uncached tokens.
+    tokens: u64,
+    /// When the last first token came back.
+    last_first: Option<Instant>,
+    /// Uncached prompt tokens a second, from the long prefills seen so far.
+    rate: Option<f64>,
+}
+
+impl Prefills {
+    /// A request of `uncached` tokens sent at `now`.
+    pub(crate) fn sent(&mut self, serial: u64, uncached: u64, now: Instant) {
+        self.waiting.push_back((serial, now, uncached));
+        self.tokens += uncached;
+    }
+
+    /// The request's first token came back at `now` (or it ended before one did, `first`
+    /// false): its prefill is no longer ahead of anything. A first token of the oldest request
+    /// teaches the rate.
+    pub(crate) fn done(&mut self, serial: u64, now: Instant, first: bool) {
+        let Some(at) = self.waiting.iter().position(|w| w.0 == serial) else { return };
+        let Some((_, sent, uncached)) = self.waiting.remove(at) else { return };
+        self.tokens = self.tokens.saturating_sub(uncached);
+        if !first {
+            return;
+        }
+        if at == 0 && uncached >= TEACHING_TOKENS {
+            let started = self.last_first.map_or(sent, |last| last.max(sent));
+            let took = now.saturating_duration_since(started).as_secs_f64();
+            if took > 0.0 {
+                let sample = uncached as f64 / took;
+                self.rate = Some(self.rate.map_or(sample, |r| r + RATE_WEIGHT * (sample - r)));
+            }
+        }
+        self.last_first = Some(now);
+    }
+
+    /// The uncached prompt tokens still to prefill at `now`: all of them, less the estimated
+    /// progress on the oldest.
+    pub(crate) fn ahead(&self, now: Instant) -> u64 {
+        let (Some(rate), Some(&(_, sent, uncached))) = (self.rate, self.waiting.front()) else { return self.tokens };
+        let started = self.last_first.map_or(sent, |last| last.max(sent));
+        let done = (rate * now.saturating_duration_since(started).as_secs_f64()) as u64;
+        self.tokens.saturating_sub(done.min(uncached))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn the_oldest_prefill_counts_less_as_the_engine_works_through_it_at_its_learned_rate() {
+        let t0 = Instant::now();
+        let us = |n: u64| t0 + Duration::from_micros(n);
+        let mut p = Prefills::default();
+        // No rate yet: every token counts until its first token.
+        p.sent(1, 10_000, t0);
+        p.sent(2, 2_000, us(10_000));
+        assert_eq!(p.ahead(us(50_000)), 12_000);
+        // Request 1's first token after 125 ms: 80,000 tokens a second.
+        p.done(1, us(125_000), true);
+        assert_eq!(p.ahead(us(125_000)), 2_000);
+        // Request 2 started at request 1's first token: 15.625 ms in, 1,250 done.
+        assert_eq!(p.ahead(us(140_625)), 750);
+        // Past its estimated end it counts nothing, until its first token says so.
+        assert_eq!(p.ahead(us(500_000)), 0);
+        p.sent(3, 50_000, us(500_000));
+        assert_eq!(p.ahead(us(500_000)), 50_000, "the oldest is done as far as the head can tell");
+        // Short prefills teach nothing; an ended request is only taken off.
+        p.done(2, us(520_000), true);
+        p.done(3, us(600_000), false);
+        assert_eq!(p.ahead(us(600_000)), 0);
+        p.sent(4, 20_000, us(750_000));
+        // 125 ms at 80,000 a second.
+        assert_eq!(p.ahead(us(875_000)), 10_000);
+        // Request 4 took 500 ms: 40,000 a second, weighed in at a quarter: 70,000 a second.
+        p.done(4, us(1_250_000), true);
+        p.sent(5, 90_000, us(1_250_000));
+        assert_eq!(p.ahead(us(1_375_000)), 81_250);
+    }
+
+    #[test]
+    fn an_unknown_or_repeated_request_changes_nothing() {
+        let t0 = Instant::now();
+        let mut p = Prefills::default();
+        p.sent(1, 8_000, t0);
+        p.done(7, t0, true);
+        p.done(1, t0 + Duration::from_millis(125), true);
+        p.done(1, t0 + Duration::from_millis(200), true);
+        assert_eq!(p.ahead(t0), 0);
+        assert_eq!(p.rate, Some(64_000.0));
+    }
+}

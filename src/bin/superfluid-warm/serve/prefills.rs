@@ -23,8 +23,6 @@ const RATE_WEIGHT: f64 = 0.25;
 pub(crate) struct Prefills {
     /// Each request's serial number, when it was sent, and its uncached prompt tokens.
     waiting: VecDeque<(u64, Instant, u64)>,
-    /// The sum of `waiting`'s uncached tokens.
-    tokens: u64,
     /// When the last first token came back.
     last_first: Option<Instant>,
     /// Uncached prompt tokens a second, from the long prefills seen so far.
@@ -35,7 +33,6 @@ impl Prefills {
     /// A request of `uncached` tokens sent at `now`.
     pub(crate) fn sent(&mut self, serial: u64, uncached: u64, now: Instant) {
         self.waiting.push_back((serial, now, uncached));
-        self.tokens += uncached;
     }
 
     /// The request's first token came back at `now` (or it ended before one did, `first`
@@ -44,7 +41,6 @@ impl Prefills {
     pub(crate) fn done(&mut self, serial: u64, now: Instant, first: bool) {
         let Some(at) = self.waiting.iter().position(|w| w.0 == serial) else { return };
         let Some((_, sent, uncached)) = self.waiting.remove(at) else { return };
-        self.tokens = self.tokens.saturating_sub(uncached);
         if !first {
             return;
         }
@@ -62,10 +58,11 @@ impl Prefills {
     /// The uncached prompt tokens still to prefill at `now`: all of them, less the estimated
     /// progress on the oldest.
     pub(crate) fn ahead(&self, now: Instant) -> u64 {
-        let (Some(rate), Some(&(_, sent, uncached))) = (self.rate, self.waiting.front()) else { return self.tokens };
+        let tokens: u64 = self.waiting.iter().map(|w| w.2).sum();
+        let (Some(rate), Some(&(_, sent, uncached))) = (self.rate, self.waiting.front()) else { return tokens };
         let started = self.last_first.map_or(sent, |last| last.max(sent));
         let done = (rate * now.saturating_duration_since(started).as_secs_f64()) as u64;
-        self.tokens.saturating_sub(done.min(uncached))
+        tokens.saturating_sub(done.min(uncached))
     }
 }
 

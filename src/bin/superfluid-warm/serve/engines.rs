@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use superfluid_warm::{EngineEndpoint, EngineStatus, IndexFile, ListenStatus, Listener, Load, Prefix};
 
 use super::Head;
-use super::prefills::Prefills;
+use super::flights::Flights;
 use super::proxy::get;
 use crate::CliError;
 
@@ -26,9 +26,8 @@ pub(crate) struct Engine {
     /// Its event stream is connected and not waiting on a replay (or it has none): its warmth
     /// in the index is current.
     pub(crate) events_up: AtomicBool,
-    in_flight: AtomicU32,
-    prefills: Mutex<Prefills>,
-    decoding: AtomicU32,
+    /// Its requests in flight (one lock: the load is read whole).
+    flights: Mutex<Flights>,
     failures_in_row: AtomicU32,
     /// Out of the choice until its health check answers.
     pub(crate) ejected: AtomicBool,
@@ -80,9 +79,7 @@ pub(crate) fn parse(spec: &str, model: &str) -> Result<(Engine, Option<EngineEnd
         authority: authority.to_string(),
         has_events: endpoint.is_some(),
         events_up: AtomicBool::new(endpoint.is_none()),
-        in_flight: AtomicU32::new(0),
-        prefills: Mutex::default(),
-        decoding: AtomicU32::new(0),
+        flights: Mutex::default(),
         failures_in_row: AtomicU32::new(0),
         ejected: AtomicBool::new(false),
         in_doubt: AtomicBool::new(false),
@@ -94,13 +91,12 @@ pub(crate) fn parse(spec: &str, model: &str) -> Result<(Engine, Option<EngineEnd
 impl Engine {
     /// Its load now.
     pub(crate) fn load(&self) -> Load {
-        let ahead = self.prefills.lock().map_or(0, |p| p.ahead(Instant::now()));
-        Load::new(self.in_flight.load(Relaxed), ahead, self.decoding.load(Relaxed))
+        self.flights.lock().map_or_else(|_| Load::default(), |f| f.load(Instant::now()))
     }
 
-    /// Its prefills, to change.
-    fn prefills(&self, change: impl FnOnce(&mut Prefills)) {
-        if let Ok(mut p) = self.prefills.lock() {
+    /// Its requests in flight, to change.
+    fn flights(&self, change: impl FnOnce(&mut Flights)) {
+        if let Ok(mut p) = self.flights.lock() {
             change(&mut p);
         }
     }
@@ -132,8 +128,7 @@ impl Flight {
         let uncached = prompt.saturating_sub(predicted);
         let serial = head.flights.fetch_add(1, Relaxed);
         if let Some(e) = head.engines.get(engine) {
-            e.in_flight.fetch_add(1, Relaxed);
-            e.prefills(|p| p.sent(serial, uncached, Instant::now()));
+            e.flights(|f| f.sent(serial, uncached, Instant::now()));
         }
         Flight {
             head: Arc::clone(head),
@@ -159,8 +154,7 @@ impl Flight {
         }
         self.decoding = true;
         if let Some(e) = self.engine() {
-            e.prefills(|p| p.done(self.serial, Instant::now(), true));
-            e.decoding.fetch_add(1, Relaxed);
+            e.flights(|f| f.done(self.serial, Instant::now(), true));
         }
     }
 
@@ -195,11 +189,10 @@ impl Flight {
             return;
         }
         if let Some(e) = self.engine() {
-            e.in_flight.fetch_sub(1, Relaxed);
             if self.decoding {
-                e.decoding.fetch_sub(1, Relaxed);
+                e.flights(Flights::ended_decoding);
             } else {
-                e.prefills(|p| p.done(self.serial, Instant::now(), false));
+                e.flights(|f| f.done(self.serial, Instant::now(), false));
             }
         }
         if let (true, Some(cached)) = (record, self.cached) {

@@ -13,7 +13,7 @@
 
 mod api;
 mod engines;
-mod prefills;
+mod flights;
 mod prompt;
 mod proxy;
 mod turns;
@@ -162,7 +162,7 @@ pub(crate) struct Head {
     claims: SyncSender<(Prefix, usize)>,
     /// Claims dropped because the claim thread was behind.
     pub(crate) claims_dropped: AtomicU64,
-    /// Requests sent to an engine so far (each one's number in its engine's `Prefills`).
+    /// Requests sent to an engine so far (each one's number in its engine's `Flights`).
     pub(crate) flights: AtomicU64,
     /// The engines' HTTP connections, kept open between requests.
     pub(crate) client: Client<HttpConnector, Full<Bytes>>,

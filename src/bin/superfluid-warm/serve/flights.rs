@@ -1,4 +1,5 @@
-//! `Prefills`: an engine's prefill work not yet done, as the head that sends it requests sees it.
+//! `Flights`: an engine's requests in flight, as the head that sends them sees them: those
+//! before their first token, with the prefill work they leave, and those decoding.
 //!
 //! An engine prefills the requests it was sent about in the order they came (vLLM's scheduler
 //! serves its waiting queue first come, first served), so the work ahead of a new request is
@@ -12,38 +13,44 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use superfluid_warm::Load;
+
 /// Prefills at least this long teach the rate: a short one is mostly the engine's fixed cost.
 const TEACHING_TOKENS: u64 = 4096;
 
 /// How much each new rate sample counts against the rate so far.
 const RATE_WEIGHT: f64 = 0.25;
 
-/// One engine's requests not yet at their first token, oldest first, and its prefill rate.
+/// One engine's requests in flight: those not yet at their first token, oldest first, with its
+/// prefill rate, and how many are decoding.
 #[derive(Debug, Default)]
-pub(crate) struct Prefills {
+pub(crate) struct Flights {
     /// Each request's serial number, when it was sent, and its uncached prompt tokens.
     waiting: VecDeque<(u64, Instant, u64)>,
+    /// Requests past their first token and not ended.
+    decoding: u32,
     /// When the last first token came back.
     last_first: Option<Instant>,
     /// Uncached prompt tokens a second, from the long prefills seen so far.
     rate: Option<f64>,
 }
 
-impl Prefills {
+impl Flights {
     /// A request of `uncached` tokens sent at `now`.
     pub(crate) fn sent(&mut self, serial: u64, uncached: u64, now: Instant) {
         self.waiting.push_back((serial, now, uncached));
     }
 
-    /// The request's first token came back at `now` (or it ended before one did, `first`
-    /// false): its prefill is no longer ahead of anything. A first token of the oldest request
-    /// teaches the rate.
+    /// The request's first token came back at `now` (it decodes from now on), or it ended
+    /// before one did (`first` false): its prefill is no longer ahead of anything. A first
+    /// token of the oldest request teaches the rate.
     pub(crate) fn done(&mut self, serial: u64, now: Instant, first: bool) {
         let Some(at) = self.waiting.iter().position(|w| w.0 == serial) else { return };
         let Some((_, sent, uncached)) = self.waiting.remove(at) else { return };
         if !first {
             return;
         }
+        self.decoding += 1;
         if at == 0 && uncached >= TEACHING_TOKENS {
             let started = self.last_first.map_or(sent, |last| last.max(sent));
             let took = now.saturating_duration_since(started).as_secs_f64();
@@ -55,9 +62,21 @@ impl Prefills {
         self.last_first = Some(now);
     }
 
+    /// A request that was decoding ended.
+    pub(crate) fn ended_decoding(&mut self) {
+        self.decoding = self.decoding.saturating_sub(1);
+    }
+
+    /// The engine's load at `now`: every request listed, the prefill work ahead, the streams
+    /// decoding.
+    pub(crate) fn load(&self, now: Instant) -> Load {
+        let waiting = u32::try_from(self.waiting.len()).unwrap_or(u32::MAX);
+        Load::new(waiting.saturating_add(self.decoding), self.ahead(now), self.decoding)
+    }
+
     /// The uncached prompt tokens still to prefill at `now`: all of them, less the estimated
     /// progress on the oldest.
-    pub(crate) fn ahead(&self, now: Instant) -> u64 {
+    fn ahead(&self, now: Instant) -> u64 {
         let tokens: u64 = self.waiting.iter().map(|w| w.2).sum();
         let (Some(rate), Some(&(_, sent, uncached))) = (self.rate, self.waiting.front()) else { return tokens };
         let started = self.last_first.map_or(sent, |last| last.max(sent));
@@ -76,7 +95,7 @@ mod tests {
     fn the_oldest_prefill_counts_less_as_the_engine_works_through_it_at_its_learned_rate() {
         let t0 = Instant::now();
         let us = |n: u64| t0 + Duration::from_micros(n);
-        let mut p = Prefills::default();
+        let mut p = Flights::default();
         // No rate yet: every token counts until its first token.
         p.sent(1, 10_000, t0);
         p.sent(2, 2_000, us(10_000));
@@ -106,12 +125,28 @@ mod tests {
     #[test]
     fn an_unknown_or_repeated_request_changes_nothing() {
         let t0 = Instant::now();
-        let mut p = Prefills::default();
+        let mut p = Flights::default();
         p.sent(1, 8_000, t0);
         p.done(7, t0, true);
         p.done(1, t0 + Duration::from_millis(125), true);
         p.done(1, t0 + Duration::from_millis(200), true);
         assert_eq!(p.ahead(t0), 0);
         assert_eq!(p.rate, Some(64_000.0));
+    }
+
+    #[test]
+    fn the_load_counts_each_request_once_before_and_after_its_first_token() {
+        let t0 = Instant::now();
+        let mut p = Flights::default();
+        p.sent(1, 3_000, t0);
+        p.sent(2, 1_000, t0);
+        assert_eq!(p.load(t0), Load::new(2, 4_000, 0));
+        p.done(1, t0, true);
+        assert_eq!(p.load(t0), Load::new(2, 1_000, 1));
+        p.done(2, t0, false);
+        p.ended_decoding();
+        assert_eq!(p.load(t0), Load::new(0, 0, 0));
+        p.ended_decoding();
+        assert_eq!(p.load(t0), Load::default());
     }
 }

@@ -4,7 +4,8 @@
 //! engine's size, an LRU) publishing its KV events over ZMQ with a replay endpoint
 //! ([`Publisher`]), `usage.prompt_tokens_details.cached_tokens` as vLLM reports it, and a time
 //! model: a request waits for one of `batch` slots, then for the engine's prefill (one at a
-//! time, as compute-bound prefills share an engine's steps), which takes a constant plus a time
+//! time, as compute-bound prefills share an engine's steps; both in arrival order, as vLLM's
+//! scheduler admits and prefills first come, first served), which takes a constant plus a time
 //! per uncached token, then each output token a decode time (decodes share the batch). Text and chats are tokenized
 //! through the model's folder with the library's [`Renderer`], as the head does.
 //!
@@ -15,7 +16,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -82,11 +83,10 @@ struct Shared {
     /// Its events' sockets (a ZMQ socket is used by one thread at a time).
     publisher: Mutex<Publisher>,
     renderer: Option<Renderer>,
-    /// Requests running; a slot frees with a notify.
-    running: Mutex<usize>,
+    /// The batch: `batch` requests run at once.
+    slots: Fifo,
     /// The engine's compute for prefills, one at a time.
-    prefill: Mutex<()>,
-    slot_free: Condvar,
+    prefill: Fifo,
     stop: AtomicBool,
     /// Completions and chats taken.
     served: std::sync::atomic::AtomicUsize,
@@ -125,15 +125,14 @@ impl OpenAiEngine {
             .set_nonblocking(true)
             .map_err(|e| Error::InvalidConfig { detail: format!("simulated engine: listener: {e}") })?;
         let shared = Arc::new(Shared {
-            config,
             cache: Mutex::new(cache),
             publisher: Mutex::new(publisher),
             renderer,
-            running: Mutex::new(0),
-            prefill: Mutex::new(()),
-            slot_free: Condvar::new(),
+            slots: Fifo::new(config.batch),
+            prefill: Fifo::new(1),
             stop: AtomicBool::new(false),
             served: std::sync::atomic::AtomicUsize::new(0),
+            config,
         });
         let s = Arc::clone(&shared);
         let acceptor = std::thread::Builder::new()
@@ -155,7 +154,7 @@ impl OpenAiEngine {
 
     /// Requests running now (holding a batch slot).
     pub fn running(&self) -> usize {
-        self.shared.running.lock().map_or(0, |r| *r)
+        self.shared.slots.holders()
     }
 
     /// Tokens of `tokens` its prefix cache holds (what a request of them would find cached).
@@ -351,7 +350,7 @@ fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) ->
     let max_tokens = parsed.max_completion_tokens.or(parsed.max_tokens).unwrap_or(16).max(1);
     shared.served.fetch_add(1, Ordering::Relaxed);
     let include_usage = parsed.stream_options.as_ref().is_some_and(|o| o.include_usage);
-    let _slot = Slot::take(shared);
+    let _slot = shared.slots.enter();
     let config = &shared.config;
     // What the engine finds cached: whole blocks, the prompt's last token always computed.
     let cached = {
@@ -369,7 +368,7 @@ fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) ->
     // Prefills take the engine's compute one at a time (vLLM's prefill is compute-bound: a
     // batch's prefills share the steps), decodes share the batch.
     {
-        let _lane = shared.prefill.lock();
+        let _lane = shared.prefill.enter();
         std::thread::sleep(config.prefill_base + config.prefill_per_token * uncached);
     }
     let usage = json!({
@@ -416,29 +415,105 @@ fn generate(stream: &mut TcpStream, shared: &Shared, body: &[u8], kind: Kind) ->
     stream.flush()
 }
 
-/// One of the engine's batch slots, taken until dropped.
-struct Slot<'a>(&'a Shared);
+/// A gate that lets `width` holders through at once, in the order they came (tickets).
+struct Fifo {
+    width: u64,
+    /// Tickets handed out, and holders gone.
+    state: Mutex<(u64, u64)>,
+    turn: Condvar,
+}
 
-impl<'a> Slot<'a> {
-    fn take(shared: &'a Shared) -> Slot<'a> {
-        if let Ok(mut running) = shared.running.lock() {
-            while *running >= shared.config.batch.max(1) {
-                match shared.slot_free.wait(running) {
-                    Ok(r) => running = r,
-                    Err(_) => return Slot(shared),
-                }
-            }
-            *running += 1;
+impl Fifo {
+    fn new(width: usize) -> Fifo {
+        Fifo { width: width.max(1) as u64, state: Mutex::new((0, 0)), turn: Condvar::new() }
+    }
+
+    /// Waits for this caller's turn: every earlier caller through, and fewer than `width` in.
+    fn enter(&self) -> Pass<'_> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let ticket = state.0;
+        state.0 += 1;
+        while ticket >= state.1 + self.width {
+            state = self.turn.wait(state).unwrap_or_else(PoisonError::into_inner);
         }
-        Slot(shared)
+        Pass(self)
+    }
+
+    /// Callers through and not gone.
+    fn holders(&self) -> usize {
+        let (handed, gone) = *self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        usize::try_from(handed.min(gone + self.width) - gone).unwrap_or(usize::MAX)
     }
 }
 
-impl Drop for Slot<'_> {
+/// A caller's place through a [`Fifo`], until dropped.
+struct Pass<'a>(&'a Fifo);
+
+impl Drop for Pass<'_> {
     fn drop(&mut self) {
-        if let Ok(mut running) = self.0.running.lock() {
-            *running = running.saturating_sub(1);
+        self.0.state.lock().unwrap_or_else(PoisonError::into_inner).1 += 1;
+        self.0.turn.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::channel;
+    use std::time::{Duration, Instant};
+
+    use super::Fifo;
+
+    /// Waits (at most 30 s, however busy the machine) until `n` tickets are handed out.
+    fn until_handed(gate: &Fifo, n: u64) {
+        let start = Instant::now();
+        while gate.state.lock().map_or(0, |s| s.0) < n {
+            assert!(start.elapsed() < Duration::from_secs(30), "{n} callers never came");
+            std::thread::sleep(Duration::from_millis(1));
         }
-        self.0.slot_free.notify_one();
+    }
+
+    /// One holder at a time: callers that wait go through in the order they came, whichever
+    /// the system wakes first.
+    #[test]
+    fn callers_go_through_in_the_order_they_came() {
+        let gate = Fifo::new(1);
+        let (order, seen) = channel();
+        let first = gate.enter();
+        assert_eq!(gate.holders(), 1);
+        std::thread::scope(|scope| {
+            for (n, name) in ["second", "third", "fourth"].into_iter().enumerate() {
+                let (gate, order) = (&gate, order.clone());
+                scope.spawn(move || {
+                    let _pass = gate.enter();
+                    let _ = order.send(name);
+                });
+                until_handed(gate, n as u64 + 2);
+            }
+            assert_eq!(gate.holders(), 1, "the others wait");
+            drop(first);
+        });
+        drop(order);
+        assert_eq!(seen.iter().collect::<Vec<_>>(), ["second", "third", "fourth"]);
+        assert_eq!(gate.holders(), 0);
+    }
+
+    /// A batch of two: two callers hold it at once, a third waits for one of them.
+    #[test]
+    fn a_gate_of_two_lets_two_through() {
+        let gate = Fifo::new(2);
+        let (a, b) = (gate.enter(), gate.enter());
+        assert_eq!(gate.holders(), 2);
+        std::thread::scope(|scope| {
+            let third = scope.spawn(|| {
+                let _pass = gate.enter();
+                gate.holders()
+            });
+            until_handed(&gate, 3);
+            assert_eq!(gate.holders(), 2, "the third waits");
+            drop(b);
+            assert_eq!(third.join().ok(), Some(2), "it went through once one left");
+        });
+        drop(a);
+        assert_eq!(gate.holders(), 0);
     }
 }

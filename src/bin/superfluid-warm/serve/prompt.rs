@@ -278,6 +278,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             }
             let count = (ids.len() as f64 * of as f64 / bytes.max(1) as f64).round() as usize;
             let rendered = Rendered { count, took: started.elapsed(), at: Instant::now() };
+            turn.sent();
             if let Some(done) = done.take() {
                 let _ = done.send(Ok(Finished { rendered, answer, looked: Duration::ZERO, on_start: true }));
             }

@@ -7,15 +7,28 @@
 //! less text left, and waits for a core again with its own. The start of every render (its
 //! template, the pieces it finds kept and its first new piece) runs without a turn, so a short
 //! prompt never waits for one.
+//!
+//! Shortest first alone starves a long prompt while shorter ones keep coming, and its request
+//! waits with it (a 100k-word prompt routed on its start waited ~100 ms at the p99 of the
+//! conversation trace). So a render whose request has not gone waits at most [`HOLD`] from its
+//! arrival; past it, it goes first, oldest first. Once its request has gone
+//! ([`Turn::sent`]), what it has left is for the claim, and waits by its length alone.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+/// The longest a render whose request waits on it is kept behind shorter ones: about what a
+/// short prompt's render takes, so that the renders that came with a long prompt finish first.
+pub(crate) const HOLD: Duration = Duration::from_millis(10);
 
 /// The cores renders take in turns.
 pub(crate) struct Turns {
     /// Renders that may tokenize at once.
     cores: usize,
+    /// The longest a render whose request waits on it yields to shorter ones ([`HOLD`]).
+    hold: Duration,
     state: Mutex<State>,
     changed: Condvar,
     /// Numbers renders in arrival order (ties go to the first).
@@ -26,7 +39,8 @@ pub(crate) struct Turns {
 struct State {
     /// Renders holding a core.
     running: usize,
-    /// Renders waiting for one: (bytes left to tokenize, arrival), least first.
+    /// Renders waiting for one: (bytes left to tokenize, or 0 past the hold; arrival), least
+    /// first.
     waiting: BTreeSet<(usize, u64)>,
 }
 
@@ -34,18 +48,28 @@ struct State {
 pub(crate) struct Turn<'a> {
     turns: &'a Turns,
     arrival: u64,
+    /// When it arrived, while its request waits on it; `None` once the request has gone.
+    waited_on: Option<Instant>,
     holds: bool,
 }
 
 impl Turns {
-    /// Turns over `cores` cores (at least one).
-    pub(crate) fn new(cores: usize) -> Turns {
-        Turns { cores: cores.max(1), state: Mutex::default(), changed: Condvar::new(), arrivals: AtomicU64::new(0) }
+    /// Turns over `cores` cores (at least one), a render whose request waits on it yielding to
+    /// shorter ones for at most `hold`.
+    pub(crate) fn new(cores: usize, hold: Duration) -> Turns {
+        Turns {
+            cores: cores.max(1),
+            hold,
+            state: Mutex::default(),
+            changed: Condvar::new(),
+            arrivals: AtomicU64::new(0),
+        }
     }
 
     /// A render's place, holding no core yet.
     pub(crate) fn arrive(&self) -> Turn<'_> {
-        Turn { turns: self, arrival: self.arrivals.fetch_add(1, Relaxed), holds: false }
+        let arrival = self.arrivals.fetch_add(1, Relaxed);
+        Turn { turns: self, arrival, waited_on: Some(Instant::now()), holds: false }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -56,28 +80,52 @@ impl Turns {
 impl Turn<'_> {
     /// Before the render's next piece, with `left` bytes of text still to tokenize: keeps its
     /// core unless a render with less left waits; otherwise waits until it is the waiting render
-    /// with the least left and a core is free.
+    /// with the least left and a core is free. Past the hold from its arrival, while its request
+    /// waits on it, it counts as having none left.
     pub(crate) fn next_piece(&mut self, left: usize) {
         let turns = self.turns;
+        // When it stops yielding to shorter renders.
+        let due = self.waited_on.map(|arrived| arrived + turns.hold);
+        let key = |left: usize| if due.is_some_and(|due| Instant::now() >= due) { 0 } else { left };
         let mut state = turns.lock();
         if self.holds {
-            if state.waiting.first().is_none_or(|&(least, _)| least >= left) {
+            if state.waiting.first().is_none_or(|&(least, _)| least >= key(left)) {
                 return;
             }
             state.running = state.running.saturating_sub(1);
             self.holds = false;
             turns.changed.notify_all();
         }
-        let me = (left, self.arrival);
+        let mut me = (key(left), self.arrival);
         state.waiting.insert(me);
         while state.running >= turns.cores || state.waiting.first() != Some(&me) {
-            state = turns.changed.wait(state).unwrap_or_else(PoisonError::into_inner);
+            state = match due.map(|due| due.saturating_duration_since(Instant::now())) {
+                // Due: first among the waiting, after those due before it.
+                Some(Duration::ZERO) if me.0 != 0 => {
+                    state.waiting.remove(&me);
+                    me.0 = 0;
+                    state.waiting.insert(me);
+                    continue;
+                }
+                Some(wait) if me.0 != 0 => {
+                    turns.changed.wait_timeout(state, wait).unwrap_or_else(PoisonError::into_inner).0
+                }
+                _ => turns.changed.wait(state).unwrap_or_else(PoisonError::into_inner),
+            };
         }
         state.waiting.remove(&me);
         state.running += 1;
         self.holds = true;
         // The next waiting render may find a core free too.
         turns.changed.notify_all();
+    }
+}
+
+impl Turn<'_> {
+    /// Its request has gone (routed on its start): the rest is tokenized for the claim, and
+    /// waits by its length alone.
+    pub(crate) fn sent(&mut self) {
+        self.waited_on = None;
     }
 }
 
@@ -98,6 +146,9 @@ mod tests {
 
     use super::Turns;
 
+    /// A hold no test outlasts: shortest first alone.
+    const FOREVER: Duration = Duration::from_secs(3600);
+
     /// Waits (at most 30 s, however busy the machine) until `n` renders wait for a core.
     fn until_waiting(turns: &Turns, n: usize) {
         let start = Instant::now();
@@ -111,7 +162,7 @@ mod tests {
     /// first, then the long one continues; a render with more left waits for both.
     #[test]
     fn a_render_with_less_left_takes_the_core_at_the_next_piece() {
-        let turns = Turns::new(1);
+        let turns = Turns::new(1, FOREVER);
         let (order, done) = channel();
         let mut long = turns.arrive();
         long.next_piece(100_000);
@@ -148,7 +199,7 @@ mod tests {
     /// Two cores: two renders hold them at once, a third waits for the first to finish.
     #[test]
     fn renders_hold_at_most_the_cores() {
-        let turns = Turns::new(2);
+        let turns = Turns::new(2, FOREVER);
         let (mut a, mut b) = (turns.arrive(), turns.arrive());
         a.next_piece(10);
         b.next_piece(10);
@@ -166,5 +217,48 @@ mod tests {
         });
         drop(b);
         assert_eq!(turns.lock().running, 0);
+    }
+
+    /// One core, held: a long render whose request waits on it yields to a shorter one that
+    /// came later only until its hold is over; a long render whose request has gone (its rest
+    /// tokenized for the claim) yields to it however long it waited.
+    #[test]
+    fn a_render_whose_request_waits_goes_first_once_held_past_the_hold() {
+        for (request_gone, expected) in [(false, ["long", "short"]), (true, ["short", "long"])] {
+            let turns = Turns::new(1, Duration::from_millis(1));
+            let (order, done) = channel();
+            let mut holder = turns.arrive();
+            holder.next_piece(10);
+            std::thread::scope(|scope| {
+                let (turns_ref, long_order) = (&turns, order.clone());
+                scope.spawn(move || {
+                    let mut long = turns_ref.arrive();
+                    if request_gone {
+                        long.sent();
+                    }
+                    long.next_piece(100_000);
+                    let _ = long_order.send("long");
+                });
+                until_waiting(&turns, 1);
+                // Past its hold, and seen to be (it waits as having nothing left).
+                let start = Instant::now();
+                while !request_gone && turns.lock().waiting.first().is_none_or(|&(left, _)| left != 0) {
+                    assert!(start.elapsed() < Duration::from_secs(30), "the long render never came due");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let (turns_ref, short_order) = (&turns, order.clone());
+                scope.spawn(move || {
+                    let mut short = turns_ref.arrive();
+                    short.sent();
+                    short.next_piece(1_000);
+                    let _ = short_order.send("short");
+                });
+                until_waiting(&turns, 2);
+                drop(holder);
+            });
+            drop(order);
+            assert_eq!(done.iter().collect::<Vec<_>>(), expected, "request gone: {request_gone}");
+            assert_eq!(turns.lock().running, 0);
+        }
     }
 }

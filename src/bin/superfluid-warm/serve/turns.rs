@@ -78,6 +78,12 @@ impl Turns {
 }
 
 impl Turn<'_> {
+    /// Its request has gone (routed on its start): the rest is tokenized for the claim, and
+    /// waits by its length alone.
+    pub(crate) fn sent(&mut self) {
+        self.waited_on = None;
+    }
+
     /// Before the render's next piece, with `left` bytes of text still to tokenize: keeps its
     /// core unless a render with less left waits; otherwise waits until it is the waiting render
     /// with the least left and a core is free. Past the hold from its arrival, while its request
@@ -86,17 +92,17 @@ impl Turn<'_> {
         let turns = self.turns;
         // When it stops yielding to shorter renders.
         let due = self.waited_on.map(|arrived| arrived + turns.hold);
-        let key = |left: usize| if due.is_some_and(|due| Instant::now() >= due) { 0 } else { left };
+        let key = if due.is_some_and(|due| Instant::now() >= due) { 0 } else { left };
         let mut state = turns.lock();
         if self.holds {
-            if state.waiting.first().is_none_or(|&(least, _)| least >= key(left)) {
+            if state.waiting.first().is_none_or(|&(least, _)| least >= key) {
                 return;
             }
             state.running = state.running.saturating_sub(1);
             self.holds = false;
             turns.changed.notify_all();
         }
-        let mut me = (key(left), self.arrival);
+        let mut me = (key, self.arrival);
         state.waiting.insert(me);
         while state.running >= turns.cores || state.waiting.first() != Some(&me) {
             state = match due.map(|due| due.saturating_duration_since(Instant::now())) {
@@ -118,14 +124,6 @@ impl Turn<'_> {
         self.holds = true;
         // The next waiting render may find a core free too.
         turns.changed.notify_all();
-    }
-}
-
-impl Turn<'_> {
-    /// Its request has gone (routed on its start): the rest is tokenized for the claim, and
-    /// waits by its length alone.
-    pub(crate) fn sent(&mut self) {
-        self.waited_on = None;
     }
 }
 

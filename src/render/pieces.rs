@@ -19,8 +19,9 @@
 //!
 //! Pieces end at the first cut at or after every [`STRIDE`] bytes, so two texts with a common
 //! start cut it alike. A piece is kept under the chained BLAKE3 hash of the text up to its end
-//! (the previous piece's key and its bytes), as prompt blocks are, and the oldest pieces go
-//! past [`KEPT_IDS`] ids.
+//! (the previous piece's key and its bytes), as prompt blocks are, and the pieces used least
+//! recently go past [`KEPT_IDS`] ids: a conversation whose history comes back every turn keeps
+//! it, however many new prompts came between its turns.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -52,12 +53,20 @@ pub(crate) struct Pieces {
     reused: AtomicU64,
 }
 
-/// The kept pieces: each piece's ids by the key of the text up to its end; the oldest first out.
-#[derive(Default)]
+/// The kept pieces: each piece's ids by the key of the text up to its end, the least recently
+/// used first out.
 struct Kept {
-    ids: HashMap<[u8; 32], Arc<[u32]>>,
-    order: VecDeque<[u8; 32]>,
+    /// Each piece's ids, and the stamp of its last use.
+    ids: HashMap<[u8; 32], (Arc<[u32]>, u64)>,
+    /// Keys with the stamp each had then, oldest first; one whose piece has a later stamp since
+    /// (used again) or is gone is passed over.
+    order: VecDeque<([u8; 32], u64)>,
+    /// Ids the pieces hold together.
     held: usize,
+    /// The last stamp given.
+    stamp: u64,
+    /// At most this many ids held.
+    limit: usize,
 }
 
 impl Pieces {
@@ -73,7 +82,7 @@ impl Pieces {
         if !cuttable {
             return None;
         }
-        Some(Pieces { around: around(tokenizer), kept: Mutex::new(Kept::default()), reused: AtomicU64::new(0) })
+        Some(Pieces { around: around(tokenizer), kept: Mutex::new(Kept::new(KEPT_IDS)), reused: AtomicU64::new(0) })
     }
 
     /// `text`'s ids as `tokenizer.encode_fast(text, add_special_tokens)` gives them.
@@ -110,10 +119,10 @@ impl Pieces {
             start = end;
         }
         let mut found = 0;
-        if let Ok(kept) = self.kept.lock() {
+        if let Ok(mut kept) = self.kept.lock() {
             for (key, _, _) in &pieces {
-                let Some(ids) = kept.ids.get(key) else { break };
-                out.extend_from_slice(ids);
+                let Some(ids) = kept.used(key) else { break };
+                out.extend_from_slice(&ids);
                 found += 1;
             }
         }
@@ -144,19 +153,49 @@ impl Pieces {
 }
 
 impl Kept {
+    fn new(limit: usize) -> Kept {
+        Kept { ids: HashMap::new(), order: VecDeque::new(), held: 0, stamp: 0, limit }
+    }
+
+    /// Piece `key`'s ids, if kept, now its most recently used.
+    fn used(&mut self, key: &[u8; 32]) -> Option<Arc<[u32]>> {
+        self.stamp += 1;
+        let (ids, stamp) = self.ids.get_mut(key)?;
+        *stamp = self.stamp;
+        let ids = Arc::clone(ids);
+        self.order.push_back((*key, self.stamp));
+        self.compact();
+        Some(ids)
+    }
+
+    /// Keeps `pieces` as the most recently used, then lets the least recently used go past the
+    /// limit.
     fn keep(&mut self, pieces: Vec<([u8; 32], Arc<[u32]>)>) {
         for (key, ids) in pieces {
+            self.stamp += 1;
             let n = ids.len();
-            if self.ids.insert(key, ids).is_none() {
-                self.order.push_back(key);
-                self.held += n;
+            if let Some((before, _)) = self.ids.insert(key, (ids, self.stamp)) {
+                self.held -= before.len();
             }
+            self.held += n;
+            self.order.push_back((key, self.stamp));
         }
-        while self.held > KEPT_IDS {
-            let Some(oldest) = self.order.pop_front() else { break };
-            if let Some(ids) = self.ids.remove(&oldest) {
+        while self.held > self.limit {
+            let Some((key, stamp)) = self.order.pop_front() else { break };
+            if self.ids.get(&key).is_some_and(|(_, last)| *last == stamp)
+                && let Some((ids, _)) = self.ids.remove(&key)
+            {
                 self.held -= ids.len();
             }
+        }
+        self.compact();
+    }
+
+    /// Drops the passed-over keys once they outnumber the pieces (each use adds one).
+    fn compact(&mut self) {
+        if self.order.len() > 2 * self.ids.len() + 64 {
+            let ids = &self.ids;
+            self.order.retain(|(key, stamp)| ids.get(key).is_some_and(|(_, last)| last == stamp));
         }
     }
 }
@@ -466,5 +505,31 @@ mod tests {
             assert!(Pieces::new(&tokenizer(config), config).is_none(), "case {i} is encoded whole");
         }
         assert!(Pieces::new(&tokenizer(&base), &base).is_some());
+    }
+
+    fn piece(n: u8, len: usize) -> ([u8; 32], Arc<[u32]>) {
+        ([n; 32], vec![u32::from(n); len].into())
+    }
+
+    /// Past the limit, the piece used least recently goes, not the oldest kept: a history that
+    /// comes back every turn stays, however many new pieces came between.
+    #[test]
+    fn the_pieces_used_least_recently_go_first() {
+        let mut kept = Kept::new(30);
+        kept.keep(vec![piece(1, 10), piece(2, 10), piece(3, 10)]);
+        assert_eq!(kept.used(&[1; 32]).as_deref(), Some(&[1u32; 10][..]), "kept");
+        kept.keep(vec![piece(4, 10)]);
+        assert!(kept.used(&[2; 32]).is_none(), "the least recently used went");
+        for n in [3, 4, 1] {
+            assert!(kept.used(&[n; 32]).is_some(), "piece {n} stays");
+        }
+        assert_eq!(kept.held, 30);
+        // Many uses and pieces later, the keys passed over are dropped and the count holds.
+        for round in 0..200u8 {
+            kept.keep(vec![piece(5 + round % 50, 10)]);
+            assert!(kept.used(&[1; 32]).is_some(), "used every round, it stays");
+        }
+        assert_eq!(kept.held, 30);
+        assert!(kept.order.len() <= 2 * kept.ids.len() + 64, "{} keys for {} pieces", kept.order.len(), kept.ids.len());
     }
 }

@@ -4,9 +4,9 @@
 //!
 //! - **Engines**: `--engines` simulated vLLM engines (`harness::openai_engine`): 16-token blocks,
 //!   an LRU of `--capacity` blocks, KV events over ZMQ with a replay endpoint, `cached_tokens`
-//!   in usage, and a time model (a batch limit that queues; prefill a constant plus a time per
-//!   uncached token; a time per output token), so the time to first token depends on the
-//!   routing.
+//!   in usage, and a time model (a batch limit that queues; prefills one at a time, a constant
+//!   plus a time per uncached token; both in arrival order; a time per output token), so the
+//!   time to first token depends on the routing.
 //! - **Workloads** (`--workloads`): `conversation`, the conversation trace's first
 //!   `--requests` requests at their own arrival times, sped up `--speedup` times; prompts are
 //!   text in a word-level vocabulary that the engines' `tokenizer.json` (written here) turns

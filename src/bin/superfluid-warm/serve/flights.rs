@@ -52,8 +52,7 @@ impl Flights {
         }
         self.decoding += 1;
         if at == 0 && uncached >= TEACHING_TOKENS {
-            let started = self.last_first.map_or(sent, |last| last.max(sent));
-            let took = now.saturating_duration_since(started).as_secs_f64();
+            let took = now.saturating_duration_since(self.started(sent)).as_secs_f64();
             if took > 0.0 {
                 let sample = uncached as f64 / took;
                 self.rate = Some(self.rate.map_or(sample, |r| r + RATE_WEIGHT * (sample - r)));
@@ -74,13 +73,18 @@ impl Flights {
         Load::new(waiting.saturating_add(self.decoding), self.ahead(now), self.decoding)
     }
 
+    /// When the engine started on the oldest request, sent at `sent`: then, or at the last
+    /// first token if that came later.
+    fn started(&self, sent: Instant) -> Instant {
+        self.last_first.map_or(sent, |last| last.max(sent))
+    }
+
     /// The uncached prompt tokens still to prefill at `now`: all of them, less the estimated
     /// progress on the oldest.
     fn ahead(&self, now: Instant) -> u64 {
         let tokens: u64 = self.waiting.iter().map(|w| w.2).sum();
         let (Some(rate), Some(&(_, sent, uncached))) = (self.rate, self.waiting.front()) else { return tokens };
-        let started = self.last_first.map_or(sent, |last| last.max(sent));
-        let done = (rate * now.saturating_duration_since(started).as_secs_f64()) as u64;
+        let done = (rate * now.saturating_duration_since(self.started(sent)).as_secs_f64()) as u64;
         tokens.saturating_sub(done.min(uncached))
     }
 }

@@ -665,3 +665,43 @@ fn a_long_cold_prompt_is_routed_on_its_start_and_claimed_whole() {
         cached(&answer)
     );
 }
+
+#[test]
+fn a_next_turn_is_routed_once_its_new_text_passes_what_its_engine_holds() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    let engines = [engine(true), engine(true)];
+    let specs: Vec<String> = engines.iter().enumerate().map(|(i, e)| format!("e{i}={}", e.url())).collect();
+    let serve = Serve::start_with(&path, &specs, &["--tokenizer", &chatml().display().to_string()]);
+    let renderer = superfluid_warm::Renderer::open(chatml()).expect("the tokenizer");
+    let history = message(11, 2000);
+    let held = renderer.completion(&history, true).expect("tokens").len();
+    let (status, headers, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": history, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    let first = headers["x-superfluid-warm-engine"].clone();
+    // Its next turn: the history and as many words again, less than twice the history's
+    // tokens. Its start is looked up as its pieces come (the history's found kept); once the
+    // new text is two blocks past what the engine holds, the answer is settled.
+    let turn = format!("{history} {}", message(12, 1500));
+    let whole = renderer.completion(&turn, true).expect("tokens").len();
+    assert!(whole < 2 * held && whole > held + 1024, "{held} then {whole} tokens");
+    let want = (held - 1) / 64 * 64;
+    // (Asked with the history alone: the turn's new text is not tokenized before it is sent.)
+    serve.until(Duration::from_secs(10), "the history claimed", |s| {
+        let (status, _, r) = s.post("/v1/route", &json!({"model": MODEL, "prompt": history}));
+        assert_eq!(status, 200, "{r}");
+        r["engines"].as_array().into_iter().flatten().any(|e| e["warm_tokens"].as_u64() >= Some(want as u64))
+    });
+    let (status, headers, answer) =
+        serve.post("/v1/completions", &json!({"model": MODEL, "prompt": turn, "max_tokens": 2}));
+    assert_eq!(status, 200, "{answer}");
+    assert!(headers["server-timing"].contains("desc=\"start\""), "routed on its whole: {}", headers["server-timing"]);
+    assert_eq!(headers["x-superfluid-warm-engine"], first);
+    let predicted: u64 = headers["x-superfluid-warm-predicted"].parse().expect("a number");
+    assert!(
+        predicted >= want as u64 && predicted.abs_diff(cached(&answer)) <= 64,
+        "predicted {predicted}, delivered {}",
+        cached(&answer)
+    );
+}

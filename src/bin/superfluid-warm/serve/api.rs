@@ -227,8 +227,10 @@ async fn proxy(
     let body = if strip_usage { with_usage(&bytes, &request) } else { bytes.clone() };
     // What the decision took, for the client and an operator (`server-timing`, milliseconds).
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    // Routed on its start: the tokenizing is of the start, and says so.
+    let start = if warmth.rest.is_some() { ";desc=\"start\"" } else { "" };
     let timing = match warmth.tokenize {
-        Some(t) => format!("tokenize;dur={:.3}, index;dur={:.3}", ms(t), ms(warmth.lookup)),
+        Some(t) => format!("tokenize;dur={:.3}{start}, index;dur={:.3}", ms(t), ms(warmth.lookup)),
         None => format!("index;dur={:.3}", ms(warmth.lookup)),
     };
     // The whole decision, from the body read to the choice (its first try).

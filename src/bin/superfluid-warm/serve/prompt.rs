@@ -237,7 +237,8 @@ const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 ///
 /// With `early` (a request the head proxies), a long prompt is routed on its start: as its
 /// pieces are tokenized, the index is asked about the tokens so far (from [`FIRST_LOOK`] tokens
-/// on, each time twice as many), and once that answer settles (`Prefix::settles`) it is the answer; the
+/// on; then two blocks on, four, eight: a next turn settles two blocks past the history its
+/// engine holds), and once that answer settles (`Prefix::settles`) it is the answer; the
 /// count is then estimated from the bytes, and the rest's prefix comes after, to be claimed
 /// (`Lookup::Rendered`'s second field).
 pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>, early: bool) -> Tokens {
@@ -264,14 +265,20 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         // Taken by whichever is sent first: an answer for the prompt's start, or the one for
         // the whole prompt.
         let mut done = Some(done);
-        let mut next = FIRST_LOOK;
+        let (mut next, mut stride) = (FIRST_LOOK, SETTLE_TOKENS);
         let mut turn = h.turns.arrive();
         let mut step = |ids: &[u32], bytes: usize, of: usize| {
             turn.next_piece(of.saturating_sub(bytes));
             if !early || ids.len() < next || done.is_none() {
                 return;
             }
-            next = ids.len() * 2;
+            // An engine's warm prefix reaches within two blocks of the tokens so far: the answer
+            // may settle as soon as two more blocks are tokenized (a conversation's next turn,
+            // past the history its engine holds); each look that does not settle waits twice as
+            // long for the next, so a prompt held to its end is looked up a few times, not at
+            // every piece.
+            next = ids.len() + stride;
+            stride *= 2;
             let (answer, _) = h.lookup_here(ids);
             if !answer.1.as_ref().is_ok_and(|hits| answer.0.settles(hits)) {
                 return;
@@ -361,6 +368,10 @@ struct Finished {
 /// the answer (`tokens`'s `early`): a few pieces in, and a lookup of its tokens costs ~1% of
 /// tokenizing them.
 const FIRST_LOOK: usize = 1024;
+
+/// Tokens past a look that did not settle the answer before the next: the two blocks by which
+/// a warm prefix must end before the tokens so far for the answer to settle.
+const SETTLE_TOKENS: usize = 2 * superfluid_warm::BLOCK_TOKENS;
 
 /// Whether a field is there and not null.
 fn set(field: Option<&RawValue>) -> bool {

@@ -32,8 +32,9 @@ use serde_json::Value;
 /// Bytes of text between the cuts (a cut is the first allowed place at or after each multiple).
 pub(crate) const STRIDE: usize = 1024;
 
-/// The ids the kept pieces may hold together (16 MiB of ids).
-pub(crate) const KEPT_IDS: usize = 1 << 22;
+/// The ids the kept pieces may hold together (128 MiB of ids: on the conversation trace a
+/// history comes back 30-100 s after its last turn, after ~8M ids of other text at its pace).
+pub(crate) const KEPT_IDS: usize = 1 << 25;
 
 /// The pre-tokenizer splits kept, as `tokenizer.json` writes them: Llama 3's (and OpenAI's
 /// cl100k), Qwen 2's, and GPT-4o's (o200k).

@@ -27,6 +27,11 @@ pub struct Costs {
     /// 1, a conversation stays with its warm engine through a longer queue, which keeps its
     /// next turns warm too).
     pub queue_weight: f64,
+    /// Queued work past this many tokens weighs fully, whatever [`Costs::queue_weight`]: a
+    /// conversation stays with its warm engine through a short queue, not through a long
+    /// prefill that would hold its first token for longer than prefilling it elsewhere takes.
+    /// `u64::MAX`: the weight throughout.
+    pub queue_knee: u64,
     /// The balance guard: an engine with more than this many requests in flight beyond the
     /// least busy engine's, and more than [`Costs::balance_ratio`] times its count, is not
     /// chosen however warm (a burst that shares a new prefix is not piled onto the first engine
@@ -41,15 +46,17 @@ impl Default for Costs {
     /// tokens (a step of 64 streams costs about what a 4k-token prefill chunk does); queued work
     /// weighed 0.03 against warm tokens, so that a conversation stays with the engine that holds
     /// it (a turn sent elsewhere copies its history into a second cache, and the evictions that
-    /// makes cost later turns more than the queue costs this one); and the balance guard
-    /// at 8 requests and twice the least busy engine's, which keeps that weight from piling a
-    /// burst onto one engine (measured in `docs/bench-report.md`).
+    /// makes cost later turns more than the queue costs this one), throughout (no knee: bounding
+    /// the wait moved the conversation trace's slowest warm turns, and their warm tokens with
+    /// them); and the balance guard at 8 requests and twice the least busy engine's, which keeps
+    /// that weight from piling a burst onto one engine (measured in `docs/bench-report.md`).
     fn default() -> Costs {
         Costs {
             cpu_credit: 0.8,
             storage_credit: 0.3,
             decode_tokens: 64.0,
             queue_weight: 0.03,
+            queue_knee: u64::MAX,
             balance_in_flight: 8,
             balance_ratio: 2.0,
         }
@@ -136,7 +143,8 @@ fn price(prompt_tokens: usize, c: &Candidate<'_>, costs: &Costs) -> Priced {
     let credited = c.gpu_tokens.min(warm_tokens) as f64 + slow as f64 * credit;
     let own = (prompt_tokens as f64 - credited).max(0.0);
     let queued = c.load.prefill_tokens as f64 + costs.decode_tokens * f64::from(c.load.decoding);
-    let cost = costs.queue_weight * queued + own;
+    let knee = costs.queue_knee as f64;
+    let cost = costs.queue_weight * queued.min(knee) + (queued - knee).max(0.0) + own;
     Priced { warm_tokens, credited, cost }
 }
 
@@ -186,6 +194,21 @@ mod tests {
         // No guard: the warm engine however busy.
         let unguarded = Costs { balance_in_flight: u32::MAX, ..Costs::default() };
         assert_eq!(choose(5000, &[warm(40), cold(0)], &unguarded, 0).map(|c| c.0), Some(0));
+    }
+
+    #[test]
+    fn queued_work_past_the_knee_weighs_fully() {
+        let costs = Costs { queue_knee: 10_000, balance_in_flight: u32::MAX, ..Costs::default() };
+        let warm = |queued| Candidate::new("a", Load::new(1, queued, 0)).holding(4096, 4096, Medium::Gpu);
+        let cold = Candidate::new("b", Load::default());
+        // Within the knee, weighed 0.03: 9,000 queued cost 270, and the warm engine wins.
+        let (i, priced) = choose(5000, &[warm(9000), cold.clone()], &costs, 0).expect("two candidates");
+        assert_eq!((i, priced.first().map(|p| p.cost)), (0, Some(0.03 * 9000.0 + 904.0)));
+        // 15,000 queued: 300 for the first 10,000, then 5,000 in full; the cold engine (5,000) wins.
+        let (i, priced) = choose(5000, &[warm(15_000), cold.clone()], &costs, 0).expect("two candidates");
+        assert_eq!((i, priced.first().map(|p| p.cost)), (1, Some(300.0 + 5000.0 + 904.0)));
+        // Without the knee, the same queue keeps the request warm.
+        assert_eq!(choose(5000, &[warm(15_000), cold], &Costs::default(), 0).map(|c| c.0), Some(0));
     }
 
     #[test]

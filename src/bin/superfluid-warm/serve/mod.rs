@@ -86,6 +86,11 @@ pub(crate) struct ServeArgs {
     /// through longer queues, and their caches whole).
     #[arg(long, default_value_t = Costs::default().queue_weight)]
     queue_weight: f64,
+    /// Queued work past this many tokens weighs fully, whatever --queue-weight: a request
+    /// waits for its warm engine through a short queue, not through a long prefill (0, the
+    /// default: the weight throughout).
+    #[arg(long, default_value_t = 0)]
+    queue_knee: u64,
     /// The balance guard: an engine with more than this many requests in flight beyond the
     /// least busy engine's (and more than --balance-ratio times its count) is not chosen,
     /// however warm. 0 turns the guard off.
@@ -242,6 +247,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
     let mut costs = Costs::default();
     costs.decode_tokens = args.decode_cost;
     costs.queue_weight = args.queue_weight;
+    costs.queue_knee = if args.queue_knee == 0 { u64::MAX } else { args.queue_knee };
     costs.balance_in_flight = if args.balance_in_flight == 0 { u32::MAX } else { args.balance_in_flight };
     costs.balance_ratio = args.balance_ratio;
     let tally = RouteTally::new(&names);

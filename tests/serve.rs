@@ -687,17 +687,18 @@ fn a_next_turn_is_routed_once_its_new_text_passes_what_its_engine_holds() {
     let whole = renderer.completion(&turn, true).expect("tokens").len();
     assert!(whole < 2 * held && whole > held + 1024, "{held} then {whole} tokens");
     let want = (held - 1) / 64 * 64;
-    // (Asked with the history alone: the turn's new text is not tokenized before it is sent.)
+    // (Asked with the history alone: the turn's new text is not tokenized before it is sent.
+    // Each ask claims the history too, for the engine it picks: either may hold it then.)
     serve.until(Duration::from_secs(10), "the history claimed", |s| {
         let (status, _, r) = s.post("/v1/route", &json!({"model": MODEL, "prompt": history}));
         assert_eq!(status, 200, "{r}");
-        r["engines"].as_array().into_iter().flatten().any(|e| e["warm_tokens"].as_u64() >= Some(want as u64))
+        let warm = |e: &Value| e["engine"] == first.as_str() && e["warm_tokens"].as_u64() >= Some(want as u64);
+        r["engines"].as_array().into_iter().flatten().any(warm)
     });
     let (status, headers, answer) =
         serve.post("/v1/completions", &json!({"model": MODEL, "prompt": turn, "max_tokens": 2}));
     assert_eq!(status, 200, "{answer}");
     assert!(headers["server-timing"].contains("desc=\"start\""), "routed on its whole: {}", headers["server-timing"]);
-    assert_eq!(headers["x-superfluid-warm-engine"], first);
     let predicted: u64 = headers["x-superfluid-warm-predicted"].parse().expect("a number");
     assert!(
         predicted >= want as u64 && predicted.abs_diff(cached(&answer)) <= 64,

@@ -44,6 +44,14 @@ impl Serve {
         Serve::start_with(path, &specs, extra)
     }
 
+    /// `serve` in front of `engines` without their events, rendering with the ChatML model: what
+    /// it knows of the engines is its own claims.
+    fn on_claims(path: &Path, engines: &[&OpenAiEngine], extra: &[&str]) -> Serve {
+        let specs: Vec<String> = engines.iter().enumerate().map(|(i, e)| format!("e{i}={}", e.url())).collect();
+        let chatml = chatml().display().to_string();
+        Serve::start_with(path, &specs, &[&["--tokenizer", chatml.as_str()], extra].concat())
+    }
+
     /// `serve` with these `--engine` specs.
     fn start_with(path: &Path, specs: &[String], extra: &[&str]) -> Serve {
         let mut args: Vec<String> =
@@ -621,9 +629,7 @@ fn a_long_cold_prompt_is_routed_on_its_start_and_claimed_whole() {
     let dir = common::tempdir();
     let path = common::db_path(&dir);
     let engines = [engine(true), engine(true)];
-    // No events: what the head knows of the engines is its own claims.
-    let specs: Vec<String> = engines.iter().enumerate().map(|(i, e)| format!("e{i}={}", e.url())).collect();
-    let serve = Serve::start_with(&path, &specs, &["--tokenizer", &chatml().display().to_string(), "--route-on-start"]);
+    let serve = Serve::on_claims(&path, &[&engines[0], &engines[1]], &["--route-on-start"]);
     let renderer = superfluid_warm::Renderer::open(chatml()).expect("the tokenizer");
     // Long enough for many pieces; cold everywhere, so its start settles the answer.
     let prompt = message(7, 3000);
@@ -671,8 +677,7 @@ fn a_next_turn_is_routed_once_its_new_text_passes_what_its_engine_holds() {
     let dir = common::tempdir();
     let path = common::db_path(&dir);
     let engines = [engine(true), engine(true)];
-    let specs: Vec<String> = engines.iter().enumerate().map(|(i, e)| format!("e{i}={}", e.url())).collect();
-    let serve = Serve::start_with(&path, &specs, &["--tokenizer", &chatml().display().to_string()]);
+    let serve = Serve::on_claims(&path, &[&engines[0], &engines[1]], &[]);
     let renderer = superfluid_warm::Renderer::open(chatml()).expect("the tokenizer");
     let history = message(11, 2000);
     let held = renderer.completion(&history, true).expect("tokens").len();

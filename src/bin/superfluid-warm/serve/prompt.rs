@@ -278,7 +278,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             // long for the next, so a prompt held to its end is looked up a few times, not at
             // every piece.
             next = ids.len() + stride;
-            stride *= 2;
+            stride = stride.saturating_mul(2);
             let (answer, _) = h.lookup_here(ids);
             if !answer.1.as_ref().is_ok_and(|hits| answer.0.settles(hits)) {
                 return;

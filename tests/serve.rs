@@ -673,6 +673,43 @@ fn a_long_cold_prompt_is_routed_on_its_start_and_claimed_whole() {
 }
 
 #[test]
+fn a_prompt_routed_on_its_start_counts_its_true_length_on_its_engine_once_tokenized() {
+    let dir = common::tempdir();
+    let path = common::db_path(&dir);
+    // Engines whose prefill takes seconds: the request waits for its first token meanwhile.
+    let slow = || {
+        let mut config = EngineConfig::instant(MODEL, Some(chatml()), 65_536);
+        config.prefill_base = Duration::from_secs(4);
+        OpenAiEngine::start(config).expect("engine")
+    };
+    let engines = [slow(), slow()];
+    let serve = Serve::on_claims(&path, &[&engines[0], &engines[1]], &["--route-on-start"]);
+    let renderer = superfluid_warm::Renderer::open(chatml()).expect("the tokenizer");
+    // Words of growing length: the start's tokens a byte are not the whole's, so the count the
+    // head routed on (from the start's bytes) is not the prompt's.
+    let prompt: String = (0..4000).map(|w| format!("w{}", "x".repeat(w / 400))).collect::<Vec<_>>().join(" ");
+    let whole = renderer.completion(&prompt, true).expect("tokens").len();
+    std::thread::scope(|scope| {
+        let (addr, body) = (serve.addr, json!({"model": MODEL, "prompt": prompt, "max_tokens": 2}).to_string());
+        let sent = scope.spawn(move || {
+            let (status, headers, answer) = http(addr, "POST", "/v1/completions", &body);
+            let answer: Value = serde_json::from_str(&answer).expect("JSON");
+            assert_eq!(status, 200, "{answer}");
+            assert!(headers["server-timing"].contains("desc=\"start\""), "routed on its whole: {headers:?}");
+            assert_eq!(answer["usage"]["prompt_tokens"], whole, "{answer}");
+        });
+        // Before its first token, the engine it went to counts the whole prompt's prefill ahead.
+        serve.until(Duration::from_secs(3), "the true length counted", |s| {
+            let (_, _, health) = s.call("GET", "/health", &Value::Null);
+            let health: Value = serde_json::from_str(&health).expect("JSON");
+            let engines = health["engines"].as_array().cloned().unwrap_or_default();
+            engines.iter().any(|e| e["in_flight"] == 1 && e["prefill_tokens"] == whole)
+        });
+        sent.join().expect("the request");
+    });
+}
+
+#[test]
 fn a_next_turn_is_routed_once_its_new_text_passes_what_its_engine_holds() {
     let dir = common::tempdir();
     let path = common::db_path(&dir);

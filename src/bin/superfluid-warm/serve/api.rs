@@ -243,18 +243,19 @@ async fn proxy(
         let Some((engine, priced)) = pick(head, &warmth, &tried) else { break };
         tried.push(engine);
         let predicted = priced.iter().find(|(i, _)| *i == engine).map_or(0, |(_, p)| p.warm_tokens as u64);
-        // Routed on the prompt's start: the whole prompt is claimed for the first engine tried
-        // once the rest is tokenized.
+        head.tally.sent(engine, unrendered.is_none());
+        let mut flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
+        // Routed on the prompt's start: once the rest is tokenized, the whole prompt is claimed
+        // for the first engine tried, and its prefill counted there at its true length.
         if let Some(rest) = warmth.rest.take() {
-            let h = Arc::clone(head);
+            let (h, resize) = (Arc::clone(head), flight.resizer());
             drop(tokio::spawn(async move {
-                if let Ok(prefix) = rest.await {
+                if let Ok((prefix, tokens)) = rest.await {
+                    resize(&h, tokens as u64);
                     h.claim(prefix, engine);
                 }
             }));
         }
-        head.tally.sent(engine, unrendered.is_none());
-        let mut flight = Flight::start(head, engine, warmth.tokens as u64, predicted);
         flight.claim = warmth.prefix.clone();
         match forward(flight, method.clone(), path, headers, body.clone(), strip_usage, &timing).await {
             Ok(response) => return response,

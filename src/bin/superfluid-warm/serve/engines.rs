@@ -147,6 +147,17 @@ impl Flight {
         self.head.engines.get(self.engine)
     }
 
+    /// Sets the request's prompt, counted on its engine, to its true length once known (it was
+    /// routed on an estimate): its prefill still ahead is that, less the predicted warm tokens.
+    pub(crate) fn resizer(&self) -> impl FnOnce(&Head, u64) + Send + 'static {
+        let (engine, serial, predicted) = (self.engine, self.serial, self.predicted);
+        move |head, prompt| {
+            if let Some(e) = head.engines.get(engine) {
+                e.flights(|f| f.resize(serial, prompt.saturating_sub(predicted)));
+            }
+        }
+    }
+
     /// Its first token came back: its prefill is done, it decodes.
     pub(crate) fn first_token(&mut self) {
         if self.decoding || self.ended {

@@ -61,6 +61,14 @@ impl Flights {
         self.last_first = Some(now);
     }
 
+    /// The request's uncached prompt tokens are `uncached` (its length was estimated when it
+    /// was sent); nothing once its first token came.
+    pub(crate) fn resize(&mut self, serial: u64, uncached: u64) {
+        if let Some(w) = self.waiting.iter_mut().find(|w| w.0 == serial) {
+            w.2 = uncached;
+        }
+    }
+
     /// A request that was decoding ended.
     pub(crate) fn ended_decoding(&mut self) {
         self.decoding = self.decoding.saturating_sub(1);
@@ -124,6 +132,21 @@ mod tests {
         p.done(4, us(1_250_000), true);
         p.sent(5, 90_000, us(1_250_000));
         assert_eq!(p.ahead(us(1_375_000)), 81_250);
+    }
+
+    #[test]
+    fn a_request_sent_on_an_estimate_counts_its_true_length_once_known() {
+        let t0 = Instant::now();
+        let mut p = Flights::default();
+        p.sent(1, 9_000, t0);
+        p.sent(2, 500, t0);
+        p.resize(1, 9_870);
+        assert_eq!(p.load(t0), Load::new(2, 10_370, 0));
+        // Past its first token it is no longer ahead of anything, and stays so.
+        p.done(1, t0, true);
+        p.resize(1, 20_000);
+        p.resize(7, 1_000);
+        assert_eq!(p.load(t0), Load::new(2, 500, 1));
     }
 
     #[test]

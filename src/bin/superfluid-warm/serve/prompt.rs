@@ -302,7 +302,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         drop(turn);
         match (ids, done) {
             // Routed on its start: the whole prefix, to be claimed.
-            (Ok(ids), None) => drop(rest_sender.send(h.index.read().prefix(&h.namespace, &ids))),
+            (Ok(ids), None) => drop(rest_sender.send((h.index.read().prefix(&h.namespace, &ids), ids.len()))),
             (Ok(ids), Some(done)) => {
                 let rendered = Rendered { count: ids.len(), took: started.elapsed(), at: Instant::now() };
                 let _ = noted.set(rendered);

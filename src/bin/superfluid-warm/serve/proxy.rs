@@ -33,9 +33,9 @@ pub(crate) struct Warmth {
     pub(crate) prefix: Option<Prefix>,
     pub(crate) hits: Vec<Hit>,
     pub(crate) tokens: usize,
-    /// The whole prompt's prefix, to come, when `prefix` is its start's (the prompt was routed
-    /// on its start; `tokens` is then estimated).
-    pub(crate) rest: Option<tokio::sync::oneshot::Receiver<Prefix>>,
+    /// The whole prompt, to come, when `prefix` is its start's (the prompt was routed on its
+    /// start; `tokens` is then estimated).
+    pub(crate) rest: Option<Rest>,
     /// How long rendering the prompt into tokens took (`None`: given as ids, or not rendered).
     pub(crate) tokenize: Option<Duration>,
     /// How long hashing it and the index's answer took.
@@ -44,6 +44,10 @@ pub(crate) struct Warmth {
 
 /// The index's answer for a prompt: its hash, and every node's warm prefix.
 pub(crate) type Answer = (Prefix, superfluid_warm::Result<Vec<Hit>>);
+
+/// A prompt routed on its start, once the rest is tokenized: the whole prompt's prefix (to
+/// claim) and its tokens (the estimate's correction).
+pub(crate) type Rest = tokio::sync::oneshot::Receiver<(Prefix, usize)>;
 
 /// How long lookups go to the blocking pool, under the deadline, after one on a request's own
 /// thread ran past it.
@@ -54,7 +58,7 @@ const HANDED_OVER_FOR: Duration = Duration::from_secs(10);
 /// the whole prompt's prefix to come when the answer was for its start).
 pub(crate) enum Lookup {
     Ids(Vec<u32>),
-    Rendered(Result<(Answer, Duration), Duration>, Option<tokio::sync::oneshot::Receiver<Prefix>>),
+    Rendered(Result<(Answer, Duration), Duration>, Option<Rest>),
 }
 
 /// The index's answer for `tokens`, here and now.
@@ -291,8 +295,10 @@ pub(crate) async fn forward(
             }
         };
         flight.first_token();
-        if parts.status.is_success() {
-            flight.cached = serde_json::from_slice::<Value>(&bytes).ok().as_ref().and_then(cached_tokens);
+        if parts.status.is_success()
+            && let Ok(answer) = serde_json::from_slice::<Value>(&bytes)
+        {
+            flight.usage(&answer);
         }
         drop(flight);
         full(bytes)
@@ -302,9 +308,26 @@ pub(crate) async fn forward(
         .unwrap_or_else(|e| error(StatusCode::BAD_GATEWAY, &format!("{name}'s answer could not be passed on: {e}"))))
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of an answer or a stream's usage event.
-fn cached_tokens(answer: &Value) -> Option<u64> {
-    answer.get("usage")?.get("prompt_tokens_details")?.get("cached_tokens")?.as_u64()
+/// An answer's or a stream's usage event's `usage`: its `prompt_tokens` and its
+/// `prompt_tokens_details.cached_tokens`, each if told.
+fn usage(answer: &Value) -> (Option<u64>, Option<u64>) {
+    let Some(usage) = answer.get("usage") else { return (None, None) };
+    let prompt = usage.get("prompt_tokens").and_then(Value::as_u64);
+    (prompt, usage.get("prompt_tokens_details").and_then(|d| d.get("cached_tokens")).and_then(Value::as_u64))
+}
+
+impl Flight {
+    /// What the engine's answer (or usage event) tells of the request: the tokens it cached,
+    /// and its prompt's (the head's count is an estimate for a prompt routed on its start).
+    fn usage(&mut self, answer: &Value) {
+        let (prompt, cached) = usage(answer);
+        if let Some(cached) = cached {
+            self.cached = Some(cached);
+        }
+        if let Some(prompt) = prompt {
+            self.prompt = prompt;
+        }
+    }
 }
 
 /// Headers that describe one connection, not the message (RFC 9110 7.6.1).
@@ -378,9 +401,7 @@ impl Scan {
             return true;
         }
         let Ok(chunk) = serde_json::from_slice::<Value>(data) else { return true };
-        if let Some(cached) = cached_tokens(&chunk) {
-            flight.cached = Some(cached);
-        }
+        flight.usage(&chunk);
         let no_choices = chunk.get("choices").and_then(Value::as_array).is_some_and(Vec::is_empty);
         !(self.strip_usage && no_choices)
     }
@@ -472,4 +493,22 @@ async fn call(
         Ok((status, serde_json::from_slice(&bytes).unwrap_or(Value::Null)))
     };
     tokio::time::timeout(timeout, exchange).await.map_err(|_| format!("no answer within {timeout:?}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn an_answers_usage_tells_its_prompt_and_cached_tokens_each_if_there() {
+        let answer = json!({"usage": {"prompt_tokens": 9870, "prompt_tokens_details": {"cached_tokens": 512}}});
+        assert_eq!(usage(&answer), (Some(9870), Some(512)));
+        // vLLM without --enable-prompt-tokens-details: no details.
+        let answer = json!({"usage": {"prompt_tokens": 12, "completion_tokens": 2}});
+        assert_eq!(usage(&answer), (Some(12), None));
+        assert_eq!(usage(&json!({"usage": null, "choices": []})), (None, None));
+        assert_eq!(usage(&json!({"choices": [{"delta": {"content": " tok"}}]})), (None, None));
+    }
 }

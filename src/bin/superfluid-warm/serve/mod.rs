@@ -256,7 +256,11 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         namespace,
         index: index.clone(),
         renderer,
-        turns: turns::Turns::new(std::thread::available_parallelism().map_or(1, usize::from), turns::HOLD),
+        turns: turns::Turns::new(
+            std::thread::available_parallelism().map_or(1, usize::from),
+            turns::HOLD,
+            turns::LONG_BYTES,
+        ),
         engines: specs.into_iter().map(|(e, _)| e).collect(),
         tally,
         costs,

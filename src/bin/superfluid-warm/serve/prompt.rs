@@ -255,6 +255,10 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             Err(why) => Tokens::Unrendered(why),
         };
     }
+    let text_bytes = match &source {
+        Source::Text { prompt, .. } => prompt.len(),
+        Source::Chat { messages, .. } => messages.len(),
+    };
     let (done, finished) = tokio::sync::oneshot::channel::<Result<Finished, String>>();
     let (rest_sender, rest) = tokio::sync::oneshot::channel();
     let rendered: Arc<OnceLock<Rendered>> = Arc::default();
@@ -266,7 +270,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         // the whole prompt.
         let mut done = Some(done);
         let (mut next, mut stride) = (FIRST_LOOK, SETTLE_TOKENS);
-        let mut turn = h.turns.arrive();
+        let mut turn = h.turns.arrive(text_bytes);
         let mut step = |ids: &[u32], bytes: usize, of: usize| {
             turn.next_piece(of.saturating_sub(bytes));
             if !early || ids.len() < next || done.is_none() {

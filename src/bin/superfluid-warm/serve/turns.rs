@@ -11,8 +11,11 @@
 //! Shortest first alone starves a long prompt while shorter ones keep coming, and its request
 //! waits with it (a 100k-word prompt routed on its start waited ~100 ms at the p99 of the
 //! conversation trace). So a render whose request has not gone waits at most [`HOLD`] from its
-//! arrival; past it, it goes first, oldest first. Once its request has gone
-//! ([`Turn::sent`]), what it has left is for the claim, and waits by its length alone.
+//! arrival; past it, it goes first, oldest first. A text of [`LONG_BYTES`] or more is due at
+//! once: its prefill is among an engine's longest, and holding it back only adds to the slowest
+//! first tokens (the requests that come to its engine after it wait behind it however late it
+//! comes). Once its request has gone ([`Turn::sent`]), what it has left is for the claim, and
+//! waits by its length alone.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -23,12 +26,18 @@ use std::time::{Duration, Instant};
 /// short prompt's render takes, so that the renders that came with a long prompt finish first.
 pub(crate) const HOLD: Duration = Duration::from_millis(10);
 
+/// Texts at least this long are not held behind shorter ones (~40k tokens of English, a prefill
+/// of a few hundred milliseconds).
+pub(crate) const LONG_BYTES: usize = 256 << 10;
+
 /// The cores renders take in turns.
 pub(crate) struct Turns {
     /// Renders that may tokenize at once.
     cores: usize,
     /// The longest a render whose request waits on it yields to shorter ones ([`HOLD`]).
     hold: Duration,
+    /// Renders of texts this long do not yield ([`LONG_BYTES`]).
+    long: usize,
     state: Mutex<State>,
     changed: Condvar,
     /// Numbers renders in arrival order (ties go to the first).
@@ -48,28 +57,31 @@ struct State {
 pub(crate) struct Turn<'a> {
     turns: &'a Turns,
     arrival: u64,
-    /// When it arrived, while its request waits on it; `None` once the request has gone.
-    waited_on: Option<Instant>,
+    /// When it stops yielding to shorter renders, while its request waits on it; `None` once
+    /// the request has gone.
+    due: Option<Instant>,
     holds: bool,
 }
 
 impl Turns {
     /// Turns over `cores` cores (at least one), a render whose request waits on it yielding to
-    /// shorter ones for at most `hold`.
-    pub(crate) fn new(cores: usize, hold: Duration) -> Turns {
+    /// shorter ones for at most `hold`, and not at all for a text of `long` bytes or more.
+    pub(crate) fn new(cores: usize, hold: Duration, long: usize) -> Turns {
         Turns {
             cores: cores.max(1),
             hold,
+            long,
             state: Mutex::default(),
             changed: Condvar::new(),
             arrivals: AtomicU64::new(0),
         }
     }
 
-    /// A render's place, holding no core yet.
-    pub(crate) fn arrive(&self) -> Turn<'_> {
+    /// The place of a render of a text of `bytes` bytes, holding no core yet.
+    pub(crate) fn arrive(&self, bytes: usize) -> Turn<'_> {
         let arrival = self.arrivals.fetch_add(1, Relaxed);
-        Turn { turns: self, arrival, waited_on: Some(Instant::now()), holds: false }
+        let hold = if bytes >= self.long { Duration::ZERO } else { self.hold };
+        Turn { turns: self, arrival, due: Some(Instant::now() + hold), holds: false }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -81,7 +93,7 @@ impl Turn<'_> {
     /// Its request has gone (routed on its start): the rest is tokenized for the claim, and
     /// waits by its length alone.
     pub(crate) fn sent(&mut self) {
-        self.waited_on = None;
+        self.due = None;
     }
 
     /// Before the render's next piece, with `left` bytes of text still to tokenize: keeps its
@@ -89,9 +101,7 @@ impl Turn<'_> {
     /// with the least left and a core is free. Past the hold from its arrival, while its request
     /// waits on it, it counts as having none left.
     pub(crate) fn next_piece(&mut self, left: usize) {
-        let turns = self.turns;
-        // When it stops yielding to shorter renders.
-        let due = self.waited_on.map(|arrived| arrived + turns.hold);
+        let (turns, due) = (self.turns, self.due);
         let key = if due.is_some_and(|due| Instant::now() >= due) { 0 } else { left };
         let mut state = turns.lock();
         if self.holds {
@@ -160,15 +170,15 @@ mod tests {
     /// first, then the long one continues; a render with more left waits for both.
     #[test]
     fn a_render_with_less_left_takes_the_core_at_the_next_piece() {
-        let turns = Turns::new(1, FOREVER);
+        let turns = Turns::new(1, FOREVER, usize::MAX);
         let (order, done) = channel();
-        let mut long = turns.arrive();
+        let mut long = turns.arrive(10);
         long.next_piece(100_000);
         std::thread::scope(|scope| {
             let waiter = |left: usize, name: &'static str| {
                 let (turns, order) = (&turns, order.clone());
                 scope.spawn(move || {
-                    let mut turn = turns.arrive();
+                    let mut turn = turns.arrive(10);
                     turn.next_piece(left);
                     let _ = order.send(name);
                     turn.next_piece(left / 2);
@@ -197,14 +207,14 @@ mod tests {
     /// Two cores: two renders hold them at once, a third waits for the first to finish.
     #[test]
     fn renders_hold_at_most_the_cores() {
-        let turns = Turns::new(2, FOREVER);
-        let (mut a, mut b) = (turns.arrive(), turns.arrive());
+        let turns = Turns::new(2, FOREVER, usize::MAX);
+        let (mut a, mut b) = (turns.arrive(10), turns.arrive(10));
         a.next_piece(10);
         b.next_piece(10);
         assert_eq!(turns.lock().running, 2);
         std::thread::scope(|scope| {
             let c = scope.spawn(|| {
-                let mut c = turns.arrive();
+                let mut c = turns.arrive(10);
                 c.next_piece(5);
                 turns.lock().running
             });
@@ -223,14 +233,14 @@ mod tests {
     #[test]
     fn a_render_whose_request_waits_goes_first_once_held_past_the_hold() {
         for (request_gone, expected) in [(false, ["long", "short"]), (true, ["short", "long"])] {
-            let turns = Turns::new(1, Duration::from_millis(1));
+            let turns = Turns::new(1, Duration::from_millis(1), usize::MAX);
             let (order, done) = channel();
-            let mut holder = turns.arrive();
+            let mut holder = turns.arrive(10);
             holder.next_piece(10);
             std::thread::scope(|scope| {
                 let (turns_ref, long_order) = (&turns, order.clone());
                 scope.spawn(move || {
-                    let mut long = turns_ref.arrive();
+                    let mut long = turns_ref.arrive(10);
                     if request_gone {
                         long.sent();
                     }
@@ -246,7 +256,7 @@ mod tests {
                 }
                 let (turns_ref, short_order) = (&turns, order.clone());
                 scope.spawn(move || {
-                    let mut short = turns_ref.arrive();
+                    let mut short = turns_ref.arrive(10);
                     short.sent();
                     short.next_piece(1_000);
                     let _ = short_order.send("short");
@@ -256,6 +266,38 @@ mod tests {
             });
             drop(order);
             assert_eq!(done.iter().collect::<Vec<_>>(), expected, "request gone: {request_gone}");
+            assert_eq!(turns.lock().running, 0);
+        }
+    }
+
+    /// One core, held: a render of a long text whose request waits on it goes before a shorter
+    /// one from its arrival, however long the hold; a render of a text under the length yields.
+    #[test]
+    fn a_long_text_is_not_held_behind_shorter_ones() {
+        for (bytes, expected) in [(1 << 20, ["long", "short"]), ((1 << 20) - 1, ["short", "long"])] {
+            let turns = Turns::new(1, FOREVER, 1 << 20);
+            let (order, done) = channel();
+            let mut holder = turns.arrive(10);
+            holder.next_piece(10);
+            std::thread::scope(|scope| {
+                let (turns_ref, long_order) = (&turns, order.clone());
+                scope.spawn(move || {
+                    let mut long = turns_ref.arrive(bytes);
+                    long.next_piece(bytes - 1000);
+                    let _ = long_order.send("long");
+                });
+                until_waiting(&turns, 1);
+                let (turns_ref, short_order) = (&turns, order.clone());
+                scope.spawn(move || {
+                    let mut short = turns_ref.arrive(2_000);
+                    short.next_piece(1_000);
+                    let _ = short_order.send("short");
+                });
+                until_waiting(&turns, 2);
+                drop(holder);
+            });
+            drop(order);
+            assert_eq!(done.iter().collect::<Vec<_>>(), expected, "{bytes} bytes");
             assert_eq!(turns.lock().running, 0);
         }
     }

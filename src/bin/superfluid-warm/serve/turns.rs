@@ -152,7 +152,7 @@ mod tests {
     use std::sync::mpsc::channel;
     use std::time::{Duration, Instant};
 
-    use super::Turns;
+    use super::{Turn, Turns};
 
     /// A hold no test outlasts: shortest first alone.
     const FOREVER: Duration = Duration::from_secs(3600);
@@ -227,6 +227,49 @@ mod tests {
         assert_eq!(turns.lock().running, 0);
     }
 
+    /// One core, held by a render: `long` asks for it, then (after `between`) `short` does,
+    /// then the holder lets it go. The order the two got it in (each keeps it until it has said
+    /// so).
+    fn after_a_holder<'t>(
+        turns: &'t Turns,
+        long: impl FnOnce(&'t Turns) -> Turn<'t> + Send,
+        between: impl FnOnce(),
+        short: impl FnOnce(&'t Turns) -> Turn<'t> + Send,
+    ) -> Vec<&'static str> {
+        let (order, done) = channel();
+        let mut holder = turns.arrive(10);
+        holder.next_piece(10);
+        std::thread::scope(|scope| {
+            let o = order.clone();
+            scope.spawn(move || {
+                let held = long(turns);
+                let _ = o.send("long");
+                drop(held);
+            });
+            until_waiting(turns, 1);
+            between();
+            let o = order.clone();
+            scope.spawn(move || {
+                let held = short(turns);
+                let _ = o.send("short");
+                drop(held);
+            });
+            until_waiting(turns, 2);
+            drop(holder);
+        });
+        drop(order);
+        assert_eq!(turns.lock().running, 0);
+        done.iter().collect()
+    }
+
+    /// A render whose request has gone, with a thousand bytes left, at its next piece.
+    fn short(turns: &Turns) -> Turn<'_> {
+        let mut short = turns.arrive(10);
+        short.sent();
+        short.next_piece(1_000);
+        short
+    }
+
     /// One core, held: a long render whose request waits on it yields to a shorter one that
     /// came later only until its hold is over; a long render whose request has gone (its rest
     /// tokenized for the claim) yields to it however long it waited.
@@ -234,39 +277,23 @@ mod tests {
     fn a_render_whose_request_waits_goes_first_once_held_past_the_hold() {
         for (request_gone, expected) in [(false, ["long", "short"]), (true, ["short", "long"])] {
             let turns = Turns::new(1, Duration::from_millis(1), usize::MAX);
-            let (order, done) = channel();
-            let mut holder = turns.arrive(10);
-            holder.next_piece(10);
-            std::thread::scope(|scope| {
-                let (turns_ref, long_order) = (&turns, order.clone());
-                scope.spawn(move || {
-                    let mut long = turns_ref.arrive(10);
-                    if request_gone {
-                        long.sent();
-                    }
-                    long.next_piece(100_000);
-                    let _ = long_order.send("long");
-                });
-                until_waiting(&turns, 1);
-                // Past its hold, and seen to be (it waits as having nothing left).
+            let long = |turns| {
+                let mut long = Turns::arrive(turns, 10);
+                if request_gone {
+                    long.sent();
+                }
+                long.next_piece(100_000);
+                long
+            };
+            // Past its hold, and seen to be (it waits as having nothing left).
+            let due = || {
                 let start = Instant::now();
                 while !request_gone && turns.lock().waiting.first().is_none_or(|&(left, _)| left != 0) {
                     assert!(start.elapsed() < Duration::from_secs(30), "the long render never came due");
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                let (turns_ref, short_order) = (&turns, order.clone());
-                scope.spawn(move || {
-                    let mut short = turns_ref.arrive(10);
-                    short.sent();
-                    short.next_piece(1_000);
-                    let _ = short_order.send("short");
-                });
-                until_waiting(&turns, 2);
-                drop(holder);
-            });
-            drop(order);
-            assert_eq!(done.iter().collect::<Vec<_>>(), expected, "request gone: {request_gone}");
-            assert_eq!(turns.lock().running, 0);
+            };
+            assert_eq!(after_a_holder(&turns, long, due, short), expected, "request gone: {request_gone}");
         }
     }
 
@@ -276,29 +303,12 @@ mod tests {
     fn a_long_text_is_not_held_behind_shorter_ones() {
         for (bytes, expected) in [(1 << 20, ["long", "short"]), ((1 << 20) - 1, ["short", "long"])] {
             let turns = Turns::new(1, FOREVER, 1 << 20);
-            let (order, done) = channel();
-            let mut holder = turns.arrive(10);
-            holder.next_piece(10);
-            std::thread::scope(|scope| {
-                let (turns_ref, long_order) = (&turns, order.clone());
-                scope.spawn(move || {
-                    let mut long = turns_ref.arrive(bytes);
-                    long.next_piece(bytes - 1000);
-                    let _ = long_order.send("long");
-                });
-                until_waiting(&turns, 1);
-                let (turns_ref, short_order) = (&turns, order.clone());
-                scope.spawn(move || {
-                    let mut short = turns_ref.arrive(2_000);
-                    short.next_piece(1_000);
-                    let _ = short_order.send("short");
-                });
-                until_waiting(&turns, 2);
-                drop(holder);
-            });
-            drop(order);
-            assert_eq!(done.iter().collect::<Vec<_>>(), expected, "{bytes} bytes");
-            assert_eq!(turns.lock().running, 0);
+            let long = |turns| {
+                let mut long = Turns::arrive(turns, bytes);
+                long.next_piece(bytes - 1000);
+                long
+            };
+            assert_eq!(after_a_holder(&turns, long, || {}, short), expected, "{bytes} bytes");
         }
     }
 }

@@ -255,6 +255,8 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             Err(why) => Tokens::Unrendered(why),
         };
     }
+    // The text's length, for its place in the turns: a chat's messages as sent (its rendered
+    // text is about as long).
     let text_bytes = match &source {
         Source::Text { prompt, .. } => prompt.len(),
         Source::Chat { messages, .. } => messages.len(),

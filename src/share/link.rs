@@ -381,7 +381,11 @@ async fn consume_loop(shared: &Shared, js: &Context) {
         };
         // The stream's identity: one deleted and created again (by this server after it lost its
         // store, or by another head) no longer holds what this head applied.
-        let this = stream.cached_info().created.unix_timestamp_nanos();
+        let Some(this) = creation_time(stream.cached_info()) else {
+            shared.note_error("opening the stream", "the server is still creating it");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
         if created.is_some_and(|c| c != this) {
             shared.lose_stream(deleted(&shared.sharing, applied, "and created again"));
             continue;
@@ -551,6 +555,14 @@ async fn open_stream(shared: &Shared, js: &Context, created: Option<i128>, appli
     })
 }
 
+/// When the stream was created (ns since the epoch): its identity across reconnections. `None`
+/// while the server is still creating it: nats-server lists a new stream before it sets its
+/// creation time, and a head that asks in between (another head creating the stream at the same
+/// moment) is told Go's zero time, year 1, which no later answer repeats.
+fn creation_time(info: &jetstream::stream::Info) -> Option<i128> {
+    Some(info.created.unix_timestamp_nanos()).filter(|&ns| ns > 0)
+}
+
 /// A server that answers requests but not JetStream's.
 fn no_jetstream(sharing: &Sharing) -> String {
     format!(
@@ -658,4 +670,28 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
     drop(status);
     telemetry::share_applied(&shared.sharing.head, lag);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stream's info as nats-server answers it, created at `created` (RFC 3339).
+    fn info(created: &str) -> jetstream::stream::Info {
+        let json = format!(
+            r#"{{"config":{{"name":"s","subjects":["s.events"],"retention":"limits","max_consumers":-1,
+            "max_msgs":-1,"max_bytes":-1,"max_age":0,"max_msg_size":-1,"storage":"file","num_replicas":1,
+            "discard":"old"}},"created":"{created}","state":{{"messages":0,"bytes":0,"first_seq":0,
+            "first_ts":"0001-01-01T00:00:00Z","last_seq":0,"last_ts":"0001-01-01T00:00:00Z","consumer_count":0}}}}"#
+        );
+        serde_json::from_str(&json).expect("a stream info")
+    }
+
+    #[test]
+    fn a_stream_still_being_created_has_no_identity_yet() {
+        assert_eq!(creation_time(&info("0001-01-01T00:00:00Z")), None);
+        let made = creation_time(&info("2026-12-07T13:31:40.123456789Z"));
+        assert_eq!(made, Some(1_796_650_300_123_456_789));
+        assert_ne!(made, creation_time(&info("2026-12-07T13:31:40.123456790Z")), "ns tell two streams apart");
+    }
 }

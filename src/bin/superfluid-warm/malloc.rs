@@ -1,48 +1,68 @@
-//! How the process's allocator keeps memory: glibc's, told to give large blocks their own
-//! mappings.
+//! The process's allocator: mimalloc, told to return freed memory to the system at once.
 //!
-//! A head keeps what its engines hold in chunks of 64-90 KiB that live as long as the blocks do,
-//! among short-lived buffers (a batch's rows, a commit's pages). glibc serves a block from its
-//! heaps unless it is at least the mmap threshold, and it raises that threshold to the size of
-//! every mapped block freed (a hash table that grew, a decoded batch), up to 32 MiB: from then on
-//! the chunks are carved from the heaps between buffers, and what the buffers leave free between
-//! chunks stays resident. A fixed threshold (which also stops the adjustment) keeps each chunk in
-//! a mapping of its own, returned whole when it is freed. `replay --heads 3` on 4,000 requests
-//! measured 267 MiB a head with the default and 207 MiB with this.
+//! `serve` tokenizes every prompt, and `tokenizers` allocates for every token (its text, its
+//! offsets, each split of the text): on the whole conversation trace glibc's allocator took
+//! about a third of the head's CPU (its free lists, and `malloc_consolidate` before each large
+//! block), and a head's renders wait for cores. mimalloc serves the same allocations in less.
+//! A head also keeps what its engines hold in chunks of 64-90 KiB that live as long as the
+//! blocks do, among short-lived buffers: mimalloc returns a freed page to the system only after
+//! its purge delay (a second by default), which on that trace kept ~200 MiB more resident; with
+//! no delay the head holds what glibc held.
 
-/// Blocks of this many bytes or more get their own mapping: a chunk of engine blocks' tokens
-/// (64 KiB) is one.
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const MMAP_THRESHOLD: i32 = 64 * 1024;
+use mimalloc::MiMalloc;
 
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[global_allocator]
+static ALLOCATOR: MiMalloc = MiMalloc;
+
 #[allow(unsafe_code)]
-mod glibc {
-    /// glibc's `M_MMAP_THRESHOLD` parameter (`malloc.h`).
-    pub(super) const M_MMAP_THRESHOLD: i32 = -3;
+mod ffi {
+    /// mimalloc's `mi_option_purge_delay` (`mimalloc.h`'s `mi_option_e`: the 16th option),
+    /// milliseconds before freed memory is returned to the system.
+    pub(super) const PURGE_DELAY: i32 = 15;
 
     unsafe extern "C" {
-        /// glibc's `int mallopt(int param, int value)`.
-        pub(super) fn mallopt(param: i32, value: i32) -> i32;
+        /// mimalloc's `void mi_option_set(mi_option_t option, long value)`.
+        fn mi_option_set(option: i32, value: std::ffi::c_long);
+        /// mimalloc's `long mi_option_get(mi_option_t option)`.
+        #[cfg(test)]
+        fn mi_option_get(option: i32) -> std::ffi::c_long;
     }
 
-    /// Sets one of glibc's allocator parameters; whether glibc took it.
-    pub(super) fn set(param: i32, value: i32) -> bool {
-        // SAFETY: `mallopt` takes two ints by value and only changes the allocator's parameters,
-        // which glibc guards with its own lock; any value is accepted or refused (returns 0).
-        unsafe { mallopt(param, value) == 1 }
+    /// Sets one of mimalloc's options.
+    pub(super) fn set(option: i32, value: std::ffi::c_long) {
+        // SAFETY: `mi_option_set` takes an option index and a value by value and stores the value
+        // in mimalloc's table of options; an index out of range is ignored (it checks).
+        unsafe { mi_option_set(option, value) }
+    }
+
+    /// One of mimalloc's options now.
+    #[cfg(test)]
+    pub(super) fn get(option: i32) -> std::ffi::c_long {
+        // SAFETY: as `set`: reads the option's value from mimalloc's table.
+        unsafe { mi_option_get(option) }
     }
 }
 
-/// Fixes glibc's mmap threshold, unless the operator set one (`GLIBC_TUNABLES`,
-/// `MALLOC_MMAP_THRESHOLD_`): the first thing `main` does, before any thread starts.
+/// Returns freed memory at once, unless the operator set a delay (`MIMALLOC_PURGE_DELAY`): the
+/// first thing `main` does.
 pub(crate) fn configure() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        let set_by_operator = std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
-            || std::env::var("GLIBC_TUNABLES").is_ok_and(|t| t.contains("mmap_threshold"));
-        if !set_by_operator {
-            glibc::set(glibc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
+    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
+        ffi::set(ffi::PURGE_DELAY, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_memory_is_returned_at_once() {
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
+            return;
         }
+        // mimalloc's default purge delay is a second: the option this module sets is that one.
+        assert_eq!(ffi::get(ffi::PURGE_DELAY), 1000, "mimalloc's purge delay, as mimalloc.h numbers it");
+        configure();
+        assert_eq!(ffi::get(ffi::PURGE_DELAY), 0);
     }
 }

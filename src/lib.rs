@@ -75,7 +75,7 @@ pub use keys::{
 pub use render::Renderer;
 pub use route::choice::{Candidate, Costs, Priced, choose};
 pub use route::load::Load;
-pub use route::tally::{PREDICTION_SLACK, RouteStats, RouteTally, record_decision, record_load_only};
+pub use route::tally::{PREDICTION_SLACK, RouteStats, RouteTally, record_decision, record_gathered, record_load_only};
 #[cfg(feature = "nats")]
 pub use share::{DEFAULT_BUFFER_EVENTS, ShareStats, SharedWarm, Sharing, Ticket};
 pub use store::import::{ImportReport, LegacyJson};

@@ -122,6 +122,7 @@ const ROUTE_MISPREDICTED: &str = "superfluid_warm_route_mispredicted_total";
 const ROUTE_LOAD_ONLY: &str = "superfluid_warm_route_load_only_total";
 const ROUTE_DECISION: &str = "superfluid_warm_route_decision_seconds";
 const ROUTE_TOKENIZE: &str = "superfluid_warm_route_tokenize_seconds";
+const ROUTE_GATHERED: &str = "superfluid_warm_route_gathered_seconds";
 
 const NODE: &[&str] = &["node"];
 const HEAD: &[&str] = &["head"];
@@ -197,6 +198,7 @@ pub const METRICS: &[Metric] = &[
     metric(ROUTE_LOAD_ONLY, Counter, REASON, "Requests routed on load alone (unrendered, late, no_events, error)"),
     timing(ROUTE_DECISION, &[], "From a request's tokens to its engine chosen (the index's answer and the cost)"),
     timing(ROUTE_TOKENIZE, &[], "Rendering and tokenizing a request's prompt"),
+    timing(ROUTE_GATHERED, &[], "A long prompt's wait, once routed, for the requests of its burst to be decided"),
 ];
 
 /// Gives the installed recorder every metric's help text and unit (once, after installing it;
@@ -265,6 +267,10 @@ pub(crate) fn route_decision(tokenize: Option<Duration>, decide: Duration) {
         histogram!(ROUTE_TOKENIZE).record(t.as_secs_f64());
     }
     histogram!(ROUTE_DECISION).record(decide.as_secs_f64());
+}
+
+pub(crate) fn route_gathered(waited: Duration) {
+    histogram!(ROUTE_GATHERED).record(waited.as_secs_f64());
 }
 
 /// Gives the recorder every metric's help text and unit.

@@ -22,7 +22,7 @@ use harness::trace;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use superfluid_warm::{
     EngineEndpoint, Error, Listener, METRICS, MetricKind, ReadIndex, RouteTally, SharedWarm, Sharing, Warm,
-    describe_metrics, record_decision, record_load_only,
+    describe_metrics, record_decision, record_gathered, record_load_only,
 };
 
 /// The process's recorder (with the library's buckets) and its log lines, installed once for
@@ -322,6 +322,7 @@ fn every_metric_is_exported_and_the_dashboard_queries_only_real_ones() -> Result
     tally.delivered(0, 640, 512, 700);
     record_load_only("late");
     record_decision(Some(Duration::from_micros(300)), Duration::from_micros(40));
+    record_gathered(Duration::from_millis(3));
 
     let samples = exposition();
     let names: BTreeSet<&str> = samples.iter().map(|s| s.name.as_str()).collect();

@@ -157,6 +157,12 @@ pub fn record_decision(tokenize: Option<Duration>, decide: Duration) {
     telemetry::route_decision(tokenize, decide);
 }
 
+/// How long a long prompt, once routed, waited to be sent for the requests that came with it
+/// to be decided (so that its engine prefills their shorter prompts first).
+pub fn record_gathered(waited: Duration) {
+    telemetry::route_gathered(waited);
+}
+
 /// A request the head routed on load alone, and why (`"unrendered"`, `"late"`: the index's
 /// answer missed its deadline, `"no_events"`: the engines' event streams are down, `"error"`).
 pub fn record_load_only(why: &'static str) {

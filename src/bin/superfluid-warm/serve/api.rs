@@ -212,6 +212,8 @@ async fn proxy(
         Ok(r) => r,
         Err(response) => return *response,
     };
+    // Undecided until the choice: a long prompt decided meanwhile waits for it (`gather.rs`).
+    let mut pending = Some(head.gather.arrive(read));
     let (mut warmth, unrendered) = decide_warmth(head, kind, &request, head.route_on_start).await;
     if let Some(why) = &unrendered {
         tracing::debug!(why = %why, "a prompt not rendered into tokens: routed on load");
@@ -257,6 +259,12 @@ async fn proxy(
             }));
         }
         flight.claim = warmth.prefix.clone();
+        if let Some(pending) = pending.take() {
+            let waited = pending.decided(warmth.tokens.saturating_sub(predicted as usize)).await;
+            if !waited.is_zero() {
+                superfluid_warm::record_gathered(waited);
+            }
+        }
         match forward(flight, method.clone(), path, headers, body.clone(), strip_usage, &timing).await {
             Ok(response) => return response,
             Err((flight, failed)) => {

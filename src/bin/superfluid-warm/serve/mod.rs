@@ -14,6 +14,7 @@
 mod api;
 mod engines;
 mod flights;
+mod gather;
 mod prompt;
 mod proxy;
 mod turns;
@@ -91,6 +92,14 @@ pub(crate) struct ServeArgs {
     /// default: the weight throughout).
     #[arg(long, default_value_t = 0)]
     queue_knee: u64,
+    /// A request whose own prefill on its engine is at least --gather-tokens is sent once the
+    /// requests that came with it are decided, at most this many milliseconds after it
+    /// arrived, so that an engine prefills a burst's short prompts first (0: sent at once).
+    #[arg(long, default_value_t = 20.0)]
+    gather_ms: f64,
+    /// See --gather-ms.
+    #[arg(long, default_value_t = 16_384)]
+    gather_tokens: usize,
     /// The balance guard: an engine with more than this many requests in flight beyond the
     /// least busy engine's (and more than --balance-ratio times its count) is not chosen,
     /// however warm. 0 turns the guard off.
@@ -148,6 +157,8 @@ pub(crate) struct Head {
     pub(crate) renderer: Option<Renderer>,
     /// The cores renders take in turns, shortest remaining first.
     pub(crate) turns: turns::Turns,
+    /// Long prompts sent after the short ones of their burst.
+    pub(crate) gather: gather::Gather,
     pub(crate) engines: Vec<Engine>,
     pub(crate) tally: RouteTally,
     pub(crate) costs: Costs,
@@ -186,6 +197,12 @@ impl Head {
     }
 }
 
+/// A duration given in milliseconds as option `--what`.
+fn milliseconds(what: &str, ms: f64) -> Result<Duration, CliError> {
+    Duration::try_from_secs_f64(ms / 1000.0)
+        .map_err(|_| CliError::Refused(format!("--{what} must be 0 or more (got {ms})")))
+}
+
 pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<ExitCode, CliError> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -214,8 +231,8 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         }
     }
     let renderer = args.tokenizer.as_ref().map(Renderer::open).transpose()?;
-    let deadline = Duration::try_from_secs_f64(args.deadline_ms / 1000.0)
-        .map_err(|_| CliError::Refused(format!("--deadline-ms must be 0 or more (got {})", args.deadline_ms)))?;
+    let deadline = milliseconds("deadline-ms", args.deadline_ms)?;
+    let gather_most = milliseconds("gather-ms", args.gather_ms)?;
     let (replay_timeout, status_every, drain) = (
         seconds("replay-timeout", args.replay_timeout)?,
         seconds("status-every", args.status_every)?,
@@ -261,6 +278,7 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
             turns::HOLD,
             turns::LONG_BYTES,
         ),
+        gather: gather::Gather::new(args.gather_tokens, gather_most),
         engines: specs.into_iter().map(|(e, _)| e).collect(),
         tally,
         costs,

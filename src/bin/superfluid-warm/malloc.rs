@@ -24,7 +24,7 @@ use mimalloc::MiMalloc;
 static ALLOCATOR: MiMalloc = MiMalloc;
 
 /// Milliseconds before mimalloc returns a freed page to the system.
-pub(crate) const PURGE_DELAY_MS: i64 = 10;
+pub(crate) const PURGE_DELAY_MS: std::ffi::c_long = 10;
 
 #[allow(unsafe_code)]
 mod ffi {
@@ -83,7 +83,7 @@ mod ffi {
 /// before `main`; the process-wide switch covers those too.)
 pub(crate) fn configure() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        ffi::set(ffi::PURGE_DELAY, PURGE_DELAY_MS as std::ffi::c_long);
+        ffi::set(ffi::PURGE_DELAY, PURGE_DELAY_MS);
     }
     if std::env::var_os("MIMALLOC_ALLOW_THP").is_none() {
         ffi::set(ffi::ALLOW_THP, 0);
@@ -106,7 +106,7 @@ mod tests {
         assert_eq!(ffi::get(ffi::PURGE_DELAY), 1000, "mimalloc's purge delay");
         assert_eq!(ffi::get(ffi::ALLOW_THP), 1, "mimalloc's allow_thp");
         configure();
-        assert_eq!(ffi::get(ffi::PURGE_DELAY), PURGE_DELAY_MS as std::ffi::c_long);
+        assert_eq!(ffi::get(ffi::PURGE_DELAY), PURGE_DELAY_MS);
         assert_eq!(ffi::get(ffi::ALLOW_THP), 0);
         #[cfg(target_os = "linux")]
         assert_eq!(ffi::process_control(ffi::PR_GET_THP_DISABLE, 0), 1, "THP off for the process");

@@ -58,10 +58,11 @@ impl Gather {
     /// A request that arrived at `at`, not decided yet.
     pub(crate) fn arrive(&self, at: Instant) -> Pending<'_> {
         let key = (at, self.next.fetch_add(1, Relaxed));
-        if !self.most.is_zero() {
+        let listed = !self.most.is_zero();
+        if listed {
             self.lock().insert(key);
         }
-        Pending { gather: self, key, listed: !self.most.is_zero() }
+        Pending { gather: self, key, listed }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<(Instant, u64)>> {

@@ -607,7 +607,7 @@ fn a_rendered_prompts_answer_past_the_deadline_is_not_used() {
         route["engines"].as_array().expect("engines").iter().map(|e| e["warm_tokens"].as_u64()).collect::<Vec<_>>()
     };
     // Its tokens run as ids: the head claims them for the engine it chose, and routes the
-    // text (rendered and looked up by its render's task) warm there.
+    // text (rendered and looked up on its request's thread) warm there.
     let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--tokenizer", &tokenizer]);
     let (status, _, answer) = serve.post("/v1/completions", &json!({"model": MODEL, "prompt": ids, "max_tokens": 2}));
     assert_eq!(status, 200, "{answer}");
@@ -616,12 +616,17 @@ fn a_rendered_prompts_answer_past_the_deadline_is_not_used() {
     let (status, _, err) = serve.stop();
     assert!(status.success(), "{err}");
     // The same file, with a deadline no lookup meets: that answer comes, and is not used,
-    // however soon after it the request reads it.
+    // however soon after it the request reads it; the next render and lookup go to the
+    // blocking pool, whose answer is late too.
     let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--tokenizer", &tokenizer, "--deadline-ms", "0"]);
-    let late = route_text(&serve);
-    assert_eq!(late, vec![Some(0), Some(0)], "a late answer was used");
+    for (round, how) in ["on its request's thread", "on the blocking pool"].iter().enumerate() {
+        let late = route_text(&serve);
+        assert_eq!(late, vec![Some(0), Some(0)], "a late answer was used, {how} (round {round})");
+    }
     let (status, _, err) = serve.stop();
     assert!(status.success(), "{err}");
+    // Each lookup past the deadline says so, wherever it ran.
+    assert_eq!(err.matches("a lookup ran past the deadline").count(), 2, "{err}");
 }
 
 #[test]

@@ -253,35 +253,61 @@ fn leaves(ns_key: &[u8; 32], tokens: &[u32]) -> Vec<[u8; 32]> {
     let mut out = vec![[0u8; 32]; blocks.len()];
     let key = blake3::platform::words_from_le_bytes_32(ns_key);
     let platform = blake3::platform::Platform::detect();
+    // Every real vocabulary: all blocks 3 bytes a token, hashed straight into their places.
+    if blocks.clone().all(narrow) {
+        hash_width::<{ 3 * BLOCK_TOKENS }>(&platform, &key, blocks, out.as_flattened_mut());
+        return out;
+    }
     // Each block beside the place of its leaf in `out`, split by width.
     let (narrow_blocks, wide_blocks): (Vec<_>, Vec<_>) = out.iter_mut().zip(blocks).partition(|(_, b)| narrow(b));
-    hash_width::<{ 3 * BLOCK_TOKENS }>(&platform, &key, narrow_blocks);
-    hash_width::<{ 4 * BLOCK_TOKENS }>(&platform, &key, wide_blocks);
+    for split in [narrow_blocks, wide_blocks] {
+        let mut hashed = vec![0u8; 32 * split.len()];
+        let of = split.iter().map(|(_, block)| *block);
+        match split.first().is_some_and(|(_, b)| narrow(b)) {
+            true => hash_width::<{ 3 * BLOCK_TOKENS }>(&platform, &key, of, &mut hashed),
+            false => hash_width::<{ 4 * BLOCK_TOKENS }>(&platform, &key, of, &mut hashed),
+        }
+        for (leaf, (place, _)) in hashed.chunks_exact(32).zip(split) {
+            place.copy_from_slice(leaf);
+        }
+    }
     out
 }
 
-/// Hashes `blocks` (all `N` bytes wide) into the place beside each.
-fn hash_width<const N: usize>(
+/// Hashes `blocks` (each `N / BLOCK_TOKENS` bytes a token) into `hashed`, 32 bytes a block.
+fn hash_width<'b, const N: usize>(
     platform: &blake3::platform::Platform,
     key: &[u32; 8],
-    blocks: Vec<(&mut [u8; 32], &[u32])>,
+    blocks: impl ExactSizeIterator<Item = &'b [u32]>,
+    hashed: &mut [u8],
 ) {
-    if blocks.is_empty() {
+    if blocks.len() == 0 {
         return;
     }
-    let width = N / BLOCK_TOKENS;
     let mut bytes = vec![[0u8; N]; blocks.len()];
-    for (dst, (_, block)) in bytes.iter_mut().zip(&blocks) {
-        for (d, t) in dst.chunks_exact_mut(width).zip(block.iter()) {
-            // `d` is `width` bytes: the low `width` bytes of the token, LE.
-            d.iter_mut().zip(t.to_le_bytes()).for_each(|(d, b)| *d = b);
-        }
+    for (dst, block) in bytes.iter_mut().zip(blocks) {
+        pack(block, dst);
     }
     let inputs: Vec<&[u8; N]> = bytes.iter().collect();
-    let mut hashed = vec![0u8; 32 * blocks.len()];
-    platform.hash_many(&inputs, key, 0, blake3::IncrementCounter::No, KEYED_HASH, CHUNK_START, CHUNK_END, &mut hashed);
-    for (leaf, (place, _)) in hashed.chunks_exact(32).zip(blocks) {
-        place.copy_from_slice(leaf);
+    platform.hash_many(&inputs, key, 0, blake3::IncrementCounter::No, KEYED_HASH, CHUNK_START, CHUNK_END, hashed);
+}
+
+/// Writes a block's tokens into `dst` as [`block_bytes`] does: 3 bytes each (LE) when `dst` is
+/// 3 bytes a token (every token then below 2^24), else 4. Four 3-byte tokens are three
+/// little-endian words.
+fn pack<const N: usize>(block: &[u32], dst: &mut [u8; N]) {
+    if N == 3 * BLOCK_TOKENS {
+        for (d, t) in dst.chunks_exact_mut(12).zip(block.chunks_exact(4)) {
+            let &[a, b, c, e] = t else { continue };
+            let words = [a | b << 24, b >> 8 | c << 16, c >> 16 | e << 8];
+            for (d, w) in d.chunks_exact_mut(4).zip(words) {
+                d.copy_from_slice(&w.to_le_bytes());
+            }
+        }
+    } else {
+        for (d, t) in dst.chunks_exact_mut(4).zip(block) {
+            d.copy_from_slice(&t.to_le_bytes());
+        }
     }
 }
 
@@ -382,6 +408,15 @@ mod tests {
         }
         assert_eq!(tree_chain(key, &tokens), want);
         assert!(leaves(key, &[]).is_empty() && leaves(key, &tokens[..63]).is_empty());
+        // All 3 bytes a token (the whole prompt hashed at once), a partial block left out.
+        let narrow_tokens: Vec<u32> = tokens.iter().map(|t| t % (1 << 24)).chain([7; 13]).collect();
+        let all = leaves(key, &narrow_tokens);
+        assert_eq!(all.len(), 37);
+        for (i, block) in narrow_tokens.chunks_exact(BLOCK_TOKENS).enumerate() {
+            let bytes = block_bytes(block, &mut buf);
+            assert_eq!(bytes.len(), 3 * BLOCK_TOKENS);
+            assert_eq!(all[i], blake3::Hasher::new_keyed(key).update(bytes).finalize_non_root(), "narrow leaf {i}");
+        }
     }
 
     #[test]

@@ -13,6 +13,7 @@ use superfluid_warm::{EngineEndpoint, EngineStatus, IndexFile, ListenStatus, Lis
 use super::Head;
 use super::flights::Flights;
 use super::proxy::get;
+use super::upstream::Connections;
 use crate::CliError;
 
 /// One engine.
@@ -37,6 +38,8 @@ pub(crate) struct Engine {
     pub(crate) in_doubt: AtomicBool,
     /// Its listener's batch count when it was ejected.
     received_at_ejection: AtomicU64,
+    /// Its HTTP connections, kept open between requests.
+    pub(crate) connections: Connections,
 }
 
 /// Parses `NAME=http://HOST:PORT[,events=tcp://…][,replay=tcp://…][,topic=T]` into the engine
@@ -84,6 +87,7 @@ pub(crate) fn parse(spec: &str, model: &str) -> Result<(Engine, Option<EngineEnd
         ejected: AtomicBool::new(false),
         in_doubt: AtomicBool::new(false),
         received_at_ejection: AtomicU64::new(0),
+        connections: Connections::default(),
     };
     Ok((engine, endpoint))
 }
@@ -257,7 +261,7 @@ pub(crate) fn watch(
             }
             if ticks.is_multiple_of(probe_every) {
                 for (i, e) in head.engines.iter().enumerate().filter(|(_, e)| e.ejected.load(Relaxed)) {
-                    if let Ok((200, _)) = get(&head, &e.authority, "/health", Duration::from_secs(1)).await {
+                    if let Ok((200, _)) = get(e, "/health", Duration::from_secs(1)).await {
                         e.failures_in_row.store(0, Relaxed);
                         e.ejected.store(false, Relaxed);
                         head.tally.ejected(i, true);

@@ -4,10 +4,11 @@
 //! at once, and proxies the request there, streams passed through as they come. What the engine
 //! then reports as `cached_tokens` is counted against what the head predicted.
 //!
-//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides). A prompt to render is
-//! rendered and looked up on the blocking pool, the answer awaited under a deadline; a prompt of
-//! ids is looked up on its request's own thread (a hand-over costs more than the lookup) until
-//! one runs past the deadline, then on the blocking pool under it for a while. The index is
+//! One tokio runtime carries the HTTP (hyper, HTTP/1.1, both sides; each engine connection driven
+//! by the request using it, `upstream.rs`). A prompt is rendered and looked up on its request's
+//! own thread (a hand-over to another thread costs more than the lookup), or, when it may be
+//! routed on its start, on the blocking pool, the answer awaited under a deadline; once a lookup
+//! runs past the deadline, lookups go to the blocking pool under it for a while. The index is
 //! written (the claims) by a thread of its own, so that neither a slow disk nor the commit
 //! thread's back-pressure holds a request.
 
@@ -18,6 +19,7 @@ mod gather;
 mod prompt;
 mod proxy;
 mod turns;
+mod upstream;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -28,13 +30,9 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use http_body_util::Full;
-use hyper::body::Bytes;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use superfluid_warm::{
     Costs, EngineEndpoint, IndexFile, ListenStatus, Listener, Prefix, Renderer, RouteTally, Sharing,
 };
@@ -180,8 +178,6 @@ pub(crate) struct Head {
     pub(crate) claims_dropped: AtomicU64,
     /// Requests sent to an engine so far (each one's number in its engine's `Flights`).
     pub(crate) flights: AtomicU64,
-    /// The engines' HTTP connections, kept open between requests.
-    pub(crate) client: Client<HttpConnector, Full<Bytes>>,
     /// `/v1/route`'s open decisions.
     pub(crate) tickets: api::Tickets,
     /// Set once the head stops taking requests.
@@ -257,10 +253,6 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         Some(Listener::start(watched, &endpoints, replay_timeout)?)
     };
     let (claims, claimed) = std::sync::mpsc::sync_channel(4096);
-    // A request's bytes go to the engine as they are written (a proxy's writes are whole
-    // messages or stream events: nothing to gain from Nagle's wait).
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
     let mut costs = Costs::default();
     costs.decode_tokens = args.decode_cost;
     costs.queue_weight = args.queue_weight;
@@ -293,7 +285,6 @@ pub(crate) fn serve(out: &mut impl std::io::Write, args: &ServeArgs) -> Result<E
         claims_dropped: AtomicU64::new(0),
         flights: AtomicU64::new(0),
         tickets: api::Tickets::default(),
-        client: Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(connector),
         stopping: AtomicBool::new(false),
     });
     let claimer = {

@@ -226,14 +226,15 @@ enum Source {
 /// How long an engine's `/tokenize` may take.
 const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The request's prompt in the engine's tokens. Rendered on the blocking pool (a render takes
-/// milliseconds: off the request's thread, which goes on serving others), where the same task
-/// goes on to ask the index and sends the count and the answer in one message: one hand-over
-/// between threads, and one wake-up of the request's task. Renders take the cores in turns,
-/// shortest remaining first (`turns.rs`).
-///
-/// The answer is awaited for the head's deadline from the render's end, which the render task
-/// notes before it asks the index: past it, the request goes by load with the count alone.
+/// The request's prompt in the engine's tokens, and the index's answer for them. Renders take
+/// the cores in turns, shortest remaining first (`turns.rs`). A prompt not routed on its start
+/// is rendered and looked up on the request's own thread, its worker's other tasks handed to
+/// another thread meanwhile (`block_in_place`): no thread to wake before the request goes on.
+/// Otherwise it is rendered on the blocking pool, where the same task goes on to ask the index
+/// and sends the count and the answer in one message (one wake-up of the request's task), awaited
+/// for the head's deadline from the render's end, which the render task notes before it asks.
+/// Either way an answer that took longer than the deadline is not used: the request goes by load
+/// with the count alone.
 ///
 /// With `early` (a request the head proxies), a long prompt is routed on its start: as its
 /// pieces are tokenized, the index is asked about the tokens so far (from [`FIRST_LOOK`] tokens
@@ -261,6 +262,11 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         Source::Text { prompt, .. } => prompt.len(),
         Source::Chat { messages, .. } => messages.len(),
     };
+    // Not to be routed on its start, while the index answers in time: here. A hand-over to the
+    // blocking pool and back would wake two idle cores, which costs more than the lookup.
+    if (!early || text_bytes < EARLY_BYTES) && head.lookup_inline() {
+        return tokio::task::block_in_place(|| rendered_here(head, &source, text_bytes));
+    }
     let (done, finished) = tokio::sync::oneshot::channel::<Result<Finished, String>>();
     let (rest_sender, rest) = tokio::sync::oneshot::channel();
     let rendered: Arc<OnceLock<Rendered>> = Arc::default();
@@ -296,14 +302,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
                 let _ = done.send(Ok(Finished { rendered, answer, looked: Duration::ZERO, on_start: true }));
             }
         };
-        let ids = match &source {
-            Source::Text { prompt, add_special_tokens } => {
-                r.completion_in_steps(prompt, *add_special_tokens, &mut step)
-            }
-            Source::Chat { messages, tools, add_generation_prompt, .. } => {
-                r.chat_in_steps(messages, tools.as_deref(), *add_generation_prompt, &mut step)
-            }
-        };
+        let ids = render(r, &source, &mut step);
         // The core goes to the next render before the lookup.
         drop(turn);
         match (ids, done) {
@@ -350,6 +349,45 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
         Err(_) => Tokens::Unrendered("render: the task ended".into()),
     }
 }
+
+/// The prompt's tokens by the head's renderer, `step` told of each piece as
+/// [`superfluid_warm::Renderer::chat_in_steps`] tells it.
+fn render(
+    r: &superfluid_warm::Renderer,
+    source: &Source,
+    step: &mut dyn FnMut(&[u32], usize, usize),
+) -> superfluid_warm::Result<Vec<u32>> {
+    match source {
+        Source::Text { prompt, add_special_tokens } => r.completion_in_steps(prompt, *add_special_tokens, step),
+        Source::Chat { messages, tools, add_generation_prompt, .. } => {
+            r.chat_in_steps(messages, tools.as_deref(), *add_generation_prompt, step)
+        }
+    }
+}
+
+/// The prompt rendered whole, in its turn, and looked up, all on this thread; an answer that
+/// took longer than the deadline is not used.
+fn rendered_here(head: &Head, source: &Source, text_bytes: usize) -> Tokens {
+    let Some(r) = head.renderer.as_ref() else { return Tokens::Unrendered("no renderer".into()) };
+    let started = Instant::now();
+    let mut turn = head.turns.arrive(text_bytes);
+    let ids = render(r, source, &mut |_, bytes, of| turn.next_piece(of.saturating_sub(bytes)));
+    // The core goes to the next render before the lookup.
+    drop(turn);
+    let ids = match ids {
+        Ok(ids) => ids,
+        Err(e) => return Tokens::Unrendered(format!("render: {e}")),
+    };
+    let took = started.elapsed();
+    let (answer, looked) = head.lookup_here(&ids);
+    let looked = if looked > head.deadline { Err(looked) } else { Ok((answer, looked)) };
+    Tokens::Ids { count: ids.len(), took: Some(took), lookup: Lookup::Rendered(looked, None) }
+}
+
+/// Bytes of text under which a prompt is not routed on its start: it rarely reaches
+/// [`FIRST_LOOK`] tokens (English runs about 4 bytes a token), and one that does is routed a
+/// render later.
+const EARLY_BYTES: usize = 4 * FIRST_LOOK;
 
 /// A render's end: the prompt's token count (estimated when it was routed on its start), how
 /// long rendering took, and when it ended.
@@ -465,7 +503,7 @@ async fn engine_tokenize(head: &Arc<Head>, source: &Source) -> Result<Vec<u32>, 
             r
         }
     };
-    let (status, answer) = post_json(head, &engine.authority, "/tokenize", &request, TOKENIZE_TIMEOUT)
+    let (status, answer) = post_json(engine, "/tokenize", &request, TOKENIZE_TIMEOUT)
         .await
         .map_err(|e| format!("{}'s /tokenize: {e}", engine.name))?;
     if status != 200 {

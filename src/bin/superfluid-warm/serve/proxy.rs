@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::{Body, Bytes, Frame, Incoming};
+use hyper::body::{Body, Bytes, Frame};
 use hyper::header::{CONTENT_LENGTH, CONTENT_TYPE, HOST, HeaderMap, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::Value;
@@ -18,7 +18,8 @@ use superfluid_warm::{Candidate, Hit, Prefix, Priced, choose, record_decision, r
 
 use super::Head;
 use super::api::error;
-use super::engines::Flight;
+use super::engines::{Engine, Flight};
+use super::upstream::{EngineBody, SendError};
 
 /// The body of every answer the head gives.
 pub(crate) type Out = BoxBody<Bytes, hyper::Error>;
@@ -222,13 +223,14 @@ pub(crate) async fn forward(
     strip_usage: bool,
     timing: &str,
 ) -> Result<Response<Out>, (Flight, Failed)> {
-    let Some(engine) = flight.head.engines.get(flight.engine) else {
+    let head = Arc::clone(&flight.head);
+    let Some(engine) = head.engines.get(flight.engine) else {
         let failed = Failed { reason: "gone", detail: "no such engine".into(), answer: None };
         return Err((flight, failed));
     };
-    let (name, authority) = (engine.name.clone(), engine.authority.clone());
+    let name = engine.name.clone();
     let fail = |reason, detail: String| Failed { reason, detail, answer: None };
-    let mut request = Request::builder().method(method).uri(format!("http://{authority}{path}"));
+    let mut request = Request::builder().method(method).uri(path).header(HOST, engine.authority.as_str());
     for (k, v) in headers {
         if !hop_by_hop(k.as_str()) && k != HOST && k != CONTENT_LENGTH {
             request = request.header(k, v);
@@ -238,14 +240,11 @@ pub(crate) async fn forward(
         Ok(r) => r,
         Err(e) => return Err((flight, fail("request", e.to_string()))),
     };
-    // The request goes to the engine's connection first, and the claim (which wakes the claim
-    // thread) after it: on two cores, the engine's own thread would otherwise wait behind it.
-    let mut sending = std::pin::pin!(flight.head.client.request(request));
+    // The first poll writes the request to the engine (on a connection kept open); the claim
+    // (which wakes the claim thread) comes after it: on two cores, the engine's own thread
+    // would otherwise wait behind it.
+    let mut sending = std::pin::pin!(engine.connections.send(&engine.authority, request));
     let first = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await;
-    if first.is_pending() {
-        // The connection's task writes the request before this task runs again.
-        tokio::task::yield_now().await;
-    }
     if let Some(prefix) = flight.claim.take() {
         flight.head.claim(prefix, flight.engine);
     }
@@ -255,8 +254,8 @@ pub(crate) async fn forward(
     };
     let response = match sent {
         Ok(r) => r,
-        Err(e) if e.is_connect() => return Err((flight, fail("connect", format!("{name}: {}", cause(&e))))),
-        Err(e) => return Err((flight, fail("reset", format!("{name}: {}", cause(&e))))),
+        Err(e @ SendError::Connect(_)) => return Err((flight, fail("connect", format!("{name}: {e}")))),
+        Err(e) => return Err((flight, fail("reset", format!("{name}: {e}")))),
     };
     let (parts, incoming) = response.into_parts();
     if parts.status.is_server_error() {
@@ -350,20 +349,9 @@ fn hop_by_hop(name: &str) -> bool {
 /// away), it drops the engine's response, whose connection is then closed rather than pooled:
 /// vLLM cancels the request.
 struct Relay {
-    inner: Incoming,
+    inner: EngineBody,
     scan: Scan,
     flight: Option<Flight>,
-}
-
-/// What an error of the client says, down to its root (a refused connection, a reset).
-fn cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut said = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        said = format!("{said}: {s}");
-        source = s.source();
-    }
-    said
 }
 
 /// Reads a server-sent-events stream: the first event is the first token, a usage event tells
@@ -449,13 +437,13 @@ impl Body for Relay {
     }
 }
 
-/// A GET of `path` on `authority` through the head's pooled client: its status and JSON body
+/// A GET of `path` on `engine`, on one of its connections: its status and JSON body
 /// (`Null` if not JSON).
 ///
 /// # Errors
 /// What failed (connect, send, read, timeout).
-pub(crate) async fn get(head: &Head, authority: &str, path: &str, timeout: Duration) -> Result<(u16, Value), String> {
-    call(head, authority, Method::GET, path, None, timeout).await
+pub(crate) async fn get(engine: &Engine, path: &str, timeout: Duration) -> Result<(u16, Value), String> {
+    call(engine, Method::GET, path, None, timeout).await
 }
 
 /// A POST of `body` as JSON.
@@ -463,18 +451,16 @@ pub(crate) async fn get(head: &Head, authority: &str, path: &str, timeout: Durat
 /// # Errors
 /// As [`get`].
 pub(crate) async fn post_json(
-    head: &Head,
-    authority: &str,
+    engine: &Engine,
     path: &str,
     body: &Value,
     timeout: Duration,
 ) -> Result<(u16, Value), String> {
-    call(head, authority, Method::POST, path, Some(Bytes::from(body.to_string())), timeout).await
+    call(engine, Method::POST, path, Some(Bytes::from(body.to_string())), timeout).await
 }
 
 async fn call(
-    head: &Head,
-    authority: &str,
+    engine: &Engine,
     method: Method,
     path: &str,
     body: Option<Bytes>,
@@ -483,11 +469,12 @@ async fn call(
     let exchange = async {
         let request = Request::builder()
             .method(method)
-            .uri(format!("http://{authority}{path}"))
+            .uri(path)
+            .header(HOST, engine.authority.as_str())
             .header(CONTENT_TYPE, "application/json")
             .body(Full::new(body.unwrap_or_default()))
             .map_err(|e| e.to_string())?;
-        let response = head.client.request(request).await.map_err(|e| cause(&e))?;
+        let response = engine.connections.send(&engine.authority, request).await.map_err(|e| e.to_string())?;
         let status = response.status().as_u16();
         let bytes = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
         Ok((status, serde_json::from_slice(&bytes).unwrap_or(Value::Null)))

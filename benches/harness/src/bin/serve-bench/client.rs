@@ -3,7 +3,15 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
+
+/// When a request was written: its last byte's time, on both clocks (the engine's socket stamps
+/// the wall clock).
+#[derive(Clone, Copy)]
+pub struct Sent {
+    pub at: Instant,
+    pub wall: SystemTime,
+}
 
 pub struct Client {
     addr: SocketAddr,
@@ -18,7 +26,7 @@ impl Client {
     }
 
     /// POSTs `body` to `path`; the status, the body, and when the request was written.
-    pub fn post(&mut self, path: &str, body: &str, headers: &str) -> std::io::Result<(u16, String, Instant)> {
+    pub fn post(&mut self, path: &str, body: &str, headers: &str) -> std::io::Result<(u16, String, Sent)> {
         for retry in 0..2 {
             match self.try_post(path, body, headers) {
                 Ok(r) => return Ok(r),
@@ -33,7 +41,7 @@ impl Client {
         Err(std::io::Error::other("unreachable"))
     }
 
-    fn try_post(&mut self, path: &str, body: &str, headers: &str) -> std::io::Result<(u16, String, Instant)> {
+    fn try_post(&mut self, path: &str, body: &str, headers: &str) -> std::io::Result<(u16, String, Sent)> {
         if self.conn.is_none() {
             let s = TcpStream::connect(self.addr)?;
             s.set_nodelay(true)?;
@@ -48,7 +56,7 @@ impl Client {
         // Taken before the write: after it, on a loaded 2-core machine, this thread may not run
         // again until the head has long forwarded the request. Loopback takes the whole request
         // into its buffer at once, so this is its last byte's time to a few microseconds.
-        let sent = Instant::now();
+        let sent = Sent { wall: SystemTime::now(), at: Instant::now() };
         stream.write_all(request.as_bytes())?;
         let mut line = String::new();
         reader.read_line(&mut line)?;

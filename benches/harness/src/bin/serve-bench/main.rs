@@ -1,7 +1,9 @@
 //! `serve-bench`: what `superfluid-warm serve` adds to a request, and how many it proxies, beside
 //! `vllm-router --policy round_robin` in the same run.
 //!
-//! - **Overhead**: from the client's last byte to the engine's first, one request at a time,
+//! - **Overhead**: from the client's last byte to the engine's first, one request at a time
+//!   (the first byte's time is when it reached the engine's socket, the kernel's receive time;
+//!   when the engine's thread, woken, read it is given too),
 //!   for chats of about 1k and 8k tokens (the Llama 3 template and a real BPE tokenizer), and for
 //!   the same lengths as token ids (no tokenizing: the index's answer, the choice and the proxy).
 //!   Each chat's own tokenizing time in the head (its answer's `server-timing`) is taken off to
@@ -27,8 +29,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use client::Client;
-use engine::InstantEngine;
+use client::{Client, Sent};
+use engine::{Arrival, InstantEngine};
 use serde_json::{Value, json};
 use superfluid_warm::Renderer;
 
@@ -165,9 +167,18 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v
 }
 
+/// From a request's last byte to its first byte at the engine, µs: into the engine's socket (the
+/// kernel's stamp; without one, as read), and as the engine's thread read it.
+fn took(sent: &Sent, came: &Arrival) -> (f64, f64) {
+    let read = came.read.saturating_duration_since(sent.at).as_secs_f64() * 1e6;
+    let socket = came.socket.and_then(|s| s.duration_since(sent.wall).ok()).map(|d| d.as_secs_f64() * 1e6);
+    (socket.unwrap_or(read), read)
+}
+
 /// One run's overhead figures for one prompt size, in µs: (chat p50, chat p99, ids p50, ids
 /// p99, head tokenizing p50, in-process render p50, rest p50, rest p99, index p50, the head's
-/// decision less its tokenizing p50, the same body straight to an engine p50).
+/// decision less its tokenizing p50, the same body straight to an engine p50, the next turn's
+/// tokenizing p50, the rest p50 and the same body straight p50 to the engine thread's read).
 fn overhead(
     addr: SocketAddr,
     engines: &[&InstantEngine],
@@ -175,7 +186,7 @@ fn overhead(
     size: usize,
     n: usize,
     run: u64,
-) -> [f64; 12] {
+) -> [f64; 14] {
     let mut client = Client::new(addr);
     // The same body straight to an engine: the transport's own share (loopback, and the wake-up
     // of a thread waiting on a socket), which any head pays once more.
@@ -184,6 +195,7 @@ fn overhead(
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut next_tok = Vec::new();
     let (mut index, mut decision, mut direct) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut rest_read, mut direct_read) = (Vec::new(), Vec::new());
     // The prompts first (growing one renders the same text many times: a renderer of its own,
     // so that `renderer` keeps no piece of them); then, request by request, `Renderer::chat`
     // here on the chat just before the head gets it, so that both run in the same conditions
@@ -205,7 +217,7 @@ fn overhead(
             client.post("/v1/chat/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("chat");
         assert_eq!(status, 200);
         if let Some(came) = arrived(id) {
-            let total = came.saturating_duration_since(sent).as_secs_f64() * 1e6;
+            let (total, read) = took(&sent, &came);
             chat.push(total);
             // The head's own tokenizing time for this request (`server-timing`, ms): the rest is
             // what the decision and the proxy add.
@@ -219,6 +231,7 @@ fn overhead(
                 // New to the head: it kept no piece of it.
                 head_tok.push(t * 1e3);
                 rest.push(total - t * 1e3);
+                rest_read.push(read - t * 1e3);
                 if let (Some(i), Some(d)) = (timing("index;dur="), timing("decision;dur=")) {
                     index.push(i * 1e3);
                     decision.push((d - t) * 1e3);
@@ -230,7 +243,9 @@ fn overhead(
             direct_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {hop}\r\n")).expect("direct");
         assert_eq!(status, 200);
         if let Some(came) = arrived(hop) {
-            direct.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
+            let (socket, read) = took(&sent, &came);
+            direct.push(socket);
+            direct_read.push(read);
         }
         // The same tokens as ids: no tokenizing.
         let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
@@ -238,7 +253,7 @@ fn overhead(
         let (status, _, sent) = client.post("/v1/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("ids");
         assert_eq!(status, 200);
         if let Some(came) = arrived(id) {
-            ids.push(came.saturating_duration_since(sent).as_secs_f64() * 1e6);
+            ids.push(took(&sent, &came).0);
         }
         // The head's own tokenizing time for this chat's next turn (one exchange more): the
         // pieces it kept of this one are not tokenized again.
@@ -256,6 +271,7 @@ fn overhead(
     }
     let (chat, ids, head_tok, local, rest) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local), sorted(rest));
     let (index, decision, direct, next_tok) = (sorted(index), sorted(decision), sorted(direct), sorted(next_tok));
+    let (rest_read, direct_read) = (sorted(rest_read), sorted(direct_read));
     [
         quantile(&chat, 0.5),
         quantile(&chat, 0.99),
@@ -269,6 +285,8 @@ fn overhead(
         quantile(&decision, 0.5),
         quantile(&direct, 0.5),
         quantile(&next_tok, 0.5),
+        quantile(&rest_read, 0.5),
+        quantile(&direct_read, 0.5),
     ]
 }
 
@@ -319,7 +337,7 @@ fn main() {
     let args = Args::parse();
     let renderer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
     let sizes = args.sizes.clone();
-    let mut over: Vec<Vec<[f64; 12]>> = vec![Vec::new(); sizes.len()];
+    let mut over: Vec<Vec<[f64; 14]>> = vec![Vec::new(); sizes.len()];
     let (mut serve_rps, mut peer_rps) = (Vec::new(), Vec::new());
     let mut peer_missing = None;
     for run in 0..args.runs {
@@ -363,6 +381,8 @@ fn main() {
                 "decision_less_tokenize_p50_us",
                 "direct_p50_us",
                 "head_tokenize_next_turn_p50_us",
+                "rest_to_engine_thread_p50_us",
+                "direct_to_engine_thread_p50_us",
             ],
             json!({}),
         );
@@ -386,10 +406,15 @@ fn main() {
             f(3)
         );
         println!(
-            "    of the rest, in the head's decision (parse, hash, index, choice) p50 {}, of which the index p50 {}; the same body straight to an engine (no head) p50 {}",
+            "    of the rest, in the head's decision (parse, hash, index) p50 {}, of which the index p50 {}; the same body straight to an engine (no head) p50 {}",
             f(9),
             f(8),
             f(10)
+        );
+        println!(
+            "    to the engine's thread's read (woken) instead of its socket: less its tokenizing p50 {}; the same body straight p50 {}",
+            f(12),
+            f(13)
         );
         println!(
             "    tokenizing in the head p50 {} against Renderer::chat in-process {}: {:.2}x [{:.2} - {:.2}]; the chat's next turn tokenized in the head p50 {}",

@@ -5,6 +5,7 @@
 //! it, and gives it back once read to its end; a body dropped before its end closes it, which
 //! cancels the request in the engine.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -51,17 +52,26 @@ impl Conn {
         ended
     }
 
-    /// Whether it can take the next request: still open, and its last exchange over.
-    fn ready(&mut self) -> bool {
+    /// Whether it can take the next request: still open (as far as it knows), and its last
+    /// exchange over.
+    fn ready(&self) -> bool {
+        self.connection.is_some() && self.sender.is_ready()
+    }
+
+    /// [`Conn::ready`], once it has read what came while it waited (the engine closing it).
+    fn still_ready(&mut self) -> bool {
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        self.drive(&mut cx).is_pending() && self.sender.is_ready()
+        self.drive(&mut cx).is_pending() && self.ready()
     }
 }
+
+/// Idle connections, the oldest first.
+type Idle = VecDeque<(Conn, Instant)>;
 
 /// An engine's idle connections, the last used first.
 #[derive(Default)]
 pub(crate) struct Connections {
-    idle: Arc<Mutex<Vec<(Conn, Instant)>>>,
+    idle: Arc<Mutex<Idle>>,
 }
 
 /// Why a request did not reach its engine, or had no answer.
@@ -88,18 +98,23 @@ impl std::fmt::Display for SendError {
 }
 
 impl Connections {
-    /// An idle connection that is still open, if there is one; the expired ones closed.
+    /// An idle connection that is still open, if there is one; the expired ones closed. The
+    /// lock is held only to take one: two threads take and give back connections all the time.
     fn take(&self) -> Option<Conn> {
-        let Ok(mut idle) = self.idle.lock() else { return None };
-        idle.retain(|(_, since)| since.elapsed() < IDLE_FOR);
-        while let Some((mut conn, _)) = idle.pop() {
+        loop {
+            let (mut conn, _) = {
+                let mut idle = self.idle.lock().ok()?;
+                while idle.front().is_some_and(|(_, since)| since.elapsed() >= IDLE_FOR) {
+                    idle.pop_front();
+                }
+                idle.pop_back()?
+            };
             // One closed by the engine while it waited (a restart) is dropped here.
-            if conn.ready() {
+            if conn.still_ready() {
                 conn.reused = true;
                 return Some(conn);
             }
         }
-        None
     }
 
     /// Sends `request` (its URI a path) to the engine at `authority`, on an idle connection or
@@ -163,7 +178,7 @@ fn copy(r: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
 pub(crate) struct EngineBody {
     incoming: Incoming,
     conn: Option<Conn>,
-    home: Arc<Mutex<Vec<(Conn, Instant)>>>,
+    home: Arc<Mutex<Idle>>,
 }
 
 impl Body for EngineBody {
@@ -172,19 +187,23 @@ impl Body for EngineBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
-        if let Some(conn) = this.conn.as_mut()
-            && let Poll::Ready(Err(e)) = conn.drive(cx)
+        // What the connection has read already first; it reads more only when that is all.
+        let mut frame = Pin::new(&mut this.incoming).poll_frame(cx);
+        if frame.is_pending()
+            && let Some(conn) = this.conn.as_mut()
         {
-            this.conn = None;
-            return Poll::Ready(Some(Err(e)));
+            if let Poll::Ready(Err(e)) = conn.drive(cx) {
+                this.conn = None;
+                return Poll::Ready(Some(Err(e)));
+            }
+            frame = Pin::new(&mut this.incoming).poll_frame(cx);
         }
-        let frame = Pin::new(&mut this.incoming).poll_frame(cx);
         if let Poll::Ready(None) = frame
-            && let Some(mut conn) = this.conn.take()
+            && let Some(conn) = this.conn.take()
             && conn.ready()
             && let Ok(mut idle) = this.home.lock()
         {
-            idle.push((conn, Instant::now()));
+            idle.push_back((conn, Instant::now()));
         }
         frame
     }

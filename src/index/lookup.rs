@@ -5,7 +5,8 @@
 //! ranges oldest first, so a block's ancestors are never older than it and never evicted before
 //! it: along a chain, the remembered blocks are always a prefix (ARCHITECTURE.md, invariant 3).
 //! The longest remembered prefix is therefore found by binary search, in about log2(blocks)
-//! reads instead of one per block. 0.1.7's imported entries promise no such thing, so their
+//! reads instead of one per block, after one of the first block (a prompt most nodes do not
+//! hold is answered in that one). 0.1.7's imported entries promise no such thing, so their
 //! chain is walked block by block as 0.1.7 did.
 
 // The hot path of every answer: each index below comes from a search bounded by the chain's

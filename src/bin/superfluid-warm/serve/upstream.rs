@@ -27,8 +27,6 @@ type Connection = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
 struct Conn {
     sender: SendRequest<Full<Bytes>>,
     connection: Option<Connection>,
-    /// Whether it served a request before this one.
-    reused: bool,
 }
 
 impl Conn {
@@ -38,7 +36,7 @@ impl Conn {
         // A request's bytes go as they are written: a proxy writes whole messages.
         stream.set_nodelay(true).map_err(SendError::Connect)?;
         let (sender, connection) = http1::handshake(TokioIo::new(stream)).await.map_err(SendError::Http)?;
-        Ok(Conn { sender, connection: Some(connection), reused: false })
+        Ok(Conn { sender, connection: Some(connection) })
     }
 
     /// Does the connection's reads and writes for this task; `Ready` once it ended (closed by
@@ -111,7 +109,6 @@ impl Connections {
             };
             // One closed by the engine while it waited (a restart) is dropped here.
             if conn.still_ready() {
-                conn.reused = true;
                 return Some(conn);
             }
         }
@@ -120,7 +117,7 @@ impl Connections {
     /// Sends `request` (its URI a path) to the engine at `authority`, on an idle connection or
     /// a new one, and gives its answer's head, with a body that drives the connection. A
     /// connection kept open may turn out closed by the engine before the request could go: the
-    /// request then goes once more, on a new one.
+    /// request then goes once more, on another.
     ///
     /// # Errors
     /// [`SendError`]: no connection, or it failed before the answer's head.
@@ -129,41 +126,46 @@ impl Connections {
         authority: &str,
         request: Request<Full<Bytes>>,
     ) -> Result<Response<EngineBody>, SendError> {
-        let mut request = Some(request);
-        loop {
-            let mut conn = match self.take() {
-                Some(conn) => conn,
-                None => Conn::open(authority).await?,
-            };
-            // On a connection kept open, a copy: the request may have to go again.
-            let this_time = match (&request, conn.reused) {
-                (Some(r), true) => copy(r),
-                _ => request.take().ok_or_else(|| SendError::Connect(std::io::ErrorKind::NotConnected.into()))?,
-            };
-            let mut answer = std::pin::pin!(conn.sender.send_request(this_time));
-            let mut ended = false;
-            let head = std::future::poll_fn(|cx| {
-                // The connection first: it writes the request now, on this thread.
-                if !ended {
-                    ended = conn.drive(cx).is_ready();
-                }
-                answer.as_mut().poll(cx)
-            })
-            .await;
-            match head {
-                Ok(response) => {
-                    let home = Arc::clone(&self.idle);
-                    return Ok(response.map(|incoming| EngineBody { incoming, conn: Some(conn), home }));
-                }
-                // Closed while it waited: once more, on a new one.
-                Err(e) if conn.reused && (e.is_canceled() || e.is_incomplete_message()) => {}
-                Err(e) => return Err(SendError::Http(e)),
+        while let Some(conn) = self.take() {
+            match self.exchange(conn, copy(&request)).await {
+                Err(e) if closed_under_it(&e) => {}
+                answer => return answer.map_err(SendError::Http),
             }
         }
+        let conn = Conn::open(authority).await?;
+        self.exchange(conn, request).await.map_err(SendError::Http)
+    }
+
+    /// `request` on `conn`, driven by this task until the answer's head.
+    async fn exchange(&self, mut conn: Conn, request: Request<Full<Bytes>>) -> hyper::Result<Response<EngineBody>> {
+        let mut answer = std::pin::pin!(conn.sender.send_request(request));
+        let mut ended = false;
+        let head = std::future::poll_fn(|cx| {
+            // The connection first: it writes the request now, on this thread.
+            if !ended {
+                ended = conn.drive(cx).is_ready();
+            }
+            answer.as_mut().poll(cx)
+        })
+        .await?;
+        let home = Arc::clone(&self.idle);
+        Ok(head.map(|incoming| EngineBody { incoming, conn: Some(conn), home }))
     }
 }
 
-/// A request made again (its body is shared, not copied).
+/// Whether a connection kept open failed because the engine had closed it (a restart, its
+/// keep-alive timeout): closed before the request went or was answered, or reset by the
+/// engine's side as the request came to a socket it had closed.
+fn closed_under_it(e: &hyper::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+    let io = std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>());
+    e.is_canceled()
+        || e.is_closed()
+        || e.is_incomplete_message()
+        || io.is_some_and(|io| matches!(io.kind(), ConnectionReset | BrokenPipe | ConnectionAborted))
+}
+
+/// A request made again, for a connection kept open (its body is shared, not copied).
 fn copy(r: &Request<Full<Bytes>>) -> Request<Full<Bytes>> {
     let mut again = Request::new(r.body().clone());
     *again.method_mut() = r.method().clone();

@@ -342,7 +342,7 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
             // the render ended: no deadline to meet).
             let rest = on_start.then_some(rest);
             let waited = rendered.at.elapsed();
-            let looked = if looked > head.deadline { Err(waited) } else { Ok((answer, waited)) };
+            let looked = head.in_time(answer, looked, waited);
             Tokens::Ids { count: rendered.count, took: Some(rendered.took), lookup: Lookup::Rendered(looked, rest) }
         }
         Ok(Err(why)) => Tokens::Unrendered(why),
@@ -380,7 +380,7 @@ fn rendered_here(head: &Head, source: &Source, text_bytes: usize) -> Tokens {
     };
     let took = started.elapsed();
     let (answer, looked) = head.lookup_here(&ids);
-    let looked = if looked > head.deadline { Err(looked) } else { Ok((answer, looked)) };
+    let looked = head.in_time(answer, looked, looked);
     Tokens::Ids { count: ids.len(), took: Some(took), lookup: Lookup::Rendered(looked, None) }
 }
 

@@ -80,6 +80,17 @@ impl Head {
         self.hand_over_until.load(Relaxed) <= self.born.elapsed().as_micros() as u64
     }
 
+    /// A rendered prompt's answer, which took `looked` to ask: used within the deadline (with
+    /// `waited`, the time from the render's end), else not (only how long was waited).
+    pub(crate) fn in_time(
+        &self,
+        answer: Answer,
+        looked: Duration,
+        waited: Duration,
+    ) -> Result<(Answer, Duration), Duration> {
+        if looked > self.deadline { Err(waited) } else { Ok((answer, waited)) }
+    }
+
     /// Looks `tokens` up on this thread (and how long that took), noting a lookup past the
     /// deadline.
     pub(crate) fn lookup_here(&self, tokens: &[u32]) -> (Answer, Duration) {

@@ -90,14 +90,12 @@ fn narrow(block: &[u32]) -> bool {
 /// A block's bytes (see the module docs), written into `buf`; returns the part of `buf` they fill.
 fn block_bytes<'a>(block: &[u32], buf: &'a mut [u8; 4 * BLOCK_TOKENS]) -> &'a [u8] {
     if narrow(block) {
-        for (dst, t) in buf.chunks_exact_mut(3).zip(block) {
-            dst.copy_from_slice(&t.to_le_bytes()[..3]);
+        if let Some(bytes) = buf.first_chunk_mut::<{ 3 * BLOCK_TOKENS }>() {
+            pack(block, bytes);
         }
         &buf[..3 * BLOCK_TOKENS]
     } else {
-        for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
-            dst.copy_from_slice(&t.to_le_bytes());
-        }
+        pack(block, buf);
         buf
     }
 }
@@ -292,8 +290,8 @@ fn hash_width<'b, const N: usize>(
     platform.hash_many(&inputs, key, 0, blake3::IncrementCounter::No, KEYED_HASH, CHUNK_START, CHUNK_END, hashed);
 }
 
-/// Writes a block's tokens into `dst` as [`block_bytes`] does: 3 bytes each (LE) when `dst` is
-/// 3 bytes a token (every token then below 2^24), else 4. Four 3-byte tokens are three
+/// Writes a block's tokens into `dst`, each token's low bytes little-endian: 3 bytes each when
+/// `dst` is 3 bytes a token (every token then below 2^24), else 4. Four 3-byte tokens are three
 /// little-endian words.
 fn pack<const N: usize>(block: &[u32], dst: &mut [u8; N]) {
     if N == 3 * BLOCK_TOKENS {
@@ -408,6 +406,13 @@ mod tests {
         }
         assert_eq!(tree_chain(key, &tokens), want);
         assert!(leaves(key, &[]).is_empty() && leaves(key, &tokens[..63]).is_empty());
+        // A block's bytes are each token's low 3 (or 4) bytes, little-endian, in order.
+        let block = &tokens[..BLOCK_TOKENS];
+        let want: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes().into_iter().take(3)).collect();
+        assert_eq!(block_bytes(block, &mut buf), &want[..]);
+        let wide = &tokens[3 * BLOCK_TOKENS..4 * BLOCK_TOKENS];
+        let want: Vec<u8> = wide.iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(block_bytes(wide, &mut buf), &want[..]);
         // All 3 bytes a token (the whole prompt hashed at once), a partial block left out.
         let narrow_tokens: Vec<u32> = tokens.iter().map(|t| t % (1 << 24)).chain([7; 13]).collect();
         let all = leaves(key, &narrow_tokens);

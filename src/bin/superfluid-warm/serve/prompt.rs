@@ -264,8 +264,9 @@ pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest
     };
     // Not to be routed on its start, while the index answers in time: here. A hand-over to the
     // blocking pool and back would wake two idle cores, which costs more than the lookup.
-    if (!early || text_bytes < EARLY_BYTES) && head.lookup_inline() {
-        return tokio::task::block_in_place(|| rendered_here(head, &source, text_bytes));
+    let here = (!early || text_bytes < EARLY_BYTES) && head.lookup_inline();
+    if let Some(r) = head.renderer.as_ref().filter(|_| here) {
+        return tokio::task::block_in_place(|| rendered_here(head, r, &source, text_bytes));
     }
     let (done, finished) = tokio::sync::oneshot::channel::<Result<Finished, String>>();
     let (rest_sender, rest) = tokio::sync::oneshot::channel();
@@ -367,8 +368,7 @@ fn render(
 
 /// The prompt rendered whole, in its turn, and looked up, all on this thread; an answer that
 /// took longer than the deadline is not used.
-fn rendered_here(head: &Head, source: &Source, text_bytes: usize) -> Tokens {
-    let Some(r) = head.renderer.as_ref() else { return Tokens::Unrendered("no renderer".into()) };
+fn rendered_here(head: &Head, r: &superfluid_warm::Renderer, source: &Source, text_bytes: usize) -> Tokens {
     let started = Instant::now();
     let mut turn = head.turns.arrive(text_bytes);
     let ids = render(r, source, &mut |_, bytes, of| turn.next_piece(of.saturating_sub(bytes)));

@@ -11,6 +11,9 @@
 //!   never saw the chat) just before each request. Then the chat's next turn (one exchange
 //!   more) goes to `/v1/route`, whose `took_us` is the head's tokenizing of a turn whose history
 //!   it kept in pieces.
+//! - **The anchor**: the same chats through `vllm-router --policy round_robin` in the same run,
+//!   request by request beside the head's: a Rust proxy that reads and writes the body and
+//!   decides nothing, so the transport and wake-ups any head pays, measured the same way.
 //! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
 //!   few seconds through each router to two engines that answer at once.
 //!
@@ -178,16 +181,21 @@ fn took(sent: &Sent, came: &Arrival) -> (f64, f64) {
 /// One run's overhead figures for one prompt size, in µs: (chat p50, chat p99, ids p50, ids
 /// p99, head tokenizing p50, in-process render p50, rest p50, rest p99, index p50, the head's
 /// decision less its tokenizing p50, the same body straight to an engine p50, the next turn's
-/// tokenizing p50, the rest p50 and the same body straight p50 to the engine thread's read).
+/// tokenizing p50, the rest p50 and the same body straight p50 to the engine thread's read, the
+/// same body through `vllm-router` p50 and p99; NaN without it).
 fn overhead(
     addr: SocketAddr,
+    peer: Option<SocketAddr>,
     engines: &[&InstantEngine],
     renderer: &Renderer,
     size: usize,
     n: usize,
     run: u64,
-) -> [f64; 14] {
+) -> [f64; FIGURES] {
     let mut client = Client::new(addr);
+    // The anchor: the same body through `vllm-router`, just after the head's.
+    let mut peer_client = peer.map(Client::new);
+    let mut through_peer = Vec::new();
     // The same body straight to an engine: the transport's own share (loopback, and the wake-up
     // of a thread waiting on a socket), which any head pays once more.
     let mut direct_client = Client::new(engines.first().expect("an engine").addr);
@@ -238,6 +246,15 @@ fn overhead(
                 }
             }
         }
+        if let Some(peer_client) = peer_client.as_mut() {
+            let via = id + 700;
+            let (status, _, sent) =
+                peer_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {via}\r\n")).expect("peer");
+            assert_eq!(status, 200);
+            if let Some(came) = arrived(via) {
+                through_peer.push(took(&sent, &came).0);
+            }
+        }
         let hop = id + 900;
         let (status, _, sent) =
             direct_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {hop}\r\n")).expect("direct");
@@ -271,7 +288,7 @@ fn overhead(
     }
     let (chat, ids, head_tok, local, rest) = (sorted(chat), sorted(ids), sorted(head_tok), sorted(local), sorted(rest));
     let (index, decision, direct, next_tok) = (sorted(index), sorted(decision), sorted(direct), sorted(next_tok));
-    let (rest_read, direct_read) = (sorted(rest_read), sorted(direct_read));
+    let (rest_read, direct_read, through_peer) = (sorted(rest_read), sorted(direct_read), sorted(through_peer));
     [
         quantile(&chat, 0.5),
         quantile(&chat, 0.99),
@@ -287,8 +304,13 @@ fn overhead(
         quantile(&next_tok, 0.5),
         quantile(&rest_read, 0.5),
         quantile(&direct_read, 0.5),
+        quantile(&through_peer, 0.5),
+        quantile(&through_peer, 0.99),
     ]
 }
+
+/// Figures [`overhead`] gives a run.
+const FIGURES: usize = 16;
 
 /// Requests a second through the router at `addr` from `clients` kept-alive clients.
 fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> f64 {
@@ -337,30 +359,35 @@ fn main() {
     let args = Args::parse();
     let renderer = Renderer::open(tokenizer_dir()).expect("the Llama 3 tokenizer fixture");
     let sizes = args.sizes.clone();
-    let mut over: Vec<Vec<[f64; 14]>> = vec![Vec::new(); sizes.len()];
+    let mut over: Vec<Vec<[f64; FIGURES]>> = vec![Vec::new(); sizes.len()];
     let (mut serve_rps, mut peer_rps) = (Vec::new(), Vec::new());
     let mut peer_missing = None;
     for run in 0..args.runs {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let engines = [InstantEngine::start().expect("engine"), InstantEngine::start().expect("engine")];
         let refs: Vec<&InstantEngine> = engines.iter().collect();
+        // Both routers up (each idle while the other is measured), so that the overhead's chats
+        // go through both in turn.
+        let peer = start_vllm_router(&args.vllm_router, &refs);
+        if peer.is_none() {
+            peer_missing = Some(format!(
+                "{} did not start (pip install vllm-router==0.1.17, or give --vllm-router PATH)",
+                args.vllm_router
+            ));
+        }
+        let peer_addr = peer.as_ref().map(|(_, a)| *a);
         {
             let (_serve, addr) = start_serve(dir.path(), &refs);
             for (i, &size) in sizes.iter().enumerate() {
                 let n = if size > 4096 { args.requests / 4 } else { args.requests }.max(10);
-                over[i].push(overhead(addr, &refs, &renderer, size, n, run as u64));
+                over[i].push(overhead(addr, peer_addr, &refs, &renderer, size, n, run as u64));
             }
             serve_rps.push(throughput(addr, args.clients, args.seconds));
         }
-        match start_vllm_router(&args.vllm_router, &refs) {
-            Some((_router, addr)) => peer_rps.push(throughput(addr, args.clients, args.seconds)),
-            None => {
-                peer_missing = Some(format!(
-                    "{} did not start (pip install vllm-router==0.1.17, or give --vllm-router PATH)",
-                    args.vllm_router
-                ))
-            }
+        if let Some(addr) = peer_addr {
+            peer_rps.push(throughput(addr, args.clients, args.seconds));
         }
+        drop(peer);
         eprintln!("serve-bench: run {} of {} done", run + 1, args.runs);
     }
     let mut report = json!({"runs": args.runs});
@@ -383,6 +410,8 @@ fn main() {
                 "head_tokenize_next_turn_p50_us",
                 "rest_to_engine_thread_p50_us",
                 "direct_to_engine_thread_p50_us",
+                "vllm_router_p50_us",
+                "vllm_router_p99_us",
             ],
             json!({}),
         );
@@ -391,6 +420,9 @@ fn main() {
             figures[*name] = json!({"median": m, "min": lo, "max": hi});
         }
         let ratio = spread(&over[i].iter().map(|r| r[4] / r[5]).collect::<Vec<_>>());
+        // The rest against the anchor, run by run (NaN without `vllm-router`).
+        let anchor = spread(&over[i].iter().map(|r| r[6] / r[14]).collect::<Vec<_>>());
+        figures["rest_to_vllm_router_ratio"] = json!({"median": anchor.0, "min": anchor.1, "max": anchor.2});
         figures["tokenize_ratio"] = json!({"median": ratio.0, "min": ratio.1, "max": ratio.2});
         let f = |k: usize| {
             let (m, lo, hi) = col(k);
@@ -411,6 +443,16 @@ fn main() {
             f(8),
             f(10)
         );
+        if peer_missing.is_none() {
+            println!(
+                "    the same chat through vllm-router round robin (proxies, decides nothing) p50 {}, p99 {}; serve's rest / vllm-router {:.2}x [{:.2} - {:.2}]",
+                f(14),
+                f(15),
+                anchor.0,
+                anchor.1,
+                anchor.2
+            );
+        }
         println!(
             "    to the engine's thread's read (woken) instead of its socket: less its tokenizing p50 {}; the same body straight p50 {}",
             f(12),

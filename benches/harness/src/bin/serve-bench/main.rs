@@ -12,8 +12,11 @@
 //!   more) goes to `/v1/route`, whose `took_us` is the head's tokenizing of a turn whose history
 //!   it kept in pieces.
 //! - **The anchor**: the same chats through `vllm-router --policy round_robin` in the same run,
-//!   request by request beside the head's: a Rust proxy that reads and writes the body and
-//!   decides nothing, so the transport and wake-ups any head pays, measured the same way.
+//!   request by request beside the head's, first and second in turns: a Rust proxy that reads
+//!   and writes the body and decides nothing, so the transport and wake-ups any head pays,
+//!   measured the same way. Each router's p50 is also given by its place in the pair: the first
+//!   comes just after this process's own render (the other core idle for its length), the second
+//!   just after the other router's request.
 //! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
 //!   few seconds through each router to two engines that answer at once.
 //!
@@ -182,7 +185,8 @@ fn took(sent: &Sent, came: &Arrival) -> (f64, f64) {
 /// p99, head tokenizing p50, in-process render p50, rest p50, rest p99, index p50, the head's
 /// decision less its tokenizing p50, the same body straight to an engine p50, the next turn's
 /// tokenizing p50, the rest p50 and the same body straight p50 to the engine thread's read, the
-/// same body through `vllm-router` p50 and p99; NaN without it).
+/// same body through `vllm-router` p50 and p99; NaN without it; the rest p50 and `vllm-router`'s
+/// p50 when first of the pair, then when second).
 fn overhead(
     addr: SocketAddr,
     peer: Option<SocketAddr>,
@@ -215,12 +219,35 @@ fn overhead(
             (id, chat_of(&sizer, size, id).0)
         })
         .collect();
-    for (id, messages) in prompts {
+    // By the place in the pair (first: just after this process's own render, the cores' state
+    // after it; second: just after the other router's request).
+    let (mut rest_at, mut peer_at) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+    for (k, (id, messages)) in prompts.into_iter().enumerate() {
         let started = Instant::now();
         let tokens = renderer.chat(&messages.to_string(), None, true).expect("render");
         local.push(started.elapsed().as_secs_f64() * 1e6);
         let arrived = |id: u64| engines.iter().find_map(|e| e.arrivals.lock().ok()?.remove(&id));
         let body = json!({"model": "m", "messages": messages, "max_tokens": 1}).to_string();
+        // The anchor: the same body through `vllm-router`, before the head's or after it, in
+        // turns, so that neither router always comes first.
+        let head_first = k % 2 == 0;
+        let mut via_peer = |place: usize| {
+            let Some(peer_client) = peer_client.as_mut() else { return };
+            let via = id + 700;
+            let (status, _, sent) =
+                peer_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {via}\r\n")).expect("peer");
+            assert_eq!(status, 200);
+            if let Some(came) = arrived(via) {
+                let took = took(&sent, &came).0;
+                through_peer.push(took);
+                if let Some(at) = peer_at.get_mut(place) {
+                    at.push(took);
+                }
+            }
+        };
+        if !head_first {
+            via_peer(0);
+        }
         let (status, _, sent) =
             client.post("/v1/chat/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("chat");
         assert_eq!(status, 200);
@@ -239,6 +266,9 @@ fn overhead(
                 // New to the head: it kept no piece of it.
                 head_tok.push(t * 1e3);
                 rest.push(total - t * 1e3);
+                if let Some(at) = rest_at.get_mut(usize::from(!head_first)) {
+                    at.push(total - t * 1e3);
+                }
                 rest_read.push(read - t * 1e3);
                 if let (Some(i), Some(d)) = (timing("index;dur="), timing("decision;dur=")) {
                     index.push(i * 1e3);
@@ -246,14 +276,8 @@ fn overhead(
                 }
             }
         }
-        if let Some(peer_client) = peer_client.as_mut() {
-            let via = id + 700;
-            let (status, _, sent) =
-                peer_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {via}\r\n")).expect("peer");
-            assert_eq!(status, 200);
-            if let Some(came) = arrived(via) {
-                through_peer.push(took(&sent, &came).0);
-            }
+        if head_first {
+            via_peer(1);
         }
         let hop = id + 900;
         let (status, _, sent) =
@@ -306,11 +330,15 @@ fn overhead(
         quantile(&direct_read, 0.5),
         quantile(&through_peer, 0.5),
         quantile(&through_peer, 0.99),
+        quantile(&sorted(std::mem::take(&mut rest_at[0])), 0.5),
+        quantile(&sorted(std::mem::take(&mut rest_at[1])), 0.5),
+        quantile(&sorted(std::mem::take(&mut peer_at[0])), 0.5),
+        quantile(&sorted(std::mem::take(&mut peer_at[1])), 0.5),
     ]
 }
 
 /// Figures [`overhead`] gives a run.
-const FIGURES: usize = 16;
+const FIGURES: usize = 20;
 
 /// Requests a second through the router at `addr` from `clients` kept-alive clients.
 fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> f64 {
@@ -412,6 +440,10 @@ fn main() {
                 "direct_to_engine_thread_p50_us",
                 "vllm_router_p50_us",
                 "vllm_router_p99_us",
+                "rest_first_p50_us",
+                "rest_second_p50_us",
+                "vllm_router_first_p50_us",
+                "vllm_router_second_p50_us",
             ],
             json!({}),
         );
@@ -451,6 +483,13 @@ fn main() {
                 anchor.0,
                 anchor.1,
                 anchor.2
+            );
+            println!(
+                "      first of the pair (after this process's own render): serve's rest p50 {}, vllm-router p50 {}; second (after the other's request): {}, {}",
+                f(16),
+                f(18),
+                f(17),
+                f(19)
             );
         }
         println!(

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use super::Head;
 use super::engines::Flight;
-use super::prompt::{Kind, OpenAiRequest, Tokens, tokens};
+use super::prompt::{Kind, OpenAiRequest, Tokens, read_request, tokens};
 use super::proxy::{Failed, Out, Warmth, forward, full, pick, warmth};
 
 /// Largest request body taken.
@@ -125,7 +125,11 @@ async fn read_body(body: Incoming) -> Result<Bytes, Box<Response<Out>>> {
 }
 
 /// The body as an OpenAI request naming the head's model.
-fn parse_request<'a>(head: &Head, bytes: &'a [u8]) -> Result<OpenAiRequest<'a>, Box<Response<Out>>> {
+fn parse_request<'a>(
+    head: &Head,
+    bytes: &'a [u8],
+    apart: &'a mut Vec<u8>,
+) -> Result<OpenAiRequest<'a>, Box<Response<Out>>> {
     let refuse = |why: String| Box::new(error(StatusCode::BAD_REQUEST, &why));
     if bytes.iter().find(|b| !b.is_ascii_whitespace()).is_none_or(|b| *b != b'{') {
         return Err(refuse(match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
@@ -133,8 +137,7 @@ fn parse_request<'a>(head: &Head, bytes: &'a [u8]) -> Result<OpenAiRequest<'a>, 
             Err(e) => format!("the body is not JSON: {e}"),
         }));
     }
-    let request: OpenAiRequest<'a> =
-        serde_json::from_slice(bytes).map_err(|e| refuse(format!("the body is not an OpenAI request: {e}")))?;
+    let request = read_request(bytes, apart).map_err(|e| refuse(format!("the body is not an OpenAI request: {e}")))?;
     match request.model.as_deref() {
         Some(m) if m == head.model => Ok(request),
         Some(m) => Err(Box::new(error(
@@ -149,7 +152,7 @@ fn parse_request<'a>(head: &Head, bytes: &'a [u8]) -> Result<OpenAiRequest<'a>, 
 async fn decide_warmth(
     head: &Arc<Head>,
     kind: Kind,
-    request: &OpenAiRequest<'_>,
+    request: &mut OpenAiRequest<'_>,
     early: bool,
 ) -> (Warmth, Option<String>) {
     match tokens(head, kind, request, early).await {
@@ -208,13 +211,14 @@ async fn proxy(
         return error(StatusCode::SERVICE_UNAVAILABLE, "the head is stopping");
     }
     let read = Instant::now();
-    let request = match parse_request(head, &bytes) {
+    let mut apart = Vec::new();
+    let mut request = match parse_request(head, &bytes, &mut apart) {
         Ok(r) => r,
         Err(response) => return *response,
     };
     // Undecided until the choice: a long prompt decided meanwhile waits for it (`gather.rs`).
     let mut pending = Some(head.gather.arrive(read));
-    let (mut warmth, unrendered) = decide_warmth(head, kind, &request, head.route_on_start).await;
+    let (mut warmth, unrendered) = decide_warmth(head, kind, &mut request, head.route_on_start).await;
     if let Some(why) = &unrendered {
         tracing::debug!(why = %why, "a prompt not rendered into tokens: routed on load");
     }
@@ -295,12 +299,13 @@ async fn proxy(
 /// (or `{"model": M, "prompt": [ids]}`); the answer names the engine, and prices every engine.
 /// The decision keeps its load on the engine until `/v1/route/done` (or 10 minutes).
 async fn route(head: &Arc<Head>, bytes: &[u8]) -> Response<Out> {
-    let request = match parse_request(head, bytes) {
+    let mut apart = Vec::new();
+    let mut request = match parse_request(head, bytes, &mut apart) {
         Ok(r) => r,
         Err(response) => return *response,
     };
     let kind = if request.messages.is_some() { Kind::Chat } else { Kind::Completion };
-    let (warmth, unrendered) = decide_warmth(head, kind, &request, false).await;
+    let (warmth, unrendered) = decide_warmth(head, kind, &mut request, false).await;
     let Some((engine, priced)) = pick(head, &warmth, &[]) else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "no engine to route to");
     };

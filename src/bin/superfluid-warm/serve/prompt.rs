@@ -3,7 +3,8 @@
 //! `/tokenize`). What cannot be rendered the same way is said, and routed on load alone.
 //!
 //! The body is read once, borrowed: the fields the head needs, the prompt and the messages left
-//! as the client's own JSON text (the renderer takes the messages as JSON).
+//! as the client's own JSON text (the renderer takes the messages as JSON). A completion's flat
+//! list of token ids, most of its body, is read by a pass of its own, and serde reads the rest.
 
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
@@ -54,6 +55,172 @@ pub(crate) struct OpenAiRequest<'a> {
     documents: Option<&'a RawValue>,
     #[serde(borrow)]
     mm_processor_kwargs: Option<&'a RawValue>,
+    /// The top-level `prompt`, when it is a flat list of token ids, read apart from the rest
+    /// ([`read_request`]); `prompt` is then none.
+    #[serde(skip)]
+    ids: Option<Vec<u32>>,
+}
+
+/// The body as an OpenAI request. A top-level `prompt` that is a flat list of token ids is read
+/// in one pass of its own, and serde reads the body with `null` in the list's place (kept in
+/// `apart`): serde would otherwise walk the list, most of a long prompt's body, only to find its
+/// end, before the ids are read from its text.
+///
+/// # Errors
+///
+/// serde's, for the body as the client sent it.
+pub(crate) fn read_request<'a>(bytes: &'a [u8], apart: &'a mut Vec<u8>) -> serde_json::Result<OpenAiRequest<'a>> {
+    let Some((ids, rest)) = ids_apart(bytes) else { return serde_json::from_slice(bytes) };
+    *apart = rest;
+    let apart: &'a Vec<u8> = apart;
+    match serde_json::from_slice::<OpenAiRequest<'a>>(apart) {
+        Ok(mut request) => {
+            request.ids = Some(ids);
+            Ok(request)
+        }
+        // The error where the client's own body has it.
+        Err(_) => serde_json::from_slice(bytes),
+    }
+}
+
+/// A body whose top-level `prompt` is a flat list of token ids: the ids, and the body with
+/// `null` in the list's place. `None` for any other body (a chat, a text prompt, a nested list,
+/// a `prompt` named twice, JSON this walk does not follow): serde reads those whole. The walk
+/// only finds the top level's keys and values; serde still reads every byte but the list's.
+fn ids_apart(body: &[u8]) -> Option<(Vec<u32>, Vec<u8>)> {
+    let mut at = space(body, 0);
+    if body.get(at) != Some(&b'{') {
+        return None;
+    }
+    at = space(body, at + 1);
+    let mut found = None;
+    loop {
+        let key_end = string_end(body, at)?;
+        let key = body.get(at..key_end)?;
+        at = space(body, key_end);
+        if body.get(at) != Some(&b':') {
+            return None;
+        }
+        at = space(body, at + 1);
+        let value_end = match key {
+            b"\"prompt\"" if found.is_none() => {
+                let (ids, end) = id_list(body, at)?;
+                found = Some((ids, at, end));
+                end
+            }
+            b"\"prompt\"" | b"\"messages\"" => return None,
+            _ => value_end(body, at)?,
+        };
+        at = space(body, value_end);
+        match body.get(at)? {
+            b',' => at = space(body, at + 1),
+            b'}' => break,
+            _ => return None,
+        }
+    }
+    if space(body, at + 1) != body.len() {
+        return None;
+    }
+    let (ids, start, end) = found?;
+    let mut rest = Vec::with_capacity(body.len().saturating_sub(end - start) + 4);
+    rest.extend_from_slice(body.get(..start)?);
+    rest.extend_from_slice(b"null");
+    rest.extend_from_slice(body.get(end..)?);
+    Some((ids, rest))
+}
+
+/// The first byte at or after `at` that is not JSON whitespace (or the end).
+fn space(body: &[u8], mut at: usize) -> usize {
+    while matches!(body.get(at), Some(b' ' | b'\n' | b'\r' | b'\t')) {
+        at += 1;
+    }
+    at
+}
+
+/// Past the end of the JSON string that starts at `at`.
+fn string_end(body: &[u8], at: usize) -> Option<usize> {
+    if body.get(at) != Some(&b'"') {
+        return None;
+    }
+    let mut i = at + 1;
+    loop {
+        match body.get(i)? {
+            b'"' => return Some(i + 1),
+            b'\\' => i += 2,
+            c if *c < 0x20 => return None,
+            _ => i += 1,
+        }
+    }
+}
+
+/// Past the end of the JSON value that starts at `at` (its nesting followed, not checked:
+/// serde reads it after).
+fn value_end(body: &[u8], at: usize) -> Option<usize> {
+    match body.get(at)? {
+        b'"' => string_end(body, at),
+        b'{' | b'[' => {
+            let (mut i, mut depth) = (at, 0usize);
+            loop {
+                match body.get(i)? {
+                    b'"' => {
+                        i = string_end(body, i)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(i + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                i += 1;
+            }
+        }
+        _ => {
+            let mut i = at;
+            while body.get(i).is_some_and(|b| !matches!(b, b',' | b'}' | b']' | b' ' | b'\n' | b'\r' | b'\t')) {
+                i += 1;
+            }
+            (i > at).then_some(i)
+        }
+    }
+}
+
+/// The JSON list of token ids that starts at `at` (`[]` included), and past its end; `None`
+/// unless every element is an integer that fits a token id.
+fn id_list(body: &[u8], at: usize) -> Option<(Vec<u32>, usize)> {
+    if body.get(at) != Some(&b'[') {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len().saturating_sub(at) / 5 + 1);
+    let mut i = space(body, at + 1);
+    if body.get(i) == Some(&b']') {
+        return Some((out, i + 1));
+    }
+    loop {
+        let (start, mut value) = (i, 0u64);
+        while let Some(digit) = body.get(i).map(|b| b.wrapping_sub(b'0')).filter(|d| *d < 10) {
+            value = value * 10 + u64::from(digit);
+            i += 1;
+            if i - start > 10 {
+                return None;
+            }
+        }
+        // JSON's integers: at least one digit, no leading zero, no fraction or exponent.
+        let leading_zero = body.get(start) == Some(&b'0') && i - start > 1;
+        if i == start || leading_zero || matches!(body.get(i), Some(b'.' | b'e' | b'E')) {
+            return None;
+        }
+        out.push(u32::try_from(value).ok()?);
+        i = space(body, i);
+        match body.get(i)? {
+            b',' => i = space(body, i + 1),
+            b']' => return Some((out, i + 1)),
+            _ => return None,
+        }
+    }
 }
 
 /// A completion's `prompt`, read in one pass: token ids, a text, or what the head does not follow
@@ -65,39 +232,11 @@ enum Prompt {
     Other,
 }
 
-/// A flat list of token ids, read straight from its JSON text (a long prompt's ids are most of
-/// a request's parsing); `None` for anything else, which serde reads.
+/// A flat list of token ids from its JSON text (serde's, so valid JSON); `None` for anything
+/// else, which serde reads.
 fn ids(raw: &str) -> Option<Vec<u32>> {
-    let inner = raw.trim().strip_prefix('[')?.strip_suffix(']')?;
-    let mut out = Vec::with_capacity(inner.len() / 5 + 1);
-    let bytes = inner.as_bytes();
-    let (mut i, mut value, mut digits) = (0, 0u64, 0);
-    loop {
-        let b = bytes.get(i).copied();
-        match b {
-            Some(d @ b'0'..=b'9') => {
-                value = value * 10 + u64::from(d - b'0');
-                digits += 1;
-                if digits > 10 {
-                    return None;
-                }
-            }
-            Some(b' ' | b'\n' | b'\r' | b'\t') => {}
-            Some(b',') | None => {
-                if digits == 0 {
-                    // `[]` is an empty prompt; `[,` or `1,,2` is not a list of ids.
-                    return (b.is_none() && out.is_empty()).then_some(out);
-                }
-                out.push(u32::try_from(value).ok()?);
-                (value, digits) = (0, 0);
-                if b.is_none() {
-                    return Some(out);
-                }
-            }
-            Some(_) => return None,
-        }
-        i += 1;
-    }
+    let text = raw.trim().as_bytes();
+    id_list(text, 0).filter(|(_, end)| *end == text.len()).map(|(ids, _)| ids)
 }
 
 /// One element of a prompt list.
@@ -242,7 +381,7 @@ const TOKENIZE_TIMEOUT: Duration = Duration::from_secs(2);
 /// engine holds), and once that answer settles (`Prefix::settles`) it is the answer; the
 /// count is then estimated from the bytes, and the rest's prefix comes after, to be claimed
 /// (`Lookup::Rendered`'s second field).
-pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &OpenAiRequest<'_>, early: bool) -> Tokens {
+pub(crate) async fn tokens(head: &Arc<Head>, kind: Kind, request: &mut OpenAiRequest<'_>, early: bool) -> Tokens {
     let source = match source(kind, request) {
         Ok(Ok(ids)) => return Tokens::Ids { count: ids.len(), took: None, lookup: Lookup::Ids(ids) },
         Ok(Err(source)) => source,
@@ -424,7 +563,7 @@ fn set(field: Option<&RawValue>) -> bool {
 
 /// The prompt as token ids (`Ok(Ok)`), as what to render (`Ok(Err)`), or why it cannot be
 /// rendered as the engine will (`Err`).
-fn source(kind: Kind, r: &OpenAiRequest<'_>) -> Result<Result<Vec<u32>, Source>, String> {
+fn source(kind: Kind, r: &mut OpenAiRequest<'_>) -> Result<Result<Vec<u32>, Source>, String> {
     match kind {
         Kind::Completion => {
             if set(r.prompt_embeds) {
@@ -432,6 +571,9 @@ fn source(kind: Kind, r: &OpenAiRequest<'_>) -> Result<Result<Vec<u32>, Source>,
             }
             if set(r.truncate_prompt_tokens) {
                 return Err("truncate_prompt_tokens".into());
+            }
+            if let Some(ids) = r.ids.take() {
+                return Ok(Ok(ids));
             }
             let prompt = match r.prompt.map(RawValue::get) {
                 None | Some("null") => None,
@@ -520,9 +662,13 @@ async fn engine_tokenize(head: &Arc<Head>, source: &Source) -> Result<Vec<u32>, 
 mod tests {
     use super::*;
 
-    fn of(kind: Kind, body: &str) -> Result<Result<Vec<u32>, String>, String> {
-        let request: OpenAiRequest<'_> = serde_json::from_str(body).expect("a request");
-        source(kind, &request).map(|s| {
+    type Read = Result<Result<Vec<u32>, String>, String>;
+
+    /// What a reading of a body made: its source, model and stream flag; or serde's error.
+    type Made = Result<(Read, Option<String>, Option<bool>), String>;
+
+    fn said(read: Result<Result<Vec<u32>, Source>, String>) -> Read {
+        read.map(|s| {
             s.map_err(|s| match s {
                 Source::Text { prompt, add_special_tokens } => format!("text {add_special_tokens} {prompt}"),
                 Source::Chat { messages, tools, add_generation_prompt, engine_only: None } => {
@@ -531,6 +677,121 @@ mod tests {
                 Source::Chat { engine_only: Some(fields), .. } => format!("engine {fields}"),
             })
         })
+    }
+
+    /// The body read as the head reads it (a list of ids apart), and by serde whole; what each
+    /// makes of it (the source, the model, the stream flag), or both errors.
+    fn both(kind: Kind, body: &[u8]) -> (Made, Made) {
+        let mut apart = Vec::new();
+        let head = read_request(body, &mut apart)
+            .map(|mut r| (said(source(kind, &mut r)), r.model.as_deref().map(str::to_string), r.stream));
+        let whole = serde_json::from_slice::<OpenAiRequest<'_>>(body)
+            .map(|mut r| (said(source(kind, &mut r)), r.model.as_deref().map(str::to_string), r.stream));
+        (head.map_err(|e| e.to_string()), whole.map_err(|e| e.to_string()))
+    }
+
+    fn of(kind: Kind, body: &str) -> Read {
+        let (head, whole) = both(kind, body.as_bytes());
+        assert_eq!(head, whole, "{body}");
+        head.expect("a request").0
+    }
+
+    #[test]
+    fn a_list_of_ids_read_apart_reads_as_serde_reads_the_body_whole() {
+        let bodies = [
+            r#"{"model":"m","prompt":[1,2,3]}"#,
+            " { \"prompt\" : [ 1 ,\t2\r\n] , \"model\" : \"m\" , \"stream\":true } ",
+            r#"{"prompt":[01]}"#,
+            r#"{"prompt":[1,]}"#,
+            r#"{"prompt":[,1]}"#,
+            r#"{"prompt":[1 2]}"#,
+            r#"{"prompt":[1],"prompt":[2]}"#,
+            r#"{"pro\u006dpt":[1],"prompt":[2]}"#,
+            r#"{"x":"\"prompt\":[9]","prompt":[1]}"#,
+            r#"{"x":{"prompt":[9]},"prompt":[1]}"#,
+            r#"{"x":[{"a":"]}\\"}],"prompt":[1],"y":"\\"}"#,
+            r#"{"prompt":[1e3]}"#,
+            r#"{"prompt":[1.0]}"#,
+            r#"{"prompt":[-1]}"#,
+            r#"{"prompt":[4294967296]}"#,
+            r#"{"prompt":[4294967295,0]}"#,
+            r#"{"prompt":[99999999999]}"#,
+            r#"{"prompt":[1]} x"#,
+            r#"{"prompt":[1]"#,
+            r#"{"prompt":[1"#,
+            r#"{"prompt" [1]}"#,
+            r#"{"prompt":[1],}"#,
+            r#"{"messages":[],"prompt":[1]}"#,
+            r#"{"prompt":[1],"messages":[]}"#,
+            r#"{"prompt":[1],"prompt_embeds":"x"}"#,
+            r#"{"prompt":[1],"truncate_prompt_tokens":3}"#,
+            r#"{"prompt":[]}"#,
+            r#"{"prompt":[ ]}"#,
+            r#"{"prompt":[[1,2]]}"#,
+            r#"{"prompt":"text"}"#,
+            r#"{"prompt":null}"#,
+            r#"{"prompt":[1],"model":null,"n":1e2,"a":true,"b":false,"c":null,"d":-0.5}"#,
+            r#"{"prompt":[1],"model":"é ✓ 🙂"}"#,
+            "{\"prompt\":[1],\"x\":\"a\tb\"}",
+            r#"{"prompt":[1],"model":7}"#,
+            r#"{}"#,
+            r#"[]"#,
+            r#"{"prompt":[1]}{"#,
+            r#"{"x":[}],"prompt":[1]}"#,
+            r#"{"x":tru,"prompt":[1]}"#,
+            "",
+        ];
+        let mut apart_read = 0;
+        for body in bodies {
+            let (head, whole) = both(Kind::Completion, body.as_bytes());
+            assert_eq!(head.is_ok(), whole.is_ok(), "{body}: {head:?} against {whole:?}");
+            if head.is_ok() {
+                assert_eq!(head, whole, "{body}");
+            }
+            apart_read += usize::from(ids_apart(body.as_bytes()).is_some());
+        }
+        // The walk took the list apart where it could, and left the rest to serde.
+        assert_eq!(apart_read, 15);
+        assert_eq!(
+            ids_apart(br#" {"prompt" : [5, 6] ,"m":1} "#),
+            Some((vec![5, 6], br#" {"prompt" : null ,"m":1} "#.to_vec()))
+        );
+
+        // Lists of every length of id, spaced every way, among other fields.
+        let mut seed = 7u64;
+        let mut next = |n: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) % n
+        };
+        let spaces = ["", " ", "\n", "\t ", "\r\n"];
+        for _ in 0..300 {
+            let n = next(40);
+            let mut list = String::from("[");
+            let mut ids = Vec::new();
+            for i in 0..n {
+                let id = match next(4) {
+                    0 => next(10) as u32,
+                    1 => next(200_000) as u32,
+                    2 => u32::MAX - next(3) as u32,
+                    _ => next(1 << 31) as u32,
+                };
+                ids.push(id);
+                if i > 0 {
+                    list.push(',');
+                }
+                list.push_str(spaces[next(5) as usize]);
+                list.push_str(&id.to_string());
+                list.push_str(spaces[next(5) as usize]);
+            }
+            list.push(']');
+            let extra = [r#""max_tokens":7"#, r#""stop":["]","}"]"#, r#""user":"a\"b""#, r#""logit_bias":{"1":-1}"#];
+            let before = extra[next(4) as usize];
+            let after = extra[next(4) as usize];
+            let body = format!(r#"{{{before},"model":"m","prompt":{list},{after}}}"#);
+            let (head, whole) = both(Kind::Completion, body.as_bytes());
+            assert_eq!(head, whole, "{body}");
+            assert_eq!(head.map(|h| h.0), Ok(Ok(Ok(ids))), "{body}");
+        }
     }
 
     #[test]

@@ -18,7 +18,8 @@
 //!   comes just after this process's own render (the other core idle for its length), the second
 //!   just after the other router's request.
 //! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
-//!   few seconds through each router to two engines that answer at once.
+//!   few seconds through each router to two engines that answer at once, each router's seconds
+//!   in two halves taken in turns.
 //!
 //! Every figure is a median over `--runs` runs, with the range. The engines and the clients run
 //! in this process; the routers are processes of their own.
@@ -340,8 +341,9 @@ fn overhead(
 /// Figures [`overhead`] gives a run.
 const FIGURES: usize = 20;
 
-/// Requests a second through the router at `addr` from `clients` kept-alive clients.
-fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> f64 {
+/// Requests answered through the router at `addr` from `clients` kept-alive clients in about
+/// `seconds`, and the seconds they took.
+fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> (u64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let failed = Arc::new(AtomicU64::new(0));
@@ -374,13 +376,19 @@ fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> f64 {
     if failed.load(Ordering::Relaxed) > 0 {
         eprintln!("serve-bench: {} requests failed", failed.load(Ordering::Relaxed));
     }
-    counted as f64 / took
+    (counted, took)
 }
 
-/// Median and range of a figure over runs.
+/// Median (of an even count, the mean of the middle two) and range of a figure over runs.
 fn spread(v: &[f64]) -> (f64, f64, f64) {
     let s = sorted(v.to_vec());
-    (quantile(&s, 0.5), s.first().copied().unwrap_or(f64::NAN), s.last().copied().unwrap_or(f64::NAN))
+    let middle = |i: usize| s.get(i).copied().unwrap_or(f64::NAN);
+    let median = if s.len().is_multiple_of(2) {
+        (middle(s.len() / 2 - 1) + middle(s.len() / 2)) / 2.0
+    } else {
+        middle(s.len() / 2)
+    };
+    (median, middle(0), s.last().copied().unwrap_or(f64::NAN))
 }
 
 fn main() {
@@ -395,7 +403,7 @@ fn main() {
         let engines = [InstantEngine::start().expect("engine"), InstantEngine::start().expect("engine")];
         let refs: Vec<&InstantEngine> = engines.iter().collect();
         // Both routers up (each idle while the other is measured), so that the overhead's chats
-        // go through both in turn.
+        // and the load go through both in turns.
         let peer = start_vllm_router(&args.vllm_router, &refs);
         if peer.is_none() {
             peer_missing = Some(format!(
@@ -404,17 +412,27 @@ fn main() {
             ));
         }
         let peer_addr = peer.as_ref().map(|(_, a)| *a);
-        {
-            let (_serve, addr) = start_serve(dir.path(), &refs);
-            for (i, &size) in sizes.iter().enumerate() {
-                let n = if size > 4096 { args.requests / 4 } else { args.requests }.max(10);
-                over[i].push(overhead(addr, peer_addr, &refs, &renderer, size, n, run as u64));
+        let (serve, addr) = start_serve(dir.path(), &refs);
+        for (i, &size) in sizes.iter().enumerate() {
+            let n = if size > 4096 { args.requests / 4 } else { args.requests }.max(10);
+            over[i].push(overhead(addr, peer_addr, &refs, &renderer, size, n, run as u64));
+        }
+        // Each router's load in two halves, in turns (the head, the peer, the head, the peer):
+        // the machine's drift over the run falls on both alike.
+        let (mut on_serve, mut on_peer) = ((0, 0.0), (0, 0.0));
+        for _ in 0..2 {
+            let (n, took) = throughput(addr, args.clients, args.seconds / 2.0);
+            on_serve = (on_serve.0 + n, on_serve.1 + took);
+            if let Some(addr) = peer_addr {
+                let (n, took) = throughput(addr, args.clients, args.seconds / 2.0);
+                on_peer = (on_peer.0 + n, on_peer.1 + took);
             }
-            serve_rps.push(throughput(addr, args.clients, args.seconds));
         }
-        if let Some(addr) = peer_addr {
-            peer_rps.push(throughput(addr, args.clients, args.seconds));
+        serve_rps.push(on_serve.0 as f64 / on_serve.1);
+        if peer_addr.is_some() {
+            peer_rps.push(on_peer.0 as f64 / on_peer.1);
         }
+        drop(serve);
         drop(peer);
         eprintln!("serve-bench: run {} of {} done", run + 1, args.runs);
     }

@@ -19,7 +19,7 @@
 //!   just after the other router's request.
 //! - **Throughput**: concurrent clients on kept-alive connections send 256-token id prompts for a
 //!   few seconds through each router to two engines that answer at once, each router's seconds
-//!   in two halves taken in turns.
+//!   in two halves, the head's around the peer's.
 //!
 //! Every figure is a median over `--runs` runs, with the range. The engines and the clients run
 //! in this process; the routers are processes of their own.
@@ -198,7 +198,7 @@ fn overhead(
     run: u64,
 ) -> [f64; FIGURES] {
     let mut client = Client::new(addr);
-    // The anchor: the same body through `vllm-router`, just after the head's.
+    // The anchor: the same body through `vllm-router`, before or after the head's.
     let mut peer_client = peer.map(Client::new);
     let mut through_peer = Vec::new();
     // The same body straight to an engine: the transport's own share (loopback, and the wake-up
@@ -229,12 +229,14 @@ fn overhead(
         local.push(started.elapsed().as_secs_f64() * 1e6);
         let arrived = |id: u64| engines.iter().find_map(|e| e.arrivals.lock().ok()?.remove(&id));
         let body = json!({"model": "m", "messages": messages, "max_tokens": 1}).to_string();
+        // Each request's `x-bench-id`: the chat's own id, four to a chat.
+        let tag = |k: u64| id * 4 + k;
         // The anchor: the same body through `vllm-router`, before the head's or after it, in
         // turns, so that neither router always comes first.
         let head_first = k % 2 == 0;
         let mut via_peer = |place: usize| {
             let Some(peer_client) = peer_client.as_mut() else { return };
-            let via = id + 700;
+            let via = tag(1);
             let (status, _, sent) =
                 peer_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {via}\r\n")).expect("peer");
             assert_eq!(status, 200);
@@ -250,9 +252,9 @@ fn overhead(
             via_peer(0);
         }
         let (status, _, sent) =
-            client.post("/v1/chat/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("chat");
+            client.post("/v1/chat/completions", &body, &format!("x-bench-id: {}\r\n", tag(0))).expect("chat");
         assert_eq!(status, 200);
-        if let Some(came) = arrived(id) {
+        if let Some(came) = arrived(tag(0)) {
             let (total, read) = took(&sent, &came);
             chat.push(total);
             // The head's own tokenizing time for this request (`server-timing`, ms): the rest is
@@ -280,7 +282,7 @@ fn overhead(
         if head_first {
             via_peer(1);
         }
-        let hop = id + 900;
+        let hop = tag(2);
         let (status, _, sent) =
             direct_client.post("/v1/chat/completions", &body, &format!("x-bench-id: {hop}\r\n")).expect("direct");
         assert_eq!(status, 200);
@@ -291,10 +293,10 @@ fn overhead(
         }
         // The same tokens as ids: no tokenizing.
         let body = json!({"model": "m", "prompt": tokens, "max_tokens": 1}).to_string();
-        let id = id + 500;
-        let (status, _, sent) = client.post("/v1/completions", &body, &format!("x-bench-id: {id}\r\n")).expect("ids");
+        let (status, _, sent) =
+            client.post("/v1/completions", &body, &format!("x-bench-id: {}\r\n", tag(3))).expect("ids");
         assert_eq!(status, 200);
-        if let Some(came) = arrived(id) {
+        if let Some(came) = arrived(tag(3)) {
             ids.push(took(&sent, &came).0);
         }
         // The head's own tokenizing time for this chat's next turn (one exchange more): the
@@ -383,10 +385,10 @@ fn throughput(addr: SocketAddr, clients: usize, seconds: f64) -> (u64, f64) {
 fn spread(v: &[f64]) -> (f64, f64, f64) {
     let s = sorted(v.to_vec());
     let middle = |i: usize| s.get(i).copied().unwrap_or(f64::NAN);
-    let median = if s.len().is_multiple_of(2) {
-        (middle(s.len() / 2 - 1) + middle(s.len() / 2)) / 2.0
-    } else {
-        middle(s.len() / 2)
+    let half = s.len() / 2;
+    let median = match half.checked_sub(1) {
+        Some(below) if s.len().is_multiple_of(2) => (middle(below) + middle(half)) / 2.0,
+        _ => middle(half),
     };
     (median, middle(0), s.last().copied().unwrap_or(f64::NAN))
 }
@@ -417,15 +419,20 @@ fn main() {
             let n = if size > 4096 { args.requests / 4 } else { args.requests }.max(10);
             over[i].push(overhead(addr, peer_addr, &refs, &renderer, size, n, run as u64));
         }
-        // Each router's load in two halves, in turns (the head, the peer, the head, the peer):
-        // the machine's drift over the run falls on both alike.
+        // Each router's load in two halves, the head's around the peer's (head, peer, peer,
+        // head): a drift of the machine over the run falls on both alike.
         let (mut on_serve, mut on_peer) = ((0, 0.0), (0, 0.0));
-        for _ in 0..2 {
-            let (n, took) = throughput(addr, args.clients, args.seconds / 2.0);
-            on_serve = (on_serve.0 + n, on_serve.1 + took);
-            if let Some(addr) = peer_addr {
-                let (n, took) = throughput(addr, args.clients, args.seconds / 2.0);
-                on_peer = (on_peer.0 + n, on_peer.1 + took);
+        for head_now in [true, false, false, true] {
+            match (head_now, peer_addr) {
+                (true, _) => {
+                    let (n, took) = throughput(addr, args.clients, args.seconds / 2.0);
+                    on_serve = (on_serve.0 + n, on_serve.1 + took);
+                }
+                (false, Some(peer)) => {
+                    let (n, took) = throughput(peer, args.clients, args.seconds / 2.0);
+                    on_peer = (on_peer.0 + n, on_peer.1 + took);
+                }
+                (false, None) => {}
             }
         }
         serve_rps.push(on_serve.0 as f64 / on_serve.1);

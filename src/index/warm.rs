@@ -42,6 +42,24 @@ use crate::store::records::MAX_CAPACITY;
 use crate::store::writer::Writer;
 use crate::telemetry;
 
+/// Whether a change may wait for the commit thread: for room (back-pressure), for an import, or,
+/// without a commit thread, for its own commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Waits {
+    Yes,
+    No,
+}
+
+/// What [`Warm::change`] did.
+pub(crate) enum Changed<T> {
+    /// Decided and queued: what the decision returned.
+    Done(T),
+    /// Not decided: what it read with no lock held is out of date (read again and retry).
+    Stale,
+    /// Not made: it would have waited, and the caller may not ([`Waits::No`]).
+    WouldWait,
+}
+
 /// The node that ran the longest remembered prefix of a prompt.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -295,17 +313,30 @@ impl Warm {
     /// # Errors
     /// As [`Warm::ran`].
     pub fn ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<()> {
-        self.ran_at(prefix, node, 0)
+        self.ran_at(prefix, node, 0, Waits::Yes).map(drop)
+    }
+
+    /// [`Warm::ran_prefix`] for a thread that must not wait on the commit thread (a request's):
+    /// `Ok(false)`, recording nothing, where the `ran` would wait for it: the commit thread is
+    /// behind (back-pressure), an import is in progress, or there is no commit thread (a zero
+    /// sync window: the `ran` would commit and sync itself). The caller then hands the `ran` to
+    /// a thread that may wait. It still takes the callers' lock, held only for in-memory work.
+    ///
+    /// # Errors
+    /// As [`Warm::ran`].
+    pub fn try_ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<bool> {
+        self.ran_at(prefix, node, 0, Waits::No)
     }
 
     /// [`Warm::ran_prefix`], applying a shared event at stream sequence `position` (0: a head's
-    /// own `ran`); the position is committed with it.
-    pub(crate) fn ran_at(&self, prefix: &Prefix, node: &str, position: u64) -> Result<()> {
+    /// own `ran`); the position is committed with it. `false`: not recorded, as it would have
+    /// waited and `waits` is [`Waits::No`].
+    pub(crate) fn ran_at(&self, prefix: &Prefix, node: &str, position: u64, waits: Waits) -> Result<bool> {
         self.in_owner()?;
         check_node(node)?;
         self.same_scheme(prefix)?;
         if prefix.blocks.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
         // The committed view's part, read with no lock held: the whole view only if what the
@@ -315,6 +346,7 @@ impl Warm {
             let read = answer::view_read(&self.inner.front, &self.inner.others, prefix, whole)?;
             let decided = self.change(
                 position,
+                waits,
                 |front| {
                     if !read.fits(front) {
                         return Ok(None);
@@ -348,8 +380,10 @@ impl Warm {
                 },
                 |()| telemetry::ran(),
             )?;
-            if decided.is_some() {
-                return Ok(());
+            match decided {
+                Changed::Done(()) => return Ok(true),
+                Changed::WouldWait => return Ok(false),
+                Changed::Stale => {}
             }
         }
     }
@@ -360,7 +394,8 @@ impl Warm {
     /// the callers' lock released, before that commit (which keeps the change if it fails):
     /// what the change reports is recorded once, whatever the commit does. `decide` may decide
     /// nothing (`None`: what it read with no lock held is out of date): then nothing is queued,
-    /// and this returns `None`.
+    /// and this returns [`Changed::Stale`]. With [`Waits::No`], a change that would wait (for
+    /// room, an import, or its own commit) is not made: [`Changed::WouldWait`].
     ///
     /// # Errors
     /// `decide`'s; [`Error::CommitFailed`] while commits fail; without a commit thread, the
@@ -368,14 +403,16 @@ impl Warm {
     pub(super) fn change<T>(
         &self,
         position: u64,
+        waits: Waits,
         decide: impl FnOnce(&mut Front) -> Result<Option<(T, Vec<Effect>)>>,
         decided: impl FnOnce(&T),
-    ) -> Result<Option<T>> {
+    ) -> Result<Changed<T>> {
         // Without a commit thread, this change is committed by this call alone: the writer is
         // held from before it is queued, so no other caller's commit (or failure) takes it.
-        let back = match self.flusher {
-            Some(_) => None,
-            None => Some(self.back()?),
+        let back = match (self.flusher.is_some(), waits) {
+            (true, _) => None,
+            (false, Waits::No) => return Ok(Changed::WouldWait),
+            (false, Waits::Yes) => Some(self.back()?),
         };
         let (out, waited, queued) = {
             let mut front = self.front()?;
@@ -387,6 +424,9 @@ impl Warm {
                     && self.flusher.is_some()
                     && front.failed().is_none()
             {
+                if waits == Waits::No {
+                    return Ok(Changed::WouldWait);
+                }
                 waiting.get_or_insert_with(Instant::now);
                 front = self.inner.drained.wait(front).map_err(|_| Error::Poisoned)?;
             }
@@ -400,7 +440,7 @@ impl Warm {
             front.expire_claims();
             #[cfg(test)]
             let _held = super::view_read::probe::held();
-            let Some((out, effects)) = decide(&mut front)? else { return Ok(None) };
+            let Some((out, effects)) = decide(&mut front)? else { return Ok(Changed::Stale) };
             // A change that decided no effects and acknowledges no stream position has nothing
             // to commit.
             if !effects.is_empty() || position > 0 {
@@ -419,8 +459,8 @@ impl Warm {
         record_queue(&self.inner, queued);
         decided(&out);
         match back {
-            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| Some(out)),
-            None => Ok(Some(out)),
+            Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| Changed::Done(out)),
+            None => Ok(Changed::Done(out)),
         }
     }
 
@@ -435,7 +475,7 @@ impl Warm {
         decided: impl Fn(&T),
     ) -> Result<T> {
         loop {
-            if let Some(out) = self.change(position, |front| decide(front).map(Some), &decided)? {
+            if let Changed::Done(out) = self.change(position, Waits::Yes, |front| decide(front).map(Some), &decided)? {
                 return Ok(out);
             }
         }
@@ -951,6 +991,65 @@ mod settles_tests {
         let mut hybrid = start.clone();
         hybrid.fine = vec![(16, Vec::new())];
         assert!(!hybrid.settles(&[]));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod waits_tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn node_of(warm: &Warm, prefix: &Prefix) -> Result<Option<String>> {
+        Ok(warm.warmest_prefix(prefix)?.map(|hit| hit.node))
+    }
+
+    #[test]
+    fn a_ran_that_may_not_wait_records_nothing_where_it_would_wait() -> Result<()> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let ns = Namespace::new("m")?;
+        let (one, two): (Vec<u32>, Vec<u32>) = ((0..256).collect(), (1000..1256).collect());
+
+        // No commit thread: the `ran` would commit and sync itself.
+        let alone = Warm::builder().sync_window(Duration::ZERO).open(dir.path().join("zero.redb"))?;
+        let first = alone.prefix(&ns, &one);
+        assert!(!alone.try_ran_prefix(&first, "a")?);
+        assert_eq!(node_of(&alone, &first)?, None);
+        alone.ran_prefix(&first, "a")?;
+        assert_eq!(node_of(&alone, &first)?.as_deref(), Some("a"));
+        drop(alone);
+
+        // With a commit thread, it is taken at once, as `ran_prefix` takes it.
+        let warm = Arc::new(Warm::builder().sync_window(Duration::from_millis(20)).open(dir.path().join("w.redb"))?);
+        let (first, second) = (warm.prefix(&ns, &one), warm.prefix(&ns, &two));
+        assert!(warm.try_ran_prefix(&first, "a")?);
+        assert_eq!(node_of(&warm, &first)?.as_deref(), Some("a"));
+
+        // During an import it would wait: nothing is recorded, and a `ran_prefix` waits for
+        // the import's end.
+        warm.front()?.set_importing(true);
+        let tried = {
+            let (warm, second) = (Arc::clone(&warm), second.clone());
+            std::thread::spawn(move || warm.try_ran_prefix(&second, "b"))
+        };
+        let since = std::time::Instant::now();
+        while !tried.is_finished() && since.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(tried.is_finished(), "try_ran_prefix waited for an import");
+        assert!(!tried.join().map_err(|_| Error::Poisoned)??);
+        assert_eq!(node_of(&warm, &second)?, None);
+        let waiter = {
+            let (warm, second) = (Arc::clone(&warm), second.clone());
+            std::thread::spawn(move || warm.ran_prefix(&second, "b"))
+        };
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(!waiter.is_finished(), "a ran_prefix went on during an import");
+        warm.front()?.set_importing(false);
+        warm.inner.drained.notify_all();
+        waiter.join().map_err(|_| Error::Poisoned)??;
+        assert_eq!(node_of(&warm, &second)?.as_deref(), Some("b"));
         Ok(())
     }
 }

@@ -20,7 +20,7 @@ use super::outbox::Outbox;
 use super::own_events::OwnEvents;
 use super::sharing::Sharing;
 use crate::error::{Error, Result};
-use crate::index::warm::Warm;
+use crate::index::warm::{Waits, Warm};
 use crate::keys::{Namespace, Prefix};
 use crate::telemetry;
 
@@ -628,7 +628,9 @@ fn apply(shared: &Shared, seq: u64, payload: &[u8]) -> Result<()> {
     let done = match &event.what {
         What::Ran { model, tenant, namespace, scheme, node, keys } => {
             match Namespace::received(model, *tenant, *namespace).filter(|_| scheme == warm.scheme().name()) {
-                Some(ns) => warm.ran_at(&Prefix::from_keys(warm.scheme(), ns, keys.clone()), node, seq),
+                Some(ns) => {
+                    warm.ran_at(&Prefix::from_keys(warm.scheme(), ns, keys.clone()), node, seq, Waits::Yes).map(drop)
+                }
                 None => Err(Error::InvalidConfig { detail: "a foreign namespace or hash scheme".into() }),
             }
         }

@@ -407,6 +407,15 @@ impl Sink {
         }
     }
 
+    /// [`Sink::ran_prefix`] unless it would wait on the commit thread (`Ok(false)`: nothing
+    /// recorded). A shared head's claim never does: it goes to the stream's outbox.
+    pub(crate) fn try_ran_prefix(&self, prefix: &superfluid_warm::Prefix, node: &str) -> Result<bool, Error> {
+        match self {
+            Sink::Own(warm) => warm.try_ran_prefix(prefix, node),
+            Sink::Shared(shared) => shared.ran_prefix(prefix, node).map(|_| true),
+        }
+    }
+
     /// Closes the file, if this is the last handle on it (`None`: it is not).
     pub(crate) fn close(self) -> Option<Result<(), Error>> {
         match self {

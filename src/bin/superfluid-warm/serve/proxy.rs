@@ -252,8 +252,7 @@ pub(crate) async fn forward(
         Err(e) => return Err((flight, fail("request", e.to_string()))),
     };
     // The first poll writes the request to the engine (on a connection kept open); the claim
-    // (which wakes the claim thread) comes after it: on two cores, the engine's own thread
-    // would otherwise wait behind it.
+    // comes after it, so that the engine starts on the request meanwhile.
     let mut sending = std::pin::pin!(engine.connections.send(&engine.authority, request));
     let first = std::future::poll_fn(|cx| Poll::Ready(sending.as_mut().poll(cx))).await;
     if let Some(prefix) = flight.claim.take() {

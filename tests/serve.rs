@@ -363,7 +363,8 @@ fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
     let dir = common::tempdir();
     let path = common::db_path(&dir);
     let engines = [engine(false), engine(false)];
-    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &[]);
+    // A deadline no busy machine misses, for the claims below.
+    let serve = Serve::start(&path, &[&engines[0], &engines[1]], &["--deadline-ms", "60000"]);
     // The engine that ran it holds it: /v1/route names it, with 640 warm tokens, and the
     // decision's load on it until it is done.
     let route = run_then_route(&serve);
@@ -373,6 +374,11 @@ fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
     assert_eq!(mine["warm_tokens"], 640, "{route}");
     assert_eq!(route["prompt_tokens"], 740);
     assert_eq!(mine["load"]["in_flight"], 1, "{route}");
+    // Both claims were made on their requests' threads (the index took them at once, its reads
+    // in time): none went to the claim thread.
+    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
+    let health: Value = serde_json::from_str(&health).expect("health JSON");
+    assert_eq!(health["claims_handed"], 0, "{health}");
     let (status, _, done) = serve.post("/v1/route/done", &json!({"ticket": route["ticket"], "cached_tokens": 640}));
     assert_eq!(status, 200, "{done}");
     let (status, _, again) = serve.post("/v1/route/done", &json!({"ticket": route["ticket"]}));
@@ -586,6 +592,11 @@ fn after_a_lookup_past_the_deadline_lookups_are_handed_over_and_a_late_answer_go
     let priced = route["engines"].as_array().expect("engines");
     assert_eq!(priced.len(), 2, "{route}");
     assert!(priced.iter().all(|e| e["warm_tokens"] == 0), "a late answer was used: {route}");
+    // Reads being slow, the completion's claim went to the claim thread (the route's answer,
+    // late, gave no prefix to claim).
+    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
+    let health: Value = serde_json::from_str(&health).expect("health JSON");
+    assert_eq!((&health["claims_handed"], &health["claims_dropped"]), (&json!(1), &json!(0)), "{health}");
     let (status, _, err) = serve.stop();
     assert!(status.success(), "{err}");
     assert!(err.contains("a lookup ran past the deadline"), "{err}");

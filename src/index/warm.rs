@@ -42,11 +42,13 @@ use crate::store::records::MAX_CAPACITY;
 use crate::store::writer::Writer;
 use crate::telemetry;
 
-/// Whether a change may wait for the commit thread: for room (back-pressure), for an import, or,
-/// without a commit thread, for its own commit.
+/// Whether a change may wait before it is made: for room while the commit thread is behind
+/// (back-pressure), for an import to end, or, without a commit thread, for its own commit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Waits {
+    /// It waits (every change but a head's claim).
     Yes,
+    /// It is not made where it would wait ([`Changed::WouldWait`]).
     No,
 }
 
@@ -316,14 +318,17 @@ impl Warm {
         self.ran_at(prefix, node, 0, Waits::Yes).map(drop)
     }
 
-    /// [`Warm::ran_prefix`] for a thread that must not wait on the commit thread (a request's):
-    /// `Ok(false)`, recording nothing, where the `ran` would wait for it: the commit thread is
-    /// behind (back-pressure), an import is in progress, or there is no commit thread (a zero
-    /// sync window: the `ran` would commit and sync itself). The caller then hands the `ran` to
-    /// a thread that may wait. It still takes the callers' lock, held only for in-memory work.
+    /// [`Warm::ran_prefix`] for a thread that must not wait on the writer (a request's):
+    /// `Ok(false)`, recording nothing, where the `ran` would wait: the commit thread is behind
+    /// (back-pressure), an import is in progress, or there is no commit thread (a zero sync
+    /// window: the `ran` would commit and sync itself). The caller then hands the `ran` to a
+    /// thread that may wait. Like `ran_prefix`, it reads the prompt's blocks from the last
+    /// commit (from the file when they are not in redb's cache) with no lock held, and takes
+    /// the callers' lock for the change itself.
     ///
     /// # Errors
     /// As [`Warm::ran`].
+    #[must_use = "`Ok(false)` recorded nothing: hand the `ran` to a thread that may wait"]
     pub fn try_ran_prefix(&self, prefix: &Prefix, node: &str) -> Result<bool> {
         self.ran_at(prefix, node, 0, Waits::No)
     }
@@ -337,6 +342,10 @@ impl Warm {
         self.same_scheme(prefix)?;
         if prefix.blocks.is_empty() {
             return Ok(true);
+        }
+        // Not worth the read of the view if it would wait now (`change` looks again).
+        if waits == Waits::No && (self.flusher.is_none() || self.held_back(&*self.front()?)) {
+            return Ok(false);
         }
         let blocks: Arc<[BlockKey]> = prefix.blocks.as_slice().into();
         // The committed view's part, read with no lock held: the whole view only if what the
@@ -419,11 +428,7 @@ impl Warm {
             // Back-pressure: the commit thread is behind (queue) or a commit is (memtable). And
             // an import in progress (with a commit thread; without one, it holds the writer).
             let mut waiting: Option<Instant> = None;
-            while front.importing()
-                || (front.queue().blocks() > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
-                    && self.flusher.is_some()
-                    && front.failed().is_none()
-            {
+            while self.held_back(&front) {
                 if waits == Waits::No {
                     return Ok(Changed::WouldWait);
                 }
@@ -462,6 +467,16 @@ impl Warm {
             Some(mut back) => flush_locked(&self.inner, &mut back, Flush::Commit).map(|()| Changed::Done(out)),
             None => Ok(Changed::Done(out)),
         }
+    }
+
+    /// Whether a change must wait before it is decided: an import is in progress, or the commit
+    /// thread is behind (the queue or the uncommitted bytes past their bound; not while commits
+    /// fail, when the change is refused instead).
+    fn held_back(&self, front: &Front) -> bool {
+        front.importing()
+            || (front.queue().blocks() > MAX_QUEUED_BLOCKS || front.uncommitted_bytes() > MAX_UNCOMMITTED_BYTES)
+                && self.flusher.is_some()
+                && front.failed().is_none()
     }
 
     /// [`Warm::change`] for a change that is always decided (it reads nothing with no lock held).

@@ -420,6 +420,7 @@ fn health(head: &Head) -> Response<Out> {
         &json!({
             "status": if status == StatusCode::OK { "ok" } else { "unavailable" },
             "engines_up": up, "engines": engines, "sharing": sharing,
+            "claims_handed": head.claims_handed.load(Relaxed),
             "claims_dropped": head.claims_dropped.load(Relaxed),
         }),
     )

@@ -46,7 +46,7 @@ use crate::telemetry;
 /// (back-pressure), for an import to end, or, without a commit thread, for its own commit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Waits {
-    /// It waits (every change but a head's claim).
+    /// It waits (every change but a head's claim on its request's thread).
     Yes,
     /// It is not made where it would wait ([`Changed::WouldWait`]).
     No,
@@ -322,9 +322,9 @@ impl Warm {
     /// `Ok(false)`, recording nothing, where the `ran` would wait: the commit thread is behind
     /// (back-pressure), an import is in progress, or there is no commit thread (a zero sync
     /// window: the `ran` would commit and sync itself). The caller then hands the `ran` to a
-    /// thread that may wait. Like `ran_prefix`, it reads the prompt's blocks from the last
-    /// commit (from the file when they are not in redb's cache) with no lock held, and takes
-    /// the callers' lock for the change itself.
+    /// thread that may wait. It looks under the callers' lock whether it would; then, like
+    /// `ran_prefix`, it reads the prompt's blocks from the last commit (from the file when they
+    /// are not in redb's cache) with no lock held, and takes the callers' lock for the change.
     ///
     /// # Errors
     /// As [`Warm::ran`].

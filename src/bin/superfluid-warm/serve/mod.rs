@@ -10,8 +10,9 @@
 //! routed on its start, on the blocking pool, the answer awaited under a deadline; once a lookup
 //! runs past the deadline, lookups go to the blocking pool under it for a while. A claim is made
 //! on its request's thread where the index takes it without waiting (the commit thread writes
-//! it to the file), else by a thread of its own, so that neither a slow disk nor the commit
-//! thread's back-pressure holds a request.
+//! it to the file), else by a thread of its own: the commit thread's back-pressure never holds
+//! a request, and once a read (a lookup's or a claim's) runs past the deadline, claims go to
+//! that thread too for a while.
 
 mod api;
 mod engines;
@@ -177,7 +178,7 @@ pub(crate) struct Head {
     claims: SyncSender<(Prefix, usize)>,
     /// Claims sent to the claim thread and not yet made there.
     claims_queued: Arc<AtomicUsize>,
-    /// Claims handed to the claim thread.
+    /// Claims handed to the claim thread (made there, or dropped when it was behind).
     pub(crate) claims_handed: AtomicU64,
     /// Claims dropped because the claim thread was behind.
     pub(crate) claims_dropped: AtomicU64,
@@ -191,24 +192,38 @@ pub(crate) struct Head {
 
 impl Head {
     /// Claims `prefix` for engine `engine` in the index; never waits on the writer. On this
-    /// thread where the index takes it at once (waking the claim thread for every request was
-    /// ~7% of the head's time under load); else on the claim thread, which may wait: while reads
-    /// are slow ([`Head::lookup_inline`]), while the index would wait or refuses, and while
-    /// claims wait there, so that a claim never overtakes an earlier one.
+    /// thread where the index takes it at once (the claim thread, woken for every request, took
+    /// ~10% of the head's time under load, two thirds of it in task switches); else on the
+    /// claim thread, which may wait: while reads are slow ([`Head::lookup_inline`]; a claim's
+    /// own read counts, as a lookup's), while the index would wait or refuses, and while claims
+    /// wait there, so that a claim never overtakes an earlier one.
     pub(crate) fn claim(&self, prefix: Prefix, engine: usize) {
         if self.claims_queued.load(Ordering::Acquire) == 0
             && self.lookup_inline()
             && let Some(name) = self.engines.get(engine).map(|e| e.name.as_str())
-            && let Ok(true) = self.index.try_ran_prefix(&prefix, name)
         {
-            return;
+            let started = Instant::now();
+            let made = self.index.try_ran_prefix(&prefix, name);
+            self.read_here(started.elapsed(), "claim");
+            if let Ok(true) = made {
+                return;
+            }
         }
         // Counted before it is sent, so that no claim made meanwhile goes before it.
         self.claims_queued.fetch_add(1, Ordering::AcqRel);
         self.claims_handed.fetch_add(1, Ordering::Relaxed);
-        if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = self.claims.try_send((prefix, engine)) {
-            self.claims_queued.fetch_sub(1, Ordering::AcqRel);
-            self.claims_dropped.fetch_add(1, Ordering::Relaxed);
+        match self.claims.try_send((prefix, engine)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                self.claims_queued.fetch_sub(1, Ordering::AcqRel);
+                self.claims_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                // The claim thread is gone (it panicked): nothing waits there any more, and
+                // claims are made here where they can be.
+                self.claims_queued.store(0, Ordering::Release);
+                self.claims_dropped.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 }

@@ -97,16 +97,23 @@ impl Head {
         let started = Instant::now();
         let answer = lookup_now(self, tokens);
         let took = started.elapsed();
+        self.read_here(took, "lookup");
+        (answer, took)
+    }
+
+    /// Notes a read of the index on a request's own thread (`what`: a lookup or a claim) that
+    /// took `took`: past the deadline, lookups go to the blocking pool and claims to the claim
+    /// thread for [`HANDED_OVER_FOR`].
+    pub(crate) fn read_here(&self, took: Duration, what: &str) {
         if took > self.deadline {
             let until = (self.born.elapsed() + HANDED_OVER_FOR).as_micros() as u64;
             self.hand_over_until.store(until, Relaxed);
             tracing::warn!(
                 took_ms = took.as_secs_f64() * 1e3,
-                "a lookup ran past the deadline: lookups go to the blocking pool for {} s",
+                "a {what} ran past the deadline: lookups go to the blocking pool, and claims to the claim thread, for {} s",
                 HANDED_OVER_FOR.as_secs()
             );
         }
-        (answer, took)
     }
 }
 

@@ -379,6 +379,15 @@ fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
     let (_, _, health) = serve.call("GET", "/health", &Value::Null);
     let health: Value = serde_json::from_str(&health).expect("health JSON");
     assert_eq!(health["claims_handed"], 0, "{health}");
+    // A prompt of more than 512 blocks is claimed on the claim thread.
+    let long: Vec<u32> = (0..513 * 64).map(|t| 5 + t % 20_000).collect();
+    let (status, _, routed) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": long}));
+    assert_eq!(status, 200, "{routed}");
+    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
+    let health: Value = serde_json::from_str(&health).expect("health JSON");
+    assert_eq!(health["claims_handed"], 1, "{health}");
+    let (status, _, done) = serve.post("/v1/route/done", &json!({"ticket": routed["ticket"]}));
+    assert_eq!(status, 200, "{done}");
     let (status, _, done) = serve.post("/v1/route/done", &json!({"ticket": route["ticket"], "cached_tokens": 640}));
     assert_eq!(status, 200, "{done}");
     let (status, _, again) = serve.post("/v1/route/done", &json!({"ticket": route["ticket"]}));

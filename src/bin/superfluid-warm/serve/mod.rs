@@ -190,15 +190,22 @@ pub(crate) struct Head {
     pub(crate) stopping: AtomicBool,
 }
 
+/// The most blocks a claim made on its request's thread has (32,768 tokens): a `ran` costs
+/// about a microsecond a block, and while a worker makes it no other thread may be polling the
+/// sockets, so a longer one goes to the claim thread.
+const INLINE_CLAIM_BLOCKS: usize = 512;
+
 impl Head {
     /// Claims `prefix` for engine `engine` in the index; never waits on the writer. On this
     /// thread where the index takes it at once (the claim thread, woken for every request, took
     /// ~10% of the head's time under load, two thirds of it in task switches); else on the
     /// claim thread, which may wait: while reads are slow ([`Head::lookup_inline`]; a claim's
-    /// own read counts, as a lookup's), while the index would wait or refuses, and while claims
-    /// wait there, so that a claim never overtakes an earlier one.
+    /// own read counts, as a lookup's), for a prompt of more than [`INLINE_CLAIM_BLOCKS`], while
+    /// the index would wait or refuses, and while claims wait there, so that a claim never
+    /// overtakes an earlier one.
     pub(crate) fn claim(&self, prefix: Prefix, engine: usize) {
         if self.claims_queued.load(Ordering::Acquire) == 0
+            && prefix.blocks() <= INLINE_CLAIM_BLOCKS
             && self.lookup_inline()
             && let Some(name) = self.engines.get(engine).map(|e| e.name.as_str())
         {

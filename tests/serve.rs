@@ -88,8 +88,7 @@ impl Serve {
         let serve = Serve { child: Reaped(child), addr, stderr: rx };
         // Its listener connects to every engine's events before the test counts on them.
         serve.until(Duration::from_secs(30), "the engines' events connected", |s| {
-            let (_, _, health) = s.call("GET", "/health", &Value::Null);
-            let health: Value = serde_json::from_str(&health).expect("health JSON");
+            let health = s.health();
             health["engines"].as_array().is_some_and(|es| es.iter().all(|e| e["events_up"] == true))
         });
         serve
@@ -97,6 +96,12 @@ impl Serve {
 
     fn call(&self, method: &str, path: &str, body: &Value) -> (u16, HashMap<String, String>, String) {
         http(self.addr, method, path, &if body.is_null() { String::new() } else { body.to_string() })
+    }
+
+    /// `GET /health`'s answer (its text as a string if it is not JSON).
+    fn health(&self) -> Value {
+        let (_, _, text) = self.call("GET", "/health", &Value::Null);
+        serde_json::from_str(&text).unwrap_or(Value::String(text))
     }
 
     fn post(&self, path: &str, body: &Value) -> (u16, HashMap<String, String>, Value) {
@@ -292,8 +297,7 @@ fn a_failing_engine_is_skipped_then_ejected_and_taken_back_when_it_answers_again
         assert_eq!(status, 200, "{answer}");
         assert_eq!(headers["x-superfluid-warm-engine"], "e1");
     }
-    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
-    let health: Value = serde_json::from_str(&health).expect("JSON");
+    let health = serve.health();
     assert_eq!(health["engines"][0]["up"], false, "{health}");
     assert_eq!(health["engines"][1]["up"], true, "{health}");
     serve.until(Duration::from_secs(10), "the failures counted", |_| {
@@ -304,10 +308,7 @@ fn a_failing_engine_is_skipped_then_ejected_and_taken_back_when_it_answers_again
     let mut config = EngineConfig::instant(MODEL, None, 65_536);
     config.ports = ports;
     let _back = OpenAiEngine::start(config).expect("the engine again, on its port");
-    serve.until(Duration::from_secs(20), "the engine back in the choice", |s| {
-        let (_, _, health) = s.call("GET", "/health", &Value::Null);
-        serde_json::from_str::<Value>(&health).is_ok_and(|h| h["engines"][0]["up"] == true)
-    });
+    serve.until(Duration::from_secs(20), "the engine back in the choice", |s| s.health()["engines"][0]["up"] == true);
     // With both gone, a request is refused with the reason.
     drop(survivor);
     drop(_back);
@@ -376,15 +377,13 @@ fn route_decides_without_proxying_and_what_is_not_served_is_refused_clearly() {
     assert_eq!(mine["load"]["in_flight"], 1, "{route}");
     // Both claims were made on their requests' threads (the index took them at once, its reads
     // in time): none went to the claim thread.
-    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
-    let health: Value = serde_json::from_str(&health).expect("health JSON");
+    let health = serve.health();
     assert_eq!(health["claims_handed"], 0, "{health}");
     // A prompt of more than 512 blocks is claimed on the claim thread.
     let long: Vec<u32> = (0..513 * 64).map(|t| 5 + t % 20_000).collect();
     let (status, _, routed) = serve.post("/v1/route", &json!({"model": MODEL, "prompt": long}));
     assert_eq!(status, 200, "{routed}");
-    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
-    let health: Value = serde_json::from_str(&health).expect("health JSON");
+    let health = serve.health();
     assert_eq!(health["claims_handed"], 1, "{health}");
     let (status, _, done) = serve.post("/v1/route/done", &json!({"ticket": routed["ticket"]}));
     assert_eq!(status, 200, "{done}");
@@ -456,10 +455,7 @@ fn a_client_that_goes_away_cancels_the_engines_request_and_its_load() {
     let seen = stream_until(serve.addr, &body, |seen| seen.contains("data: {"));
     assert!(seen.contains(" tok"), "{seen}");
     assert_eq!(engine.running(), 1, "the engine is decoding it");
-    let in_flight = |s: &Serve| {
-        let (_, _, health) = s.call("GET", "/health", &Value::Null);
-        serde_json::from_str::<Value>(&health).ok().and_then(|h| h["engines"][0]["in_flight"].as_u64())
-    };
+    let in_flight = |s: &Serve| s.health()["engines"][0]["in_flight"].as_u64();
     serve.until(Duration::from_secs(10), "the head takes the load off", |s| in_flight(s) == Some(0));
     let started = Instant::now();
     while engine.running() > 0 {
@@ -523,8 +519,7 @@ fn heads_sharing_through_nats_route_a_conversation_alike() {
         // Head b applies a's choice from the stream (the stream holds each head's choices: a's
         // c + 1 and b's c so far), and sends the next turn there.
         b.until(Duration::from_secs(30), "head b applies head a's choice", |b| {
-            let (_, _, health) = b.call("GET", "/health", &Value::Null);
-            let health: Value = serde_json::from_str(&health).unwrap_or_default();
+            let health = b.health();
             health["sharing"]["applied"].as_u64() >= Some(u64::from(2 * c + 1))
         });
         let (status, headers, answer) =
@@ -568,10 +563,7 @@ fn an_engine_back_from_an_ejection_is_priced_cold_until_its_events_speak_again()
     let mut config = EngineConfig::instant(MODEL, None, 65_536);
     config.ports = ports;
     let _again = OpenAiEngine::start(config).expect("the engine again, on its ports");
-    serve.until(Duration::from_secs(20), "the engine back in the choice", |s| {
-        let (_, _, health) = s.call("GET", "/health", &Value::Null);
-        serde_json::from_str::<Value>(&health).is_ok_and(|h| h["engines"][0]["up"] == true)
-    });
+    serve.until(Duration::from_secs(20), "the engine back in the choice", |s| s.health()["engines"][0]["up"] == true);
     // Its first request is predicted cold (the index still holds the old process's blocks),
     // which is what it delivers.
     let (status, predicted, answer) = send(&prompt);
@@ -603,8 +595,7 @@ fn after_a_lookup_past_the_deadline_lookups_are_handed_over_and_a_late_answer_go
     assert!(priced.iter().all(|e| e["warm_tokens"] == 0), "a late answer was used: {route}");
     // Reads being slow, the completion's claim went to the claim thread (the route's answer,
     // late, gave no prefix to claim).
-    let (_, _, health) = serve.call("GET", "/health", &Value::Null);
-    let health: Value = serde_json::from_str(&health).expect("health JSON");
+    let health = serve.health();
     assert_eq!((&health["claims_handed"], &health["claims_dropped"]), (&json!(1), &json!(0)), "{health}");
     let (status, _, err) = serve.stop();
     assert!(status.success(), "{err}");
@@ -725,8 +716,7 @@ fn a_prompt_routed_on_its_start_counts_its_true_length_on_its_engine_once_tokeni
         });
         // Before its first token, the engine it went to counts the whole prompt's prefill ahead.
         serve.until(Duration::from_secs(3), "the true length counted", |s| {
-            let (_, _, health) = s.call("GET", "/health", &Value::Null);
-            let health: Value = serde_json::from_str(&health).expect("JSON");
+            let health = s.health();
             let engines = health["engines"].as_array().cloned().unwrap_or_default();
             engines.iter().any(|e| e["in_flight"] == 1 && e["prefill_tokens"] == whole)
         });

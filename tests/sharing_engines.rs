@@ -115,10 +115,25 @@ fn catch_up(
     rng: &mut Rng,
     conversations: &mut common::Conversations,
 ) -> u64 {
+    let what = "every head to apply every engine's last batch";
+    run_until(what, |engines| caught_up(heads, engines), engines, publishers, rng, conversations)
+}
+
+/// Waits until `done`, the engines running a few more requests (and publishing their batches,
+/// none lost) each second meanwhile: a listener learns of what it missed only from a live
+/// batch. Returns the batches they published so.
+fn run_until(
+    what: &str,
+    mut done: impl FnMut(&[Engine]) -> bool,
+    engines: &mut [Engine],
+    publishers: &[Publisher],
+    rng: &mut Rng,
+    conversations: &mut common::Conversations,
+) -> u64 {
     let mut published = 0;
     let mut poked = Instant::now();
-    wait_until("every head to apply every engine's last batch", || {
-        if caught_up(heads, engines) {
+    wait_until(what, || {
+        if done(engines) {
             return true;
         }
         if poked.elapsed() > Duration::from_secs(1) {
@@ -258,17 +273,10 @@ fn a_killed_bridge_and_a_restarted_server_lose_nothing() {
     let mut published = run_engines(&mut engines, &publishers, 80, 12, &mut rng, &mut conversations);
     // ZMQ's slow joiner: a bridge that subscribes after the engines' last batch (it starts
     // slowly on a loaded machine) hears of none until the next, so the engines run on meanwhile.
-    let mut poked = Instant::now();
-    wait_until("a first batch applied by the heads", || {
-        if heads.iter().all(|h| h.engine_stats().is_ok_and(|s| s.iter().any(|e| e.counts.batches > 10))) {
-            return true;
-        }
-        if poked.elapsed() > Duration::from_secs(1) {
-            published += run_engines(&mut engines, &publishers, 4, u64::MAX, &mut rng, &mut conversations);
-            poked = Instant::now();
-        }
-        false
-    });
+    let first_batch =
+        |_: &[Engine]| heads.iter().all(|h| h.engine_stats().is_ok_and(|s| s.iter().any(|e| e.counts.batches > 10)));
+    let what = "a first batch applied by the heads";
+    published += run_until(what, first_batch, &mut engines, &publishers, &mut rng, &mut conversations);
     child.0.kill().expect("SIGKILL");
     child.0.wait().expect("reaped");
     published += run_engines(&mut engines, &publishers, 40, 12, &mut rng, &mut conversations);
